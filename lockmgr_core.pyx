@@ -1,0 +1,793 @@
+# cython: language_level=3, binding=False
+"""The compiled engine of lockmgr, built as ``lockmgr._core``.
+
+It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, tokens and hand-off rules
+(that file's docstring states the invariants; each is kept here where the same name
+appears). What differs is how state is guarded and how threads sleep.
+
+Guarding state: the table section
+---------------------------------
+Every field of a manager, of its entries and requests, and every token's list of held
+entries is read and written only with the GIL held and with no Python code running in
+between ("the table section"). Keys are hashed before a section starts; a lookup that must
+call a key's ``__eq__`` (Python code, which may let other threads in) re-validates against
+``LockManager.version`` afterwards and restarts if the table changed; a key reference the
+table gives up is dropped (which may run ``__del__``) only after the section ends. This is
+the module's one GIL-dependent rule: a free-threaded build needs one per-manager mutex
+(``PyMutex``) around exactly the code between ``# table section`` and ``# end of table
+section``, and around the token hand-over in ``_ThreadExit``.
+
+Sleeping
+--------
+A waiting thread sleeps on its token's ``wakeup`` lock (CPython's ``PyThread_type_lock``:
+monotonic, interruptible by signals, native on every platform CPython supports) with the GIL
+released; a granting thread posts it with the GIL held. Lock-ordering rule: the only C lock
+any thread blocks on is a wakeup lock, and only its own, without the GIL; posting one takes
+at most CPython's short internal mutex of that lock, whose holder never needs the GIL.
+"""
+
+cimport cython
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
+from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool
+from cpython.pythread cimport (
+    NOWAIT_LOCK,
+    PY_LOCK_ACQUIRED,
+    PyLockStatus,
+    PyThread_acquire_lock,
+    PyThread_allocate_lock,
+    PyThread_free_lock,
+    PyThread_get_thread_ident,
+    PyThread_release_lock,
+    PyThread_tss_create,
+    PyThread_tss_get,
+    PyThread_tss_set,
+    PyThread_type_lock,
+)
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from libc.stdint cimport uint64_t
+
+import threading
+from types import GenericAlias
+
+from lockmgr._common import (
+    HANDOFF_AFTER,
+    MAIN_THREAD_SLICE,
+    PICKLE_ERROR,
+    LockStats,
+    hold_seconds,
+    key_lock_repr,
+    manager_repr,
+    not_owned,
+    restored_count,
+    synchronized,
+    timed_out,
+    wait_seconds,
+)
+
+cdef extern from "Python.h":
+    ctypedef long long PY_TIMEOUT_T
+    const PY_TIMEOUT_T PY_TIMEOUT_MAX
+    PyLockStatus PyThread_acquire_lock_timed(
+        PyThread_type_lock lock, PY_TIMEOUT_T microseconds, int intr_flag) nogil
+    int PyErr_CheckSignals() except -1
+    PyObject *PyThreadState_GetDict()
+
+cdef extern from *:
+    """
+    /* The platform shim: a monotonic clock in seconds (time.monotonic()'s clock). */
+    #if defined(_WIN32)
+    #  ifndef WIN32_LEAN_AND_MEAN
+    #    define WIN32_LEAN_AND_MEAN
+    #  endif
+    #  include <windows.h>
+    static double lockmgr_monotonic(void) {
+        LARGE_INTEGER frequency, now;  /* the frequency is fixed at boot */
+        QueryPerformanceFrequency(&frequency);
+        QueryPerformanceCounter(&now);
+        return (double)now.QuadPart / (double)frequency.QuadPart;
+    }
+    #else
+    #  include <time.h>
+    static double lockmgr_monotonic(void) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
+    }
+    #endif
+    """
+    double lockmgr_monotonic() nogil
+
+
+cdef enum RequestState:
+    WAITING = 0  # queued, asleep or about to sleep
+    WOKEN = 1    # fair=False: the key was freed and this request was told to race for it
+    GRANTED = 2  # the key was handed to this request; its thread owns it now
+
+
+cdef struct Token:
+    unsigned long ident         # threading.get_ident() of its thread, for owner() and reprs
+    bint is_main                # its thread is the main thread, where signal handlers run
+    Entry *held                 # entries it owns in any manager, linked through held_next
+    PyThread_type_lock wakeup   # locked unless a grant or wake is posted; NULL until first wait
+
+
+cdef struct Request:
+    Request *prev        # neighbour towards the head of the entry's queue
+    Request *next        # neighbour towards the tail
+    Token *token         # the waiting thread's token
+    Py_ssize_t count     # recursion level to install when granted
+    RequestState state   # set by the granting/waking thread and by the waiter, table section only
+    double since         # monotonic time it queued (fair=False's hand-off rule)
+
+
+cdef struct Entry:
+    PyObject *key        # strong reference to the key as first given
+    Py_hash_t hash       # hash(key), computed before the table section
+    Entry *bucket_next   # next entry in the same bucket, or in the manager's spare list
+    PyObject *manager    # the LockManager holding this entry (borrowed: it frees its entries)
+    Token *owner         # the owning thread's token; NULL while free
+    Py_ssize_t count     # the owner's recursion level; 0 iff owner is NULL
+    Entry *held_prev     # neighbour in the owner's list of held entries
+    Entry *held_next     # neighbour in the owner's list of held entries
+    Request *head        # oldest waiting request
+    Request *tail        # newest waiting request
+
+
+cdef enum:
+    MIN_BUCKETS = 8  # the table never shrinks below this
+    MAX_SPARE = 16   # freed entries kept for reuse by each manager
+
+cdef double handoff_after = HANDOFF_AFTER
+cdef double main_thread_slice = MAIN_THREAD_SLICE
+cdef object FOREVER = -1  # the default timeout object, so the fast path can test identity
+cdef unsigned long main_ident = threading.main_thread().ident
+
+cdef Py_tss_t token_key  # per thread: that thread's Token*, or NULL before its first use
+if PyThread_tss_create(&token_key) != 0:
+    raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
+
+
+# -- tokens -------------------------------------------------------------------------------
+
+cdef inline Token* current_token() except NULL:
+    cdef Token *token = <Token*>PyThread_tss_get(&token_key)
+    if token is NULL:
+        token = new_token()
+    return token
+
+
+cdef inline Token* existing_token() noexcept:
+    return <Token*>PyThread_tss_get(&token_key)
+
+
+cdef Token* new_token() except NULL:
+    cdef PyObject *state = PyThreadState_GetDict()
+    if state is NULL:
+        raise RuntimeError("lockmgr needs a Python thread state in the calling thread")
+    cdef Token *token = <Token*>PyMem_Calloc(1, sizeof(Token))
+    if token is NULL:
+        raise MemoryError()
+    token.ident = PyThread_get_thread_ident()
+    token.is_main = token.ident == main_ident
+    cdef _ThreadExit guard = _ThreadExit.__new__(_ThreadExit)
+    guard.token = token  # from here on the guard frees the token
+    (<object>state)[_ThreadExit] = guard
+    PyThread_tss_set(&token_key, token)
+    return token
+
+
+@cython.final
+cdef class _ThreadExit:
+    """Sits in its thread's state dict, so CPython destroys it when the thread ends.
+
+    It then releases whatever the thread still holds (waiters are handed those keys as
+    usual) and frees the thread's token. Ownership is the token, so a new thread that is
+    given a recycled ident starts with a new token and never inherits anything.
+    """
+    cdef Token *token  # the token of the thread whose state dict holds this guard
+
+    def __dealloc__(self):
+        cdef Token *token = self.token
+        if token is NULL:
+            return
+        if PyThread_tss_get(&token_key) == token:
+            PyThread_tss_set(&token_key, NULL)
+        retired = release_held(token, NULL)
+        if token.wakeup is not NULL:
+            PyThread_free_lock(token.wakeup)
+        PyMem_Free(token)
+        del retired  # the dropped keys' last references, after the table section
+
+
+cdef list release_held(Token *token, PyObject *manager):
+    """Fully release every entry ``token`` owns (in ``manager`` only, unless it is NULL).
+
+    Returns the keys the tables gave up, to be dropped by the caller after the section.
+    """
+    cdef list retired = []
+    cdef Entry *entry = token.held
+    cdef Entry *following
+    cdef PyObject *key
+    cdef LockManager owner_of_entry
+    # table section
+    while entry is not NULL:
+        following = entry.held_next  # survives: only ``entry`` is unlinked or freed below
+        if manager is NULL or entry.manager == manager:
+            owner_of_entry = <LockManager>entry.manager
+            owner_of_entry._disown(entry)
+            key = owner_of_entry._pass_on(entry)
+            if key is not NULL:
+                retired.append(<object>key)
+                Py_XDECREF(key)
+        entry = following
+    # end of table section
+    return retired
+
+
+cdef PyThread_type_lock new_wakeup() except NULL:
+    cdef PyThread_type_lock wakeup = PyThread_allocate_lock()
+    if wakeup is NULL:
+        raise MemoryError("cannot allocate a wakeup lock")
+    PyThread_acquire_lock(wakeup, NOWAIT_LOCK)  # locked = nothing posted
+    return wakeup
+
+
+cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline, bint is_main) noexcept:
+    """How long the next sleep may last: until ``deadline`` (-1: none), in slices on the main thread."""
+    cdef double seconds = -1.0
+    if deadline >= 0:
+        seconds = deadline - lockmgr_monotonic()
+        if seconds < 0:
+            seconds = 0
+    if is_main and (seconds < 0 or seconds > main_thread_slice):
+        seconds = main_thread_slice
+    if seconds < 0:
+        return -1
+    if seconds * 1e6 >= <double>PY_TIMEOUT_MAX:
+        return PY_TIMEOUT_MAX
+    return <PY_TIMEOUT_T>(seconds * 1e6)
+
+
+# -- the manager --------------------------------------------------------------------------
+
+@cython.final
+cdef class LockManager:
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+    cdef Entry **buckets        # chained hash table of entries; mask + 1 buckets
+    cdef size_t mask            # bucket count - 1 (the count is a power of two)
+    cdef Py_ssize_t entries     # entries in the table: keys held or waited on
+    cdef size_t version         # bumped by every insert and removal (see _find)
+    cdef Entry *spare           # freed entries kept for reuse, linked through bucket_next
+    cdef Py_ssize_t spares      # how many entries ``spare`` holds (at most MAX_SPARE)
+    cdef bint _fair             # strict FIFO hand-off, or eventual fairness
+    cdef Py_ssize_t held        # entries with an owner
+    cdef Py_ssize_t waiting     # requests queued in any entry
+    cdef unsigned long long acquisitions  # successful acquisitions, reentrant ones included
+    cdef unsigned long long contended     # acquisitions that had to wait
+    cdef unsigned long long timeouts      # acquisitions that gave up (try-locks included)
+    cdef unsigned long long deadlocks     # acquisitions refused to avoid a deadlock
+    cdef object __weakref__
+
+    def __cinit__(self, *, fair=True):
+        self.buckets = <Entry**>PyMem_Calloc(MIN_BUCKETS, sizeof(Entry*))
+        if self.buckets is NULL:
+            raise MemoryError()
+        self.mask = MIN_BUCKETS - 1
+        self._fair = bool(fair)
+
+    def __dealloc__(self):
+        # Nobody can wait here (a waiter's call keeps the manager alive), but keys may be
+        # held: unlink every entry from its owner's list first, then drop the keys.
+        cdef Entry *entry
+        cdef Entry *following
+        cdef size_t i
+        if self.buckets is NULL:  # __cinit__ failed before allocating anything
+            return
+        for i in range(self.mask + 1):
+            entry = self.buckets[i]
+            while entry is not NULL:
+                if entry.owner is not NULL:
+                    self._disown(entry)
+                entry = entry.bucket_next
+        for i in range(self.mask + 1):
+            entry = self.buckets[i]
+            while entry is not NULL:
+                following = entry.bucket_next
+                Py_XDECREF(entry.key)
+                PyMem_Free(entry)
+                entry = following
+        PyMem_Free(self.buckets)
+        while self.spare is not NULL:
+            entry = self.spare
+            self.spare = entry.bucket_next
+            PyMem_Free(entry)
+
+    __class_getitem__ = classmethod(GenericAlias)
+
+    @property
+    def fair(self):
+        """True for strict FIFO hand-off, False for eventual fairness."""
+        return self._fair
+
+    def __repr__(self):
+        return manager_repr(self, self._fair, self.held, self.waiting)
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+    def __sizeof__(self):
+        return (sizeof(LockManager) + (self.mask + 1) * sizeof(Entry*)
+                + (self.entries + self.spares) * sizeof(Entry))
+
+    # -- acquiring and releasing ----------------------------------------------------------
+
+    def acquire(self, key, blocking=True, timeout=FOREVER):
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire(key, hash(key), seconds, 1)
+
+    def release(self, key):
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        self._release(key, hash(key))
+
+    def hold(self, key, timeout=None):
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        cdef double seconds = hold_seconds(timeout)
+        cdef KeyLock view = self._view(key)
+        view.seconds = seconds
+        return view
+
+    def __getitem__(self, key):
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return self._view(key)
+
+    def release_all(self):
+        """Release every key of this manager the calling thread holds, all levels; returns how many."""
+        cdef Token *token = existing_token()
+        if token is NULL:
+            return 0
+        return len(release_held(token, <PyObject*>self))
+
+    def synchronized(self, key_func):
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        return synchronized(self, key_func)
+
+    # -- introspection --------------------------------------------------------------------
+
+    def locked(self, key):
+        """Whether any thread holds ``key``."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and entry.owner is not NULL
+
+    def owned(self, key):
+        """Whether the calling thread holds ``key``."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and entry.owner is not NULL and entry.owner == existing_token()
+
+    def owner(self, key):
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def recursion_count(self, key):
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        if entry is NULL or entry.owner is NULL or entry.owner != existing_token():
+            return 0
+        return entry.count
+
+    def __len__(self):
+        """Keys currently held."""
+        return self.held
+
+    def __contains__(self, key):
+        """Whether ``key`` is currently held (by any thread)."""
+        return self.locked(key)
+
+    def stats(self):
+        """A snapshot of this manager's counters."""
+        return LockStats(
+            held=self.held,
+            waiting=self.waiting,
+            acquisitions=self.acquisitions,
+            contended=self.contended,
+            timeouts=self.timeouts,
+            deadlocks=self.deadlocks,
+        )
+
+    def _owner_and_count(self, key):
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        if entry is NULL or entry.owner is NULL:
+            return None, 0
+        return entry.owner.ident, entry.count
+
+    # -- what threading.Condition uses ----------------------------------------------------
+
+    def _release_save(self, key):
+        return self._release_fully(key, hash(key))
+
+    def _acquire_restore(self, key, state):
+        self._acquire(key, hash(key), -1.0, restored_count(state))
+
+    # -- the engine -----------------------------------------------------------------------
+
+    cdef KeyLock _view(self, key):
+        cdef KeyLock view = KeyLock.__new__(KeyLock)
+        view.hash = hash(key)
+        view.manager = self
+        view.key = key
+        view.seconds = -1.0
+        return view
+
+    cdef bint _acquire(self, object key, Py_hash_t h, double seconds, Py_ssize_t count) except -1:
+        """Acquire ``count`` levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+        cdef Token *token = current_token()
+        cdef Entry *entry
+        self._find(key, h, &entry)
+        # table section
+        if entry is NULL:
+            entry = self._insert(key, h)
+            self._own(entry, token, count)
+            return True
+        if entry.owner == token:
+            entry.count += count
+            self.acquisitions += 1
+            return True
+        if entry.owner is NULL:  # fair=False only: the woken head has not run yet
+            self._own(entry, token, count)
+            return True
+        if seconds == 0:
+            self.timeouts += 1
+            return False
+        return self._wait(entry, token, seconds, count)
+
+    cdef int _release(self, object key, Py_hash_t h) except -1:
+        cdef Token *token = existing_token()
+        cdef Entry *entry
+        cdef PyObject *retired
+        self._find(key, h, &entry)
+        # table section
+        if entry is NULL or token is NULL or entry.owner != token:
+            raise not_owned(key)
+        entry.count -= 1
+        if entry.count:
+            return 0
+        self._disown(entry)
+        retired = self._pass_on(entry)
+        # end of table section
+        Py_XDECREF(retired)
+        return 0
+
+    cdef tuple _release_fully(self, object key, Py_hash_t h):
+        cdef Token *token = existing_token()
+        cdef Entry *entry
+        cdef PyObject *retired
+        self._find(key, h, &entry)
+        # table section
+        if entry is NULL or token is NULL or entry.owner != token:
+            raise not_owned(key)
+        saved = (entry.count, token.ident)
+        self._disown(entry)
+        retired = self._pass_on(entry)
+        # end of table section
+        Py_XDECREF(retired)
+        return saved
+
+    cdef bint _wait(self, Entry *entry, Token *token, double seconds, Py_ssize_t count) except -1:
+        """Queue a request on ``entry`` and sleep until it is granted or time runs out."""
+        cdef Request request
+        cdef double deadline = -1.0
+        cdef PY_TIMEOUT_T microseconds
+        cdef PyLockStatus status
+        cdef PyObject *retired = NULL
+        if token.wakeup is NULL:
+            token.wakeup = new_wakeup()
+        request.token = token
+        request.count = count
+        request.state = WAITING
+        request.since = lockmgr_monotonic()
+        if seconds > 0:
+            deadline = request.since + seconds
+        self._enqueue(entry, &request)
+        # end of table section
+        try:
+            while True:
+                microseconds = sleep_microseconds(deadline, token.is_main)
+                with nogil:
+                    status = PyThread_acquire_lock_timed(token.wakeup, microseconds, 1)
+                # table section
+                if request.state != WAITING:
+                    if status != PY_LOCK_ACQUIRED:
+                        PyThread_acquire_lock(token.wakeup, NOWAIT_LOCK)  # consume the post
+                    if request.state == WOKEN:
+                        if entry.owner is NULL:
+                            self._dequeue(entry, &request)
+                            self._own(entry, token, request.count)
+                            request.state = GRANTED
+                        else:
+                            request.state = WAITING  # overtaken: sleep again at the head
+                # end of table section
+                PyErr_CheckSignals()  # handlers run here; one that raises ends the wait
+                if request.state == GRANTED:
+                    self.contended += 1
+                    return True
+                if deadline >= 0 and lockmgr_monotonic() >= deadline:
+                    # table section
+                    self._dequeue(entry, &request)
+                    if entry.owner is NULL:
+                        retired = self._pass_on(entry)
+                    self.timeouts += 1
+                    # end of table section
+                    Py_XDECREF(retired)
+                    return False
+        except BaseException:
+            retired = self._give_up(entry, &request)
+            Py_XDECREF(retired)
+            raise
+
+    cdef PyObject* _give_up(self, Entry *entry, Request *request) noexcept:
+        """An exception ends the wait: undo the request, passing on a grant that raced it."""
+        # table section (to the end of this function)
+        if request.state == GRANTED:  # only this thread can release what it was granted
+            self.acquisitions -= 1
+            self._disown(entry)
+            return self._pass_on(entry)
+        PyThread_acquire_lock(request.token.wakeup, NOWAIT_LOCK)  # consume a post that raced us
+        self._dequeue(entry, request)
+        if entry.owner is NULL:
+            return self._pass_on(entry)
+        return NULL
+
+    cdef PyObject* _pass_on(self, Entry *entry) noexcept:
+        """``entry`` just lost its owner: grant or wake its head request, or drop the entry.
+
+        Returns the key reference the table gave up (the caller drops it after the
+        section), or NULL.
+        """
+        cdef Request *head = entry.head
+        if head is NULL:
+            return self._remove(entry)
+        if head.state != WAITING:
+            return NULL  # already woken and on its way
+        if self._fair or lockmgr_monotonic() - head.since >= handoff_after:
+            self._dequeue(entry, head)
+            self._own(entry, head.token, head.count)
+            head.state = GRANTED
+        else:
+            head.state = WOKEN
+        PyThread_release_lock(head.token.wakeup)
+        return NULL
+
+    cdef inline void _own(self, Entry *entry, Token *token, Py_ssize_t count) noexcept:
+        entry.owner = token
+        entry.count = count
+        entry.held_prev = NULL
+        entry.held_next = token.held
+        if token.held is not NULL:
+            token.held.held_prev = entry
+        token.held = entry
+        self.held += 1
+        self.acquisitions += 1
+
+    cdef inline void _disown(self, Entry *entry) noexcept:
+        if entry.held_prev is not NULL:
+            entry.held_prev.held_next = entry.held_next
+        else:
+            entry.owner.held = entry.held_next
+        if entry.held_next is not NULL:
+            entry.held_next.held_prev = entry.held_prev
+        entry.owner = NULL
+        entry.count = 0
+        self.held -= 1
+
+    cdef inline void _enqueue(self, Entry *entry, Request *request) noexcept:
+        request.next = NULL
+        request.prev = entry.tail
+        if entry.tail is not NULL:
+            entry.tail.next = request
+        else:
+            entry.head = request
+        entry.tail = request
+        self.waiting += 1
+
+    cdef inline void _dequeue(self, Entry *entry, Request *request) noexcept:
+        if request.prev is not NULL:
+            request.prev.next = request.next
+        else:
+            entry.head = request.next
+        if request.next is not NULL:
+            request.next.prev = request.prev
+        else:
+            entry.tail = request.prev
+        self.waiting -= 1
+
+    # -- the table ------------------------------------------------------------------------
+
+    cdef inline size_t _bucket(self, Py_hash_t h) noexcept:
+        cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL  # spread ints' low bits
+        return <size_t>(mixed ^ (mixed >> 32)) & self.mask
+
+    cdef int _find(self, object key, Py_hash_t h, Entry **found) except -1:
+        """Point ``found`` at the entry for ``key`` (hashed to ``h``), or at NULL.
+
+        Comparing keys may run Python code that lets other threads change the table; the
+        lookup then starts again, so what it returns was in the table when it returned.
+        """
+        cdef Entry *entry
+        cdef size_t version
+        cdef int equal
+        cdef object stored
+        while True:
+            entry = self.buckets[self._bucket(h)]
+            while entry is not NULL:
+                if entry.hash == h:
+                    if entry.key == <PyObject*>key:
+                        found[0] = entry
+                        return 0
+                    version = self.version
+                    stored = <object>entry.key  # keeps the key alive while __eq__ runs
+                    equal = PyObject_RichCompareBool(stored, key, Py_EQ)
+                    stored = None  # may run __del__: before the version check, not after
+                    if self.version != version:
+                        break
+                    if equal:
+                        found[0] = entry
+                        return 0
+                entry = entry.bucket_next
+            else:
+                found[0] = NULL
+                return 0
+
+    cdef Entry* _insert(self, object key, Py_hash_t h) except NULL:
+        cdef Entry *entry = self.spare
+        cdef Entry **bucket
+        if entry is not NULL:
+            self.spare = entry.bucket_next
+            self.spares -= 1
+        else:
+            entry = <Entry*>PyMem_Malloc(sizeof(Entry))
+            if entry is NULL:
+                raise MemoryError()
+        Py_INCREF(key)
+        entry.key = <PyObject*>key
+        entry.hash = h
+        entry.manager = <PyObject*>self
+        entry.owner = NULL
+        entry.count = 0
+        entry.held_prev = NULL
+        entry.held_next = NULL
+        entry.head = NULL
+        entry.tail = NULL
+        bucket = &self.buckets[self._bucket(h)]
+        entry.bucket_next = bucket[0]
+        bucket[0] = entry
+        self.entries += 1
+        self.version += 1
+        if <size_t>self.entries > self.mask + 1:
+            self._resize((self.mask + 1) * 2)
+        return entry
+
+    cdef PyObject* _remove(self, Entry *entry) noexcept:
+        """Unlink and free ``entry``; returns its key reference for the caller to drop."""
+        cdef Entry **link = &self.buckets[self._bucket(entry.hash)]
+        cdef PyObject *key = entry.key
+        while link[0] != entry:
+            link = &link[0].bucket_next
+        link[0] = entry.bucket_next
+        self.entries -= 1
+        self.version += 1
+        if self.spares < MAX_SPARE:
+            entry.bucket_next = self.spare
+            self.spare = entry
+            self.spares += 1
+        else:
+            PyMem_Free(entry)
+        if self.mask + 1 > MIN_BUCKETS and <size_t>self.entries * 4 < self.mask + 1:
+            self._resize((self.mask + 1) // 2)
+        return key
+
+    cdef void _resize(self, size_t buckets) noexcept:
+        """Rehash into ``buckets`` buckets; if memory is short, keep the current ones."""
+        cdef Entry **fresh = <Entry**>PyMem_Calloc(buckets, sizeof(Entry*))
+        cdef Entry *entry
+        cdef Entry *following
+        cdef size_t i
+        if fresh is NULL:
+            return
+        cdef Entry **old = self.buckets
+        cdef size_t old_count = self.mask + 1
+        self.buckets = fresh
+        self.mask = buckets - 1
+        for i in range(old_count):
+            entry = old[i]
+            while entry is not NULL:
+                following = entry.bucket_next
+                entry.bucket_next = fresh[self._bucket(entry.hash)]
+                fresh[self._bucket(entry.hash)] = entry
+                entry = following
+        PyMem_Free(old)
+
+
+@cython.final
+@cython.freelist(16)
+cdef class KeyLock:
+    """One key of a manager seen as a ``threading.RLock``.
+
+    Views are cheap and not cached: two views of one key of one manager are the same lock
+    (and compare equal). A view keeps its manager alive; the manager does not keep views.
+    """
+    cdef readonly LockManager manager  # the manager whose key this is
+    cdef readonly object key           # the key
+    cdef Py_hash_t hash                # hash(key), computed when the view was made
+    cdef double seconds                # how long ``with`` waits: -1 forever (hold() sets it)
+    cdef object __weakref__
+
+    def __init__(self, LockManager manager not None, key):
+        self.hash = hash(key)
+        self.manager = manager
+        self.key = key
+        self.seconds = -1.0
+
+    __class_getitem__ = classmethod(GenericAlias)
+
+    def acquire(self, blocking=True, timeout=FOREVER):
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self.manager._acquire(self.key, self.hash, seconds, 1)
+
+    def release(self):
+        self.manager._release(self.key, self.hash)
+
+    def locked(self):
+        return self.manager.locked(self.key)
+
+    def __enter__(self):
+        if not self.manager._acquire(self.key, self.hash, self.seconds, 1):
+            raise timed_out(self.key, self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.manager._release(self.key, self.hash)
+
+    def _is_owned(self):
+        return self.manager.owned(self.key)
+
+    def _release_save(self):
+        return self.manager._release_fully(self.key, self.hash)
+
+    def _acquire_restore(self, state):
+        self.manager._acquire(self.key, self.hash, -1.0, restored_count(state))
+
+    def _recursion_count(self):
+        return self.manager.recursion_count(self.key)
+
+    def __eq__(self, other):
+        if not isinstance(other, KeyLock):
+            return NotImplemented
+        return self.manager is (<KeyLock>other).manager and bool(self.key == (<KeyLock>other).key)
+
+    def __hash__(self):
+        return hash((id(self.manager), self.key))
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self):
+        owner, count = self.manager._owner_and_count(self.key)
+        return key_lock_repr(self, self.key, owner, count)

@@ -1,0 +1,179 @@
+"""What the compiled core and the pure twin share: errors, the stats record, argument rules.
+
+Both implementations call these helpers off their fast paths, so each rule is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import operator
+import reprlib
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+__all__ = [
+    "HANDOFF_AFTER",
+    "MAIN_THREAD_SLICE",
+    "DeadlockError",
+    "LockError",
+    "LockStats",
+    "LockTimeout",
+    "NotOwnedError",
+    "PICKLE_ERROR",
+    "hold_seconds",
+    "key_lock_repr",
+    "manager_repr",
+    "not_owned",
+    "restored_count",
+    "synchronized",
+    "timed_out",
+    "wait_seconds",
+]
+
+#: In ``fair=False`` mode a waiter that has queued this long (seconds) is handed the key
+#: directly instead of racing newcomers for it (CPython's and parking_lot's rule).
+HANDOFF_AFTER = 0.001
+
+#: The main thread waits in slices this long (seconds) so that Python signal handlers run
+#: promptly even when the signal was delivered to another thread.
+MAIN_THREAD_SLICE = 0.05
+
+_short = reprlib.Repr()
+_short.maxstring = 60
+_short.maxother = 60
+
+
+class LockError(Exception):
+    """Base class of every error lockmgr raises."""
+
+
+class LockTimeout(LockError, TimeoutError):
+    """A key could not be acquired within the timeout."""
+
+
+class NotOwnedError(LockError, RuntimeError):
+    """The calling thread released (or asked to give up) a key it does not hold."""
+
+
+class DeadlockError(LockError, RuntimeError):
+    """Waiting for a key would close a cycle of threads waiting for each other."""
+
+
+@dataclass(frozen=True)
+class LockStats:
+    """A snapshot of a manager's counters (each read at one instant, under the table guard)."""
+
+    held: int
+    """Keys currently held."""
+    waiting: int
+    """Requests currently waiting in a queue."""
+    acquisitions: int
+    """Successful acquisitions, reentrant ones included."""
+    contended: int
+    """Acquisitions that had to wait."""
+    timeouts: int
+    """Acquisitions that gave up: timed out, or a try-lock that found the key taken."""
+    deadlocks: int
+    """Acquisitions refused because waiting would have deadlocked."""
+
+
+def wait_seconds(blocking: object, timeout: object) -> float:
+    """Seconds to wait, under ``threading.Lock.acquire``'s argument rules.
+
+    Returns -1.0 for "wait forever" and 0.0 for "try once". Raises the same exception
+    types as ``threading.Lock.acquire`` for the same bad arguments.
+    """
+    if isinstance(timeout, float):
+        if math.isnan(timeout):
+            raise ValueError("timeout must not be NaN")
+        seconds = timeout
+    else:
+        seconds = float(operator.index(timeout))  # type: ignore[call-overload]
+    if not blocking:
+        if seconds != -1:
+            raise ValueError("can't specify a timeout for a non-blocking call")
+        return 0.0
+    if seconds == -1:
+        return -1.0
+    if seconds < 0:
+        raise ValueError("timeout value must be a non-negative number or -1")
+    if seconds > threading.TIMEOUT_MAX:
+        raise OverflowError("timeout value is too large")
+    return seconds
+
+
+def hold_seconds(timeout: float | None) -> float:
+    """Seconds to wait for a ``hold()``: None or -1 wait forever, 0 tries once."""
+    if timeout is None:
+        return -1.0
+    return wait_seconds(True, timeout)
+
+
+def not_owned(key: object) -> NotOwnedError:
+    return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
+
+
+def timed_out(key: object, seconds: float) -> LockTimeout:
+    return LockTimeout(f"key {_short.repr(key)} not acquired within {seconds:g} s")
+
+
+def restored_count(state: tuple[int, int]) -> int:
+    """The recursion level in a ``_release_save()`` state, checked before anything changes."""
+    count = operator.index(state[0])
+    if count < 1:
+        raise ValueError(f"invalid saved recursion count {count!r}")
+    return count
+
+
+def manager_repr(manager: object, fair: bool, held: int, waiting: int) -> str:
+    return (
+        f"<lockmgr.LockManager fair={fair} held={held} waiting={waiting} "
+        f"at {id(manager):#x}>"
+    )
+
+
+def key_lock_repr(view: object, key: object, owner: int | None, count: int) -> str:
+    state = "unlocked" if owner is None else "locked"
+    return (
+        f"<{state} lockmgr.KeyLock object key={_short.repr(key)} "
+        f"owner={owner or 0} count={count} at {id(view):#x}>"
+    )
+
+
+PICKLE_ERROR = "lock managers and their views cannot be pickled: locks belong to one process"
+
+
+class _Holder(Protocol):
+    def hold(self, key: Any, timeout: float | None = None) -> AbstractContextManager[bool]: ...
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def synchronized(manager: _Holder, key_func: Callable[..., Hashable]) -> Callable[[F], F]:
+    """Decorator factory behind ``LockManager.synchronized``."""
+    if not callable(key_func):
+        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+
+    def decorate(func: F) -> F:
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(
+                "synchronized() holds a thread lock across the call; it cannot wrap "
+                f"the coroutine function {func.__qualname__}"
+            )
+
+        @functools.wraps(func)
+        def locked_call(*args: Any, **kwargs: Any) -> Any:
+            with manager.hold(key_func(*args, **kwargs)):
+                return func(*args, **kwargs)
+
+        return locked_call  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,482 @@
+"""The pure-Python twin of ``lockmgr._core``: the same engine, the same semantics.
+
+It is the reference the compiled core is tested against, the fallback where no compiled
+core is available (PyPy, no compiler), and what type checkers read.
+
+Engine in one paragraph (the compiled core follows it line for line): a manager keeps a
+table of *entries*, one per key that is held or waited on. An entry has an owner (a
+per-thread *token*, never the integer ident), the owner's recursion count, and a FIFO
+queue of *requests*. A request belongs to one waiting thread, which sleeps on its token's
+``wakeup`` lock. Releasing a key with waiters either grants it to the head request
+(strict FIFO: the head becomes the owner before ``release`` returns) or, in ``fair=False``
+mode while the head has waited less than ``HANDOFF_AFTER``, frees it and wakes the head to
+race for it. Every table, entry, request and token field is guarded by ``_mutex``.
+
+Invariants (kept under ``_mutex``):
+- an entry is in the table iff it has an owner or a queued request;
+- ``entry.count > 0`` iff ``entry.owner is not None``;
+- fair mode: an entry without owner has an empty queue (release hands off directly);
+- an entry without owner but with a queue has a WOKEN head, on its way to take the key;
+- a token's ``wakeup`` lock is released (posted) only on a request's WAITING -> WOKEN or
+  WAITING -> GRANTED transition, and the waiter consumes that post before its request
+  goes back to WAITING or leaves the queue, so the lock acts as a binary semaphore.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+import weakref
+from collections import deque
+from collections.abc import Hashable
+from typing import Any, Generic, TypeVar
+
+from ._common import (
+    HANDOFF_AFTER,
+    MAIN_THREAD_SLICE,
+    PICKLE_ERROR,
+    LockStats,
+    hold_seconds,
+    key_lock_repr,
+    manager_repr,
+    not_owned,
+    restored_count,
+    synchronized,
+    timed_out,
+    wait_seconds,
+)
+
+__all__ = ["KeyLock", "LockManager"]
+
+K = TypeVar("K", bound=Hashable)
+
+_WAITING = 0  # queued, asleep or about to sleep
+_WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
+_GRANTED = 2  # the key was handed to this request; its thread owns it now
+
+
+class _Token:
+    """The identity of one thread towards every manager; ownership means this object."""
+
+    __slots__ = ("held", "ident", "is_main", "wakeup", "__weakref__")
+
+    def __init__(self) -> None:
+        self.ident = threading.get_ident()
+        self.is_main = threading.current_thread() is threading.main_thread()
+        self.held: dict[_Entry, weakref.ref[LockManager[Any]]] = {}  # entries owned -> manager
+        self.wakeup = threading.Lock()  # held except while a grant/wake is posted
+        self.wakeup.acquire()
+
+    def __del__(self) -> None:
+        # The thread ended (its thread-local storage was cleared) while still owning keys:
+        # release them so that waiters get them and nothing stays locked forever.
+        for entry, manager_ref in list(self.held.items()):
+            manager = manager_ref()
+            if manager is not None:
+                manager._release_abandoned(entry, self)
+
+
+_local = threading.local()
+
+
+def _current_token() -> _Token:
+    try:
+        token: _Token = _local.token
+    except AttributeError:
+        token = _local.token = _Token()
+    return token
+
+
+def _existing_token() -> _Token | None:
+    token: _Token | None = getattr(_local, "token", None)
+    return token
+
+
+class _Request:
+    __slots__ = ("count", "since", "state", "token")
+
+    def __init__(self, token: _Token, count: int) -> None:
+        self.token = token  # the waiting thread
+        self.count = count  # recursion level to install when granted
+        self.state = _WAITING
+        self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
+
+
+class _Entry:
+    __slots__ = ("count", "key", "owner", "queue")
+
+    def __init__(self, key: Hashable) -> None:
+        self.key = key  # the key as first given
+        self.owner: _Token | None = None
+        self.count = 0  # the owner's recursion level
+        self.queue: deque[_Request] = deque()  # waiting requests, oldest first
+
+
+class LockManager(Generic[K]):
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    __slots__ = (
+        "_acquisitions",
+        "_contended",
+        "_deadlocks",
+        "_fair",
+        "_held",
+        "_mutex",
+        "_ref",
+        "_table",
+        "_timeouts",
+        "_waiting",
+        "__weakref__",
+    )
+
+    def __init__(self, *, fair: bool = True) -> None:
+        self._fair = bool(fair)
+        self._mutex = threading.Lock()  # guards everything below and every entry and request
+        self._table: dict[Hashable, _Entry] = {}
+        self._ref = weakref.ref(self)  # what tokens keep: they must not keep the manager alive
+        self._held = 0
+        self._waiting = 0
+        self._acquisitions = 0
+        self._contended = 0
+        self._timeouts = 0
+        self._deadlocks = 0
+
+    __class_getitem__ = classmethod(types.GenericAlias)
+
+    def __del__(self) -> None:
+        # Nobody waits here (a waiter's call keeps the manager alive), but keys may be held.
+        for entry in getattr(self, "_table", {}).values():  # __init__ may have failed
+            if entry.owner is not None:
+                entry.owner.held.pop(entry, None)
+
+    @property
+    def fair(self) -> bool:
+        """True for strict FIFO hand-off, False for eventual fairness (see the class doc)."""
+        return self._fair
+
+    def __repr__(self) -> str:
+        return manager_repr(self, self._fair, self._held, self._waiting)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_ERROR)
+
+    # -- acquiring and releasing -----------------------------------------------------------
+
+    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        return self._acquire(key, wait_seconds(blocking, timeout), 1)
+
+    def release(self, key: K) -> None:
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                raise not_owned(key)
+            entry.count -= 1
+            if entry.count == 0:
+                self._disown(entry)
+                self._pass_on(entry)
+
+    def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        seconds = hold_seconds(timeout)
+        view = KeyLock(self, key)
+        view._seconds = seconds
+        return view
+
+    def __getitem__(self, key: K) -> KeyLock[K]:
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return KeyLock(self, key)
+
+    def release_all(self) -> int:
+        """Release every key of this manager the calling thread holds, all levels; returns how many."""
+        token = _existing_token()
+        if token is None:
+            return 0
+        with self._mutex:
+            mine = [entry for entry, manager in token.held.items() if manager is self._ref]
+            for entry in mine:
+                self._disown(entry)
+                self._pass_on(entry)
+        return len(mine)
+
+    def synchronized(self, key_func: Any) -> Any:
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        return synchronized(self, key_func)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def locked(self, key: K) -> bool:
+        """Whether any thread holds ``key``."""
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and entry.owner is not None
+
+    def owned(self, key: K) -> bool:
+        """Whether the calling thread holds ``key``."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and token is not None and entry.owner is token
+
+    def owner(self, key: K) -> int | None:
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def _owner_and_count(self, key: K) -> tuple[int | None, int]:
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or entry.owner is None:
+                return None, 0
+            return entry.owner.ident, entry.count
+
+    def recursion_count(self, key: K) -> int:
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                return 0
+            return entry.count
+
+    def __len__(self) -> int:
+        """Keys currently held."""
+        return self._held
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is currently held (by any thread)."""
+        with self._mutex:
+            entry = self._table.get(key)  # type: ignore[call-overload]
+            return entry is not None and entry.owner is not None
+
+    def stats(self) -> LockStats:
+        """A snapshot of this manager's counters."""
+        with self._mutex:
+            return LockStats(
+                held=self._held,
+                waiting=self._waiting,
+                acquisitions=self._acquisitions,
+                contended=self._contended,
+                timeouts=self._timeouts,
+                deadlocks=self._deadlocks,
+            )
+
+    # -- what threading.Condition uses -----------------------------------------------------
+
+    def _release_save(self, key: K) -> tuple[int, int]:
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                raise not_owned(key)
+            saved = (entry.count, token.ident)
+            self._disown(entry)
+            self._pass_on(entry)
+            return saved
+
+    def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
+        self._acquire(key, -1.0, restored_count(state))
+
+    # -- the engine (everything below runs under _mutex unless it says otherwise) -----------
+
+    def _acquire(self, key: K, seconds: float, count: int) -> bool:
+        """Acquire ``count`` levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+        token = _current_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None:
+                entry = self._table[key] = _Entry(key)
+                self._own(entry, token, count)
+                return True
+            if entry.owner is token:
+                entry.count += count
+                self._acquisitions += 1
+                return True
+            if entry.owner is None:  # fair=False only: the woken head has not run yet
+                self._own(entry, token, count)
+                return True
+            if seconds == 0:
+                self._timeouts += 1
+                return False
+            request = _Request(token, count)
+            entry.queue.append(request)
+            self._waiting += 1
+        return self._wait(entry, request, seconds)
+
+    def _wait(self, entry: _Entry, request: _Request, seconds: float) -> bool:
+        """Sleep until ``request`` is granted or its time runs out. Called without _mutex."""
+        deadline = None if seconds < 0 else request.since + seconds
+        wakeup = request.token.wakeup
+        slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0
+        try:
+            while True:
+                if deadline is None:
+                    remaining = slice_
+                else:
+                    remaining = max(0.0, deadline - time.monotonic())
+                    if slice_ > 0:
+                        remaining = min(remaining, slice_)
+                # Signal handlers run inside this acquire (main thread) and may raise.
+                posted = wakeup.acquire(timeout=remaining)
+                with self._mutex:
+                    if request.state != _WAITING:
+                        if not posted:
+                            wakeup.acquire(blocking=False)  # consume the post
+                        if request.state == _WOKEN:
+                            if entry.owner is None:
+                                self._leave_queue(entry, request)
+                                self._own(entry, request.token, request.count)
+                                request.state = _GRANTED
+                            else:
+                                request.state = _WAITING  # overtaken: sleep again at the head
+                        if request.state == _GRANTED:
+                            self._contended += 1
+                            return True
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self._leave_queue(entry, request)
+                        if entry.owner is None:
+                            self._pass_on(entry)
+                        self._timeouts += 1
+                        return False
+        except BaseException:
+            with self._mutex:
+                self._give_up(entry, request)
+            raise
+
+    def _give_up(self, entry: _Entry, request: _Request) -> None:
+        """An exception ends the wait: undo the request, passing on a grant that raced it."""
+        if request.state == _GRANTED:  # only this thread can release what it was granted
+            self._acquisitions -= 1
+            self._disown(entry)
+            self._pass_on(entry)
+        else:
+            request.token.wakeup.acquire(blocking=False)  # consume a post that raced us
+            self._leave_queue(entry, request)
+            if entry.owner is None:
+                self._pass_on(entry)
+
+    def _own(self, entry: _Entry, token: _Token, count: int) -> None:
+        entry.owner = token
+        entry.count = count
+        token.held[entry] = self._ref
+        self._held += 1
+        self._acquisitions += 1
+
+    def _disown(self, entry: _Entry) -> None:
+        owner = entry.owner
+        assert owner is not None
+        del owner.held[entry]
+        entry.owner = None
+        entry.count = 0
+        self._held -= 1
+
+    def _leave_queue(self, entry: _Entry, request: _Request) -> None:
+        entry.queue.remove(request)
+        self._waiting -= 1
+
+    def _pass_on(self, entry: _Entry) -> None:
+        """``entry`` just lost its owner: grant or wake the head request, or drop the entry."""
+        if not entry.queue:
+            del self._table[entry.key]
+            return
+        head = entry.queue[0]
+        if head.state != _WAITING:
+            return  # already woken and on its way
+        if self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:
+            entry.queue.popleft()
+            self._waiting -= 1
+            self._own(entry, head.token, head.count)
+            head.state = _GRANTED
+        else:
+            head.state = _WOKEN
+        head.token.wakeup.release()
+
+    def _release_abandoned(self, entry: _Entry, token: _Token) -> None:
+        """Release a key whose owning thread has ended (called from the token's finalizer)."""
+        with self._mutex:
+            if entry.owner is token:
+                self._disown(entry)
+                self._pass_on(entry)
+
+
+class KeyLock(Generic[K]):
+    """One key of a manager seen as a ``threading.RLock``.
+
+    Views are cheap and not cached: two views of one key of one manager are the same lock
+    (and compare equal). A view keeps its manager alive; the manager does not keep views.
+    """
+
+    __slots__ = ("_key", "_manager", "_seconds", "__weakref__")
+
+    def __init__(self, manager: LockManager[K], key: K) -> None:
+        hash(key)  # an unhashable key fails here, not later
+        self._manager = manager
+        self._key = key
+        self._seconds = -1.0  # how long ``with`` waits: -1 forever (hold() sets it)
+
+    __class_getitem__ = classmethod(types.GenericAlias)
+
+    @property
+    def key(self) -> K:
+        return self._key
+
+    @property
+    def manager(self) -> LockManager[K]:
+        return self._manager
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._manager._acquire(self._key, wait_seconds(blocking, timeout), 1)
+
+    def release(self) -> None:
+        self._manager.release(self._key)
+
+    def locked(self) -> bool:
+        return self._manager.locked(self._key)
+
+    def __enter__(self) -> bool:
+        if not self._manager._acquire(self._key, self._seconds, 1):
+            raise timed_out(self._key, self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager.release(self._key)
+
+    def _is_owned(self) -> bool:
+        return self._manager.owned(self._key)
+
+    def _release_save(self) -> tuple[int, int]:
+        return self._manager._release_save(self._key)
+
+    def _acquire_restore(self, state: tuple[int, int]) -> None:
+        self._manager._acquire_restore(self._key, state)
+
+    def _recursion_count(self) -> int:
+        return self._manager.recursion_count(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeyLock):
+            return NotImplemented
+        return self._manager is other._manager and bool(self._key == other._key)
+
+    def __hash__(self) -> int:
+        return hash((id(self._manager), self._key))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self) -> str:
+        owner, count = self._manager._owner_and_count(self._key)
+        return key_lock_repr(self, self._key, owner, count)
+

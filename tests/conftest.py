@@ -1,0 +1,143 @@
+"""Every behavioural test runs against both engines: the compiled core and the pure twin.
+
+``--no-c-extensions`` runs the pure twin only (for machines without the compiled core);
+by default a missing compiled core is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+
+IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
+
+#: Upper bound for anything a test waits on; generous for a noisy 2-core machine.
+PATIENCE = 20.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lockmgr")
+    group.addoption(
+        "--c-extensions",
+        action="store_true",
+        default=True,
+        dest="c_extensions",
+        help="test the compiled core as well as the pure twin (default)",
+    )
+    group.addoption(
+        "--no-c-extensions",
+        action="store_false",
+        dest="c_extensions",
+        help="test the pure-Python twin only",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "impl" in metafunc.fixturenames:
+        names = ["cython", "python"] if metafunc.config.getoption("c_extensions") else ["python"]
+        metafunc.parametrize("impl", names, indirect=True)
+
+
+@pytest.fixture
+def impl(request: pytest.FixtureRequest) -> ModuleType:
+    """The engine module under test: ``lockmgr._core`` or ``lockmgr._pure``."""
+    return importlib.import_module(IMPLEMENTATIONS[request.param])
+
+
+@pytest.fixture(params=[True, False], ids=["fair", "unfair"])
+def fair(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+def locks(impl: ModuleType):  # type: ignore[no-untyped-def]
+    """A strict-FIFO manager of the engine under test."""
+    return impl.LockManager()
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (a real state: a queue length, an owner) until it holds."""
+    deadline = time.monotonic() + PATIENCE
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.001)
+
+
+class Worker:
+    """A thread that runs one call at a time on request, so a test can sequence threads."""
+
+    def __init__(self, name: str = "worker") -> None:
+        self._calls: list[tuple[Callable[[], object], threading.Event, list[object]]] = []
+        self._ready = threading.Condition()
+        self._stopping = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._calls and not self._stopping:
+                    self._ready.wait()
+                if not self._calls:
+                    return
+                func, done, box = self._calls.pop(0)
+            try:
+                box.append(("ok", func()))
+            except BaseException as exc:  # handed to the test
+                box.append(("error", exc))
+            done.set()
+
+    def submit(self, func: Callable[[], object]) -> Call:
+        done = threading.Event()
+        box: list[object] = []
+        with self._ready:
+            self._calls.append((func, done, box))
+            self._ready.notify()
+        return Call(done, box)
+
+    def run(self, func: Callable[[], object]) -> object:
+        """Run ``func`` in the worker and return its result (re-raising its exception)."""
+        return self.submit(func).result()
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+        self.thread.join(PATIENCE)
+        assert not self.thread.is_alive(), "worker did not stop"
+
+
+class Call:
+    def __init__(self, done: threading.Event, box: list[object]) -> None:
+        self._done = done
+        self._box = box
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> object:
+        assert self._done.wait(PATIENCE), "call did not finish in time"
+        kind, value = self._box[0]  # type: ignore[misc]
+        if kind == "error":
+            raise value  # type: ignore[misc]
+        return value
+
+
+@pytest.fixture
+def workers() -> Iterator[Callable[[str], Worker]]:
+    started: list[Worker] = []
+
+    def start(name: str = "worker") -> Worker:
+        worker = Worker(name)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
