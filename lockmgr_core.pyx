@@ -109,6 +109,7 @@ cdef struct Token:
     bint is_main                # its thread is the main thread, where signal handlers run
     Entry *held                 # entries it owns in any manager, linked through held_next
     PyThread_type_lock wakeup   # locked unless a grant or wake is posted; NULL until first wait
+    Request *request            # the request its thread is waiting in, or NULL
 
 
 cdef struct Request:
@@ -192,19 +193,25 @@ cdef class _ThreadExit:
             return
         if PyThread_tss_get(&token_key) == token:
             PyThread_tss_set(&token_key, NULL)
-        retired = release_held(token, NULL)
+        if token.request is not NULL:
+            # Only at interpreter shutdown, which clears the states of daemon threads that
+            # are still blocked in a wait: their stacks still use the token, so keep it.
+            return
+        retired = []
+        release_held(token, NULL, retired)
         if token.wakeup is not NULL:
             PyThread_free_lock(token.wakeup)
         PyMem_Free(token)
         del retired  # the dropped keys' last references, after the table section
 
 
-cdef list release_held(Token *token, PyObject *manager):
+cdef Py_ssize_t release_held(Token *token, PyObject *manager, list retired) except -1:
     """Fully release every entry ``token`` owns (in ``manager`` only, unless it is NULL).
 
-    Returns the keys the tables gave up, to be dropped by the caller after the section.
+    Returns how many; the keys the tables gave up go to ``retired``, for the caller to
+    drop after the section.
     """
-    cdef list retired = []
+    cdef Py_ssize_t released = 0
     cdef Entry *entry = token.held
     cdef Entry *following
     cdef PyObject *key
@@ -219,9 +226,10 @@ cdef list release_held(Token *token, PyObject *manager):
             if key is not NULL:
                 retired.append(<object>key)
                 Py_XDECREF(key)
+            released += 1
         entry = following
     # end of table section
-    return retired
+    return released
 
 
 cdef PyThread_type_lock new_wakeup() except NULL:
@@ -358,7 +366,8 @@ cdef class LockManager:
         cdef Token *token = existing_token()
         if token is NULL:
             return 0
-        return len(release_held(token, <PyObject*>self))
+        retired = []
+        return release_held(token, <PyObject*>self, retired)
 
     def synchronized(self, key_func):
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
@@ -504,6 +513,7 @@ cdef class LockManager:
         if seconds > 0:
             deadline = request.since + seconds
         self._enqueue(entry, &request)
+        token.request = &request
         # end of table section
         try:
             while True:
@@ -539,6 +549,8 @@ cdef class LockManager:
             retired = self._give_up(entry, &request)
             Py_XDECREF(retired)
             raise
+        finally:
+            token.request = NULL
 
     cdef PyObject* _give_up(self, Entry *entry, Request *request) noexcept:
         """An exception ends the wait: undo the request, passing on a grant that raced it."""

@@ -84,7 +84,7 @@ class LockStats:
     """Acquisitions refused because waiting would have deadlocked."""
 
 
-def wait_seconds(blocking: object, timeout: object) -> float:
+def wait_seconds(blocking: object, timeout: float) -> float:
     """Seconds to wait, under ``threading.Lock.acquire``'s argument rules.
 
     Returns -1.0 for "wait forever" and 0.0 for "try once". Raises the same exception
@@ -95,7 +95,7 @@ def wait_seconds(blocking: object, timeout: object) -> float:
             raise ValueError("timeout must not be NaN")
         seconds = timeout
     else:
-        seconds = float(operator.index(timeout))  # type: ignore[call-overload]
+        seconds = float(operator.index(timeout))
     if not blocking:
         if seconds != -1:
             raise ValueError("can't specify a timeout for a non-blocking call")

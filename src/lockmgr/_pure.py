@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 import weakref
 from collections import deque
 from collections.abc import Hashable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, final
 
 from ._common import (
     HANDOFF_AFTER,
@@ -59,7 +58,7 @@ _GRANTED = 2  # the key was handed to this request; its thread owns it now
 class _Token:
     """The identity of one thread towards every manager; ownership means this object."""
 
-    __slots__ = ("held", "ident", "is_main", "wakeup", "__weakref__")
+    __slots__ = ("held", "ident", "is_main", "wakeup")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -68,13 +67,25 @@ class _Token:
         self.wakeup = threading.Lock()  # held except while a grant/wake is posted
         self.wakeup.acquire()
 
+
+class _ThreadExit:
+    """Held only by its thread's local storage, so it is finalized when the thread ends.
+
+    It then releases whatever the thread still holds (waiters get those keys as usual).
+    Entries refer to their owner's token, so the token itself may outlive its thread.
+    """
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: _Token) -> None:
+        self.token = token
+
     def __del__(self) -> None:
-        # The thread ended (its thread-local storage was cleared) while still owning keys:
-        # release them so that waiters get them and nothing stays locked forever.
-        for entry, manager_ref in list(self.held.items()):
+        token = self.token
+        for entry, manager_ref in list(token.held.items()):
             manager = manager_ref()
             if manager is not None:
-                manager._release_abandoned(entry, self)
+                manager._release_abandoned(entry, token)
 
 
 _local = threading.local()
@@ -82,15 +93,16 @@ _local = threading.local()
 
 def _current_token() -> _Token:
     try:
-        token: _Token = _local.token
+        token: _Token = _local.guard.token
     except AttributeError:
-        token = _local.token = _Token()
+        token = _Token()
+        _local.guard = _ThreadExit(token)
     return token
 
 
 def _existing_token() -> _Token | None:
-    token: _Token | None = getattr(_local, "token", None)
-    return token
+    guard: _ThreadExit | None = getattr(_local, "guard", None)
+    return None if guard is None else guard.token
 
 
 class _Request:
@@ -113,6 +125,7 @@ class _Entry:
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
 
 
+@final
 class LockManager(Generic[K]):
     """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
 
@@ -144,8 +157,6 @@ class LockManager(Generic[K]):
         self._contended = 0
         self._timeouts = 0
         self._deadlocks = 0
-
-    __class_getitem__ = classmethod(types.GenericAlias)
 
     def __del__(self) -> None:
         # Nobody waits here (a waiter's call keeps the manager alive), but keys may be held.
@@ -258,7 +269,7 @@ class LockManager(Generic[K]):
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is currently held (by any thread)."""
         with self._mutex:
-            entry = self._table.get(key)  # type: ignore[call-overload]
+            entry = self._table.get(key)
             return entry is not None and entry.owner is not None
 
     def stats(self) -> LockStats:
@@ -411,6 +422,7 @@ class LockManager(Generic[K]):
                 self._pass_on(entry)
 
 
+@final
 class KeyLock(Generic[K]):
     """One key of a manager seen as a ``threading.RLock``.
 
@@ -425,8 +437,6 @@ class KeyLock(Generic[K]):
         self._manager = manager
         self._key = key
         self._seconds = -1.0  # how long ``with`` waits: -1 forever (hold() sets it)
-
-    __class_getitem__ = classmethod(types.GenericAlias)
 
     @property
     def key(self) -> K:

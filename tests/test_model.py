@@ -1,0 +1,149 @@
+"""Random acquire / try / timeout / release / release_all sequences over several threads,
+checked step by step against a model of owners, counts and FIFO queues."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from conftest import Call, Worker, wait_until
+from lockmgr import NotOwnedError
+
+THREADS = 3
+KEYS = ("a", "b", 3)
+
+
+class LockModel(RuleBasedStateMachine):
+    engine: Any = None
+    fair = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locks = self.engine.LockManager(fair=self.fair)
+        self.workers = [Worker(f"model-{i}") for i in range(THREADS)]
+        self.owner: dict[object, tuple[int, int]] = {}  # key -> (thread, count)
+        self.queue: dict[object, list[int]] = {key: [] for key in KEYS}
+        self.blocked: dict[int, Call] = {}  # thread -> its pending acquire
+
+    def teardown(self) -> None:
+        while self.owner:  # let every queued thread through, then stop
+            thread = next(owner for owner, _ in self.owner.values() if self._idle(owner))
+            self.release_all(thread)
+        for worker in self.workers:
+            worker.stop()
+
+    def _would_deadlock(self, thread: int, key: object) -> bool:
+        """Whether ``thread`` waiting for ``key`` closes a cycle of waiting threads."""
+        waiting_for = {t: k for k, queued in self.queue.items() for t in queued}
+        while key in self.owner:
+            owner = self.owner[key][0]
+            if owner == thread:
+                return True
+            if owner not in waiting_for:
+                return False
+            key = waiting_for[owner]
+        return False
+
+    def _hand_off(self, key: object) -> None:
+        """The model of release: the key is free; the head of its queue gets it."""
+        del self.owner[key]
+        if self.queue[key]:
+            head = self.queue[key].pop(0)
+            assert self.blocked.pop(head).result() is True
+            self._take(head, key)
+
+    def _free_for(self, thread: int, key: object) -> bool:
+        return key not in self.owner or self.owner[key][0] == thread
+
+    def _take(self, thread: int, key: object) -> None:
+        count = self.owner[key][1] if key in self.owner else 0
+        self.owner[key] = (thread, count + 1)
+
+    def _release(self, thread: int, key: object) -> None:
+        self.workers[thread].run(lambda: self.locks.release(key))
+        owner, count = self.owner[key]
+        if count > 1:
+            self.owner[key] = (owner, count - 1)
+        else:
+            self._hand_off(key)
+
+    def _idle(self, thread: int) -> bool:
+        return thread not in self.blocked
+
+    @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS))
+    def acquire(self, thread: int, key: object) -> None:
+        if not self._idle(thread) or self._would_deadlock(thread, key):
+            return
+        call = self.workers[thread].submit(lambda: self.locks.acquire(key))
+        if self._free_for(thread, key):
+            assert call.result() is True
+            self._take(thread, key)
+        else:
+            self.blocked[thread] = call
+            self.queue[key].append(thread)
+            wait_until(lambda: self.locks.stats().waiting == len(self.blocked), "it queued")
+
+    @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS),
+          how=st.sampled_from([{"blocking": False}, {"timeout": 0}, {"timeout": 0.005}]))
+    def try_acquire(self, thread: int, key: object, how: dict[str, Any]) -> None:
+        if not self._idle(thread):
+            return
+        expected = self._free_for(thread, key)
+        assert self.workers[thread].run(lambda: self.locks.acquire(key, **how)) is expected
+        if expected:
+            self._take(thread, key)
+
+    @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS))
+    def release(self, thread: int, key: object) -> None:
+        if not self._idle(thread):
+            return
+        if key in self.owner and self.owner[key][0] == thread:
+            self._release(thread, key)
+        else:
+            with pytest.raises(NotOwnedError):
+                self.workers[thread].run(lambda: self.locks.release(key))
+
+    @rule(thread=st.integers(0, THREADS - 1))
+    def release_all(self, thread: int) -> None:
+        if not self._idle(thread):
+            return
+        mine = [key for key, (owner, _) in self.owner.items() if owner == thread]
+        assert self.workers[thread].run(self.locks.release_all) == len(mine)
+        for key in mine:
+            self._hand_off(key)
+
+    @invariant()
+    def matches_the_model(self) -> None:
+        for key in KEYS:
+            expected = self.owner.get(key)
+            ident = None if expected is None else self.workers[expected[0]].thread.ident
+            assert self.locks.owner(key) == ident
+            assert (key in self.locks) is (expected is not None)
+        stats = self.locks.stats()
+        assert stats.held == len(self.owner) == len(self.locks)
+        assert stats.waiting == len(self.blocked)
+
+    @invariant()
+    def counts_match_the_model(self) -> None:
+        for key, (thread, count) in self.owner.items():
+            if self._idle(thread):
+                assert self.workers[thread].run(lambda: self.locks.recursion_count(key)) == count
+
+
+def _machine(engine: Any, fair: bool) -> Any:
+    machine = type(f"Model_{engine.__name__}_{fair}", (LockModel,), {"engine": engine, "fair": fair})
+    case = machine.TestCase
+    case.settings = settings(max_examples=25, stateful_step_count=25, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+    return case
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "unfair"])
+def test_engine_matches_model(impl, fair) -> None:
+    _machine(impl, fair)("runTest").runTest()
+    assert threading.active_count() < 50  # workers were stopped

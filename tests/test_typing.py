@@ -1,0 +1,42 @@
+"""The public API type-checks strictly, and a wrong key type is a type error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mypy", reason="mypy is part of the [test] extra")
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "lockmgr"
+
+USE = """
+from lockmgr import LockManager, KeyLock
+locks: LockManager[int] = LockManager()
+ok: bool = locks.acquire(1, timeout=0.5)
+view: KeyLock[int] = locks[2]
+with locks.hold(3, timeout=None):
+    pass
+"""
+
+
+def _mypy(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_package_is_mypy_strict_clean() -> None:
+    done = _mypy(str(SRC))
+    assert done.returncode == 0, done.stdout
+
+
+def test_wrong_key_type_is_a_type_error(tmp_path: Path) -> None:
+    good = tmp_path / "good.py"
+    good.write_text(USE)
+    assert _mypy(str(good)).returncode == 0, _mypy(str(good)).stdout
+    bad = tmp_path / "bad.py"
+    bad.write_text(USE + 'locks.acquire("x")\n')
+    done = _mypy(str(bad))
+    assert done.returncode == 1 and 'incompatible type "str"' in done.stdout, done.stdout
