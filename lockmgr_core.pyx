@@ -572,17 +572,20 @@ cdef class LockManager:
         section), or NULL.
         """
         cdef Request *head = entry.head
+        cdef RequestState was
         if head is NULL:
             return self._remove(entry)
-        if head.state != WAITING:
-            return NULL  # already woken and on its way
+        was = head.state
         if self._fair or lockmgr_monotonic() - head.since >= handoff_after:
+            # Also when already WOKEN: a woken thread may wait long for the GIL while
+            # others keep taking the key; granting it is what bounds its wait.
             self._dequeue(entry, head)
             self._own(entry, head.token, head.count)
             head.state = GRANTED
-        else:
+        elif was == WAITING:
             head.state = WOKEN
-        PyThread_release_lock(head.token.wakeup)
+        if was == WAITING:  # a WOKEN head has its post already
+            PyThread_release_lock(head.token.wakeup)
         return NULL
 
     cdef inline void _own(self, Entry *entry, Token *token, Py_ssize_t count) noexcept:

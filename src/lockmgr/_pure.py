@@ -18,7 +18,7 @@ Invariants (kept under ``_mutex``):
 - fair mode: an entry without owner has an empty queue (release hands off directly);
 - an entry without owner but with a queue has a WOKEN head, on its way to take the key;
 - a token's ``wakeup`` lock is released (posted) only on a request's WAITING -> WOKEN or
-  WAITING -> GRANTED transition, and the waiter consumes that post before its request
+  WAITING -> GRANTED transition (WOKEN -> GRANTED reuses the post already made), and the waiter consumes that post before its request
   goes back to WAITING or leaves the queue, so the lock acts as a binary semaphore.
 """
 
@@ -389,6 +389,8 @@ class LockManager(Generic[K]):
         owner = entry.owner
         assert owner is not None
         del owner.held[entry]
+        if not owner.held:
+            owner.held.clear()  # dicts never shrink on delete; this frees a grown one
         entry.owner = None
         entry.count = 0
         self._held -= 1
@@ -401,18 +403,22 @@ class LockManager(Generic[K]):
         """``entry`` just lost its owner: grant or wake the head request, or drop the entry."""
         if not entry.queue:
             del self._table[entry.key]
+            if not self._table:
+                self._table.clear()  # dicts never shrink on delete; this frees a grown one
             return
         head = entry.queue[0]
-        if head.state != _WAITING:
-            return  # already woken and on its way
+        was = head.state
         if self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:
+            # Also when already WOKEN: a woken thread may wait long for the GIL while
+            # others keep taking the key; granting it is what bounds its wait.
             entry.queue.popleft()
             self._waiting -= 1
             self._own(entry, head.token, head.count)
             head.state = _GRANTED
-        else:
+        elif was == _WAITING:
             head.state = _WOKEN
-        head.token.wakeup.release()
+        if was == _WAITING:  # a WOKEN head has its post already
+            head.token.wakeup.release()
 
     def _release_abandoned(self, entry: _Entry, token: _Token) -> None:
         """Release a key whose owning thread has ended (called from the token's finalizer)."""

@@ -1,0 +1,468 @@
+"""``lockmgr-bench``: lockmgr against threading.Lock and friends, side by side in one run.
+
+Run ``lockmgr-bench --quick`` (or ``python -m lockmgr.bench --quick``); ``--help`` lists the
+scenarios and options. The table goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import itertools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+import timeit
+import tracemalloc
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _pure
+
+Key = Any
+View = Callable[[Key], AbstractContextManager[Any]]
+
+BASELINE = "threading.Lock"
+
+
+@dataclass
+class Subject:
+    """One implementation, as each scenario drives it."""
+
+    view: View  # key -> a context manager holding that key
+    acquire: Callable[[Key], Any]  # lock one key (memory scenario)
+    release: Callable[[Key], Any]  # unlock one key (memory scenario)
+    pair: tuple[str, dict[str, Any]]  # timeit statement + globals: one acquire + release
+    with_block: tuple[str, dict[str, Any]]  # timeit statement + globals: one ``with`` block
+    hold: tuple[str, dict[str, Any]] | None = None  # lockmgr's ``with locks.hold(key)``
+    per_key_memory: bool = True  # whether memory grows per key (not for one global lock)
+
+
+def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
+    def make() -> Subject:
+        locks = manager_class(**options)
+        names = {"a": locks.acquire, "r": locks.release, "m": locks, "k": "user:42"}
+        return Subject(
+            view=locks.__getitem__,
+            acquire=locks.acquire,
+            release=locks.release,
+            pair=("a(k); r(k)", names),
+            with_block=("with m[k]: pass", names),
+            hold=("with m.hold(k): pass", names),
+        )
+
+    return make
+
+
+def _global(lock_class: Callable[[], Any]) -> Callable[[], Subject]:
+    def make() -> Subject:
+        lock = lock_class()
+        names = {"a": lock.acquire, "r": lock.release, "l": lock}
+        return Subject(view=lambda key: lock, acquire=lambda key: lock.acquire(),
+                       release=lambda key: lock.release(), pair=("a(); r()", names),
+                       with_block=("with l: pass", names), per_key_memory=False)
+
+    return make
+
+
+def _dict_of_locks() -> Subject:
+    locks: collections.defaultdict[Key, Any] = collections.defaultdict(threading.Lock)
+    names = {"d": locks, "k": "user:42"}
+    return Subject(view=locks.__getitem__, acquire=lambda key: locks[key].acquire(),
+                   release=lambda key: locks[key].release(),
+                   pair=("d[k].acquire(); d[k].release()", names),
+                   with_block=("with d[k]: pass", names))
+
+
+def implementations() -> dict[str, Callable[[], Subject]]:
+    found: dict[str, Callable[[], Subject]] = {}
+    try:
+        compiled = importlib.import_module("lockmgr._core")
+    except ImportError:
+        print("lockmgr-bench: the compiled core is not built; showing the pure twin only",
+              file=sys.stderr)
+    else:
+        found["lockmgr"] = _lockmgr(compiled.LockManager)
+        found["lockmgr-unfair"] = _lockmgr(compiled.LockManager, fair=False)
+    found["lockmgr-pure"] = _lockmgr(_pure.LockManager)
+    found["threading.Lock"] = _global(threading.Lock)
+    found["threading.RLock"] = _global(threading.RLock)
+    found["dict-of-locks"] = _dict_of_locks
+    return found
+
+
+@dataclass
+class Settings:
+    quick: bool
+    threads: int
+    keys: int
+
+    def scaled(self, quick: float, full: float) -> float:
+        return quick if self.quick else full
+
+
+@dataclass
+class Results:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, scenario: str, impl: str, metric: str, value: float, unit: str) -> None:
+        self.rows.append({"scenario": scenario, "impl": impl, "metric": metric,
+                          "value": value, "unit": unit})
+
+
+def progress(message: str) -> None:
+    print(f"[lockmgr-bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_threads(count: int, body: Callable[[int], None]) -> None:
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def uncontended(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    number = int(settings.scaled(100_000, 1_000_000))
+    if name == "lockmgr-pure":
+        number //= 10
+
+    def ns(statement: tuple[str, dict[str, Any]]) -> float:
+        code, names = statement
+        return min(timeit.repeat(code, globals=names, number=number, repeat=5)) / number * 1e9
+
+    results.add("uncontended", name, "acquire+release", ns(subject.pair), "ns")
+    results.add("uncontended", name, "with-block", ns(subject.with_block), "ns")
+    if subject.hold is not None:
+        results.add("uncontended", name, "with-hold", ns(subject.hold), "ns")
+
+
+def hot_key(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    duration = settings.scaled(1.0, 3.0)
+    lock = subject.view("hot")
+    stop = threading.Event()
+    start = threading.Barrier(settings.threads + 1)
+    counts = [0] * settings.threads
+    last = [-1, 0.0]  # the thread that held the key last, and when it was about to release
+    handoffs: list[float] = []
+
+    def body(index: int) -> None:
+        start.wait()
+        done = 0
+        while not stop.is_set():
+            with lock:
+                now = time.perf_counter()
+                if last[0] != index and last[0] != -1:
+                    handoffs.append(now - last[1])
+                last[0] = index
+                done += 1
+                last[1] = time.perf_counter()
+        counts[index] = done
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    results.add("hot-key", name, "throughput", sum(counts) / elapsed, "acq/s")
+    results.add("hot-key", name, "handoff-p50", percentile(handoffs, 0.50) * 1e6, "us")
+    results.add("hot-key", name, "handoff-p99", percentile(handoffs, 0.99) * 1e6, "us")
+
+
+def many_keys(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    duration = settings.scaled(1.0, 3.0)
+    stop = threading.Event()
+    start = threading.Barrier(settings.threads + 1)
+    counts = [0] * settings.threads
+    view = subject.view
+
+    def body(index: int) -> None:
+        rng = random.Random(index)
+        keys = [f"key-{rng.randrange(settings.keys)}" for _ in range(4096)]
+        start.wait()
+        done = 0
+        for key in itertools.cycle(keys):
+            if stop.is_set():
+                break
+            with view(key):
+                done += 1
+        counts[index] = done
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    results.add("many-keys", name, "throughput", sum(counts) / (time.perf_counter() - began),
+                "acq/s")
+
+
+CREATE_THREADS = 16
+GET_SECONDS = 0.010
+CREATE_SECONDS = 0.002
+
+
+def create_if_not_exists(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    """The LockSet article's workload: look an id up (10 ms); create it if missing (2 ms)."""
+    lookups = int(settings.scaled(8, 25))
+    for pool in (100, 1000):
+        rng = random.Random(pool)
+        plans = [[rng.randrange(pool) for _ in range(lookups)] for _ in range(CREATE_THREADS)]
+        store: dict[int, int] = {}
+        creations: collections.Counter[int] = collections.Counter()
+
+        def body(index: int) -> None:
+            for natural_id in plans[index]:
+                with subject.view(natural_id):
+                    time.sleep(GET_SECONDS)
+                    if natural_id not in store:
+                        time.sleep(CREATE_SECONDS)
+                        creations[natural_id] += 1
+                        store[natural_id] = natural_id
+
+        began = time.perf_counter()
+        run_threads(CREATE_THREADS, body)
+        results.add("create-if-not-exists", name, f"wall-pool{pool}",
+                    time.perf_counter() - began, "s")
+        wanted = {natural_id for plan in plans for natural_id in plan}
+        wrong = sum(count != 1 for count in creations.values()) + len(wanted - set(store))
+        results.add("create-if-not-exists", name, f"not-created-once-pool{pool}", wrong, "ids")
+
+
+def fairness(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    """Tickets are taken just before acquiring; a grant to a later ticket overtakes."""
+    duration = settings.scaled(1.0, 3.0)
+    lock = subject.view("fair")
+    tickets = itertools.count()
+    stop = threading.Event()
+    start = threading.Barrier(settings.threads + 1)
+    grants: list[tuple[int, float]] = []  # (ticket, waited seconds), in grant order
+
+    def body(index: int) -> None:
+        start.wait()
+        while not stop.is_set():
+            ticket = next(tickets)
+            asked = time.perf_counter()
+            with lock:
+                grants.append((ticket, time.perf_counter() - asked))
+                for _ in range(20):  # a little work inside
+                    pass
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    results.add("fairness", name, "max-overtaken", max_overtaken([t for t, _ in grants]), "times")
+    waits = [waited for _, waited in grants]
+    results.add("fairness", name, "wait-p50", percentile(waits, 0.50) * 1e3, "ms")
+    results.add("fairness", name, "wait-p99", percentile(waits, 0.99) * 1e3, "ms")
+    results.add("fairness", name, "wait-max", max(waits, default=0.0) * 1e3, "ms")
+
+
+def max_overtaken(order: list[int]) -> int:
+    """The most grants any request saw go to requests that asked after it (a Fenwick count)."""
+    size = max(order, default=-1) + 2
+    tree = [0] * (size + 1)
+    worst = 0
+    for seen, ticket in enumerate(order):
+        position, at_or_below = ticket + 1, 0
+        while position > 0:
+            at_or_below += tree[position]
+            position -= position & -position
+        worst = max(worst, seen - at_or_below)
+        position = ticket + 1
+        while position <= size:
+            tree[position] += 1
+            position += position & -position
+    return worst
+
+
+def memory(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    if not subject.per_key_memory:
+        return
+    count = int(settings.scaled(100_000, 1_000_000))
+    keys = [f"natural-id-{i}" for i in range(count)]  # made before measuring: not counted
+    tracemalloc.start()
+    try:
+        for key in keys[:64]:  # warm-up: per-thread state, spare entries
+            subject.acquire(key)
+        for key in keys[:64]:
+            subject.release(key)
+        start = tracemalloc.get_traced_memory()[0]
+        for key in keys:
+            subject.acquire(key)
+        per_key = (tracemalloc.get_traced_memory()[0] - start) / count
+        for key in keys:
+            subject.release(key)
+        for i in range(count):
+            subject.acquire(("residue", i))
+            subject.release(("residue", i))
+        residue = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    results.add("memory", name, "bytes-per-held-key", per_key, "B")
+    results.add("memory", name, f"residue-after-{2 * count}-keys", residue, "B")
+
+
+SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
+    "uncontended": uncontended,
+    "hot-key": hot_key,
+    "many-keys": many_keys,
+    "create-if-not-exists": create_if_not_exists,
+    "fairness": fairness,
+    "memory": memory,
+}
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import lockmgr
+
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "lockmgr_engine": lockmgr.implementation,
+    }
+
+
+def table(results: Results, impls: list[str]) -> Iterator[str]:
+    """A Markdown table: one row per metric, each figure with its ratio to threading.Lock."""
+    cells: dict[tuple[str, str], dict[str, Any]] = collections.defaultdict(dict)
+    units: dict[tuple[str, str], str] = {}
+    for row in results.rows:
+        cells[row["scenario"], row["metric"]][row["impl"]] = row["value"]
+        units[row["scenario"], row["metric"]] = row["unit"]
+    yield "| scenario | metric | " + " | ".join(impls) + " |"
+    yield "|---|---|" + "---|" * len(impls)
+    for (scenario, metric), values in cells.items():
+        base = values.get(BASELINE)
+        shown = []
+        for impl in impls:
+            value = values.get(impl)
+            if value is None:
+                shown.append("—")
+                continue
+            text = f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+            if base and impl != BASELINE:
+                text += f" ({value / base:.2f}x)"
+            shown.append(text)
+        yield f"| {scenario} | {metric} ({units[scenario, metric]}) | " + " | ".join(shown) + " |"
+
+
+def plot(results: Results, impls: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = list(dict.fromkeys((row["scenario"], row["metric"], row["unit"])
+                                 for row in results.rows))
+    columns = 3
+    rows = (len(metrics) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
+    for axis, (scenario, metric, unit) in zip(axes.flat, metrics):
+        values = {row["impl"]: row["value"] for row in results.rows
+                  if row["scenario"] == scenario and row["metric"] == metric}
+        names = [impl for impl in impls if impl in values]
+        axis.barh(names, [values[name] for name in names])
+        axis.set_title(f"{scenario}: {metric}", fontsize=9)
+        axis.set_xlabel(unit, fontsize=8)
+        axis.tick_params(labelsize=7)
+        axis.invert_yaxis()
+    for axis in list(axes.flat)[len(metrics):]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lockmgr-bench",
+        description="Compare lockmgr with threading.Lock and friends on this machine.",
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in under a minute")
+    parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
+                        help="run only this scenario (repeatable; default: all)")
+    parser.add_argument("--impl", action="append", choices=impl_names,
+                        help="run only this implementation (repeatable; default: all)")
+    parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4)")
+    parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
+    return parser.parse_args(argv)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    available = implementations()
+    args = parse_args(argv, list(available))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
+                  file=sys.stderr)
+            return 2
+    impls = args.impl or list(available)
+    settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
+    results = Results()
+    for scenario in args.scenario or list(SCENARIOS):
+        for name in impls:
+            progress(f"{scenario}: {name}")
+            SCENARIOS[scenario](name, available[name](), settings, results)
+    print("\n".join(table(results, impls)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"machine": machine(), "results": results.rows}, out, indent=2)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        plot(results, impls, args.plot)
+        progress(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
