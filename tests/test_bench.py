@@ -1,0 +1,50 @@
+"""The benchmark CLI's own logic (its figures are checked by running it, not here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from lockmgr import bench
+
+
+@pytest.mark.parametrize(("order", "expected"), [
+    ([], 0), ([0, 1, 2, 3], 0), ([1, 0], 1), ([3, 2, 1, 0], 3), ([0, 2, 3, 1, 4], 2),
+])
+def test_max_overtaken_counts_later_tickets_granted_first(order: list[int], expected: int) -> None:
+    assert bench.max_overtaken(order) == expected
+
+
+def test_quick_run_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "uncontended", "--impl", "lockmgr",
+                       "--impl", "threading.Lock", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {"python", "platform", "cpu_count"} <= set(report["machine"])
+    rows = report["results"]
+    assert {row["impl"] for row in rows} == {"lockmgr", "threading.Lock"}
+    assert all(set(row) == {"scenario", "impl", "metric", "value", "unit"} for row in rows)
+    assert all(row["value"] > 0 for row in rows)
+    table = capsys.readouterr().out
+    assert "| uncontended | acquire+release (ns) |" in table and "x)" in table
+
+
+def test_plot_needs_matplotlib_or_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    picture = tmp_path / "out.png"
+    code = bench.main(["--quick", "--scenario", "uncontended", "--impl", "threading.Lock",
+                       "--plot", str(picture)])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 2 and "pip install 'lockmgr[plot]'" in capsys.readouterr().err
+        assert not picture.exists()
+    else:
+        assert code == 0 and picture.stat().st_size > 0
+
+
+def test_bad_options_are_rejected() -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--threads", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--scenario", "nope"])
