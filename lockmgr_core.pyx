@@ -27,7 +27,7 @@ at most CPython's short internal mutex of that lock, whose holder never needs th
 """
 
 cimport cython
-from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool
 from cpython.pythread cimport (
     NOWAIT_LOCK,
@@ -54,6 +54,7 @@ from lockmgr._common import (
     MAIN_THREAD_SLICE,
     PICKLE_ERROR,
     LockStats,
+    deadlock,
     hold_seconds,
     key_lock_repr,
     manager_repr,
@@ -62,7 +63,9 @@ from lockmgr._common import (
     synchronized,
     timed_out,
     wait_seconds,
+    warn_abandoned,
 )
+import os
 
 cdef extern from "Python.h":
     ctypedef long long PY_TIMEOUT_T
@@ -71,9 +74,15 @@ cdef extern from "Python.h":
         PyThread_type_lock lock, PY_TIMEOUT_T microseconds, int intr_flag) nogil
     int PyErr_CheckSignals() except -1
     PyObject *PyThreadState_GetDict()
+    int lockmgr_is_finalizing()
 
 cdef extern from *:
     """
+    #if PY_VERSION_HEX >= 0x030D0000
+    #  define lockmgr_is_finalizing() Py_IsFinalizing()
+    #else
+    #  define lockmgr_is_finalizing() _Py_IsFinalizing()
+    #endif
     /* The platform shim: a monotonic clock in seconds (time.monotonic()'s clock). */
     #if defined(_WIN32)
     #  ifndef WIN32_LEAN_AND_MEAN
@@ -102,6 +111,7 @@ cdef enum RequestState:
     WAITING = 0  # queued, asleep or about to sleep
     WOKEN = 1    # fair=False: the key was freed and this request was told to race for it
     GRANTED = 2  # the key was handed to this request; its thread owns it now
+    LEFT = 3     # timed out or cancelled: out of the queue, its thread about to return
 
 
 cdef struct Token:
@@ -110,12 +120,16 @@ cdef struct Token:
     Entry *held                 # entries it owns in any manager, linked through held_next
     PyThread_type_lock wakeup   # locked unless a grant or wake is posted; NULL until first wait
     Request *request            # the request its thread is waiting in, or NULL
+    unsigned long long visit    # deadlock search: number of the last search that reached it
+    Token *reached_from         # deadlock search: the thread whose wait led here
+    Entry *reached_via          # deadlock search: the entry that thread waits for
 
 
 cdef struct Request:
     Request *prev        # neighbour towards the head of the entry's queue
     Request *next        # neighbour towards the tail
     Token *token         # the waiting thread's token
+    Entry *entry         # the entry whose queue it is in
     Py_ssize_t count     # recursion level to install when granted
     RequestState state   # set by the granting/waking thread and by the waiter, table section only
     double since         # monotonic time it queued (fair=False's hand-off rule)
@@ -144,6 +158,9 @@ cdef object FOREVER = -1  # the default timeout object, so the fast path can tes
 cdef unsigned long main_ident = threading.main_thread().ident
 
 cdef Py_tss_t token_key  # per thread: that thread's Token*, or NULL before its first use
+cdef unsigned long long searches = 0  # numbers deadlock searches (Token.visit)
+cdef PyObject *managers = NULL  # every live LockManager, linked through next_manager (for fork)
+cdef bint forking = False  # between os.fork()'s before hook and its after hook
 if PyThread_tss_create(&token_key) != 0:
     raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
 
@@ -194,15 +211,30 @@ cdef class _ThreadExit:
         if PyThread_tss_get(&token_key) == token:
             PyThread_tss_set(&token_key, NULL)
         if token.request is not NULL:
-            # Only at interpreter shutdown, which clears the states of daemon threads that
-            # are still blocked in a wait: their stacks still use the token, so keep it.
+            # Only at interpreter shutdown or in a forked child, which clear the states of
+            # threads still blocked in a wait: their stacks still use the token, so keep it.
             return
+        if forking:
+            return  # a forked child's dead thread: the after-fork hook frees its keys
+        abandoned = held_keys(token)
         retired = []
         release_held(token, NULL, retired)
         if token.wakeup is not NULL:
             PyThread_free_lock(token.wakeup)
+        ident = token.ident
         PyMem_Free(token)
         del retired  # the dropped keys' last references, after the table section
+        if abandoned and not lockmgr_is_finalizing():
+            warn_abandoned(ident, abandoned)
+
+
+cdef list held_keys(Token *token):
+    cdef list keys = []
+    cdef Entry *entry = token.held
+    while entry is not NULL:
+        keys.append(<object>entry.key)
+        entry = entry.held_next
+    return keys
 
 
 cdef Py_ssize_t release_held(Token *token, PyObject *manager, list retired) except -1:
@@ -232,6 +264,87 @@ cdef Py_ssize_t release_held(Token *token, PyObject *manager, list retired) exce
     return released
 
 
+cdef struct Search:
+    unsigned long long number  # this search's number, marked on each token it reaches (visit)
+    Token *me                  # the thread about to wait: reaching it again closes a cycle
+    Token **stack              # reached threads whose own waits are still to be followed
+    Py_ssize_t depth           # how many threads are on the stack
+    Py_ssize_t room            # how many the stack has room for
+
+
+cdef int reach_waited_for(Search *search, Token *thread, Entry *waits_for, Request *own) except -1:
+    """Reach every thread ``thread`` waits for in ``waits_for``: the owner (a hard edge), then
+    each request queued ahead of ``own`` (soft edges; ``own`` NULL: all are ahead).
+    Returns 1 when one of them is ``search.me``."""
+    cdef Token *successor = waits_for.owner
+    cdef Request *ahead = waits_for.head
+    while True:
+        if successor is not NULL and successor.visit != search.number:
+            successor.visit = search.number
+            successor.reached_from = thread
+            successor.reached_via = waits_for
+            if search.depth == search.room:
+                search.room = search.room * 2 + 8
+                search.stack = <Token**>PyMem_Realloc(search.stack, search.room * sizeof(Token*))
+                if search.stack is NULL:
+                    raise MemoryError()
+            search.stack[search.depth] = successor
+            search.depth += 1
+        elif successor == search.me and thread != search.me:
+            successor.reached_from = thread
+            successor.reached_via = waits_for
+            return 1
+        if ahead is NULL or ahead == own:
+            return 0
+        successor = ahead.token
+        ahead = ahead.next
+
+
+cdef list find_cycle(Token *me, Entry *entry):
+    """The cycle ``me`` would close by waiting for ``entry``, or None.
+
+    A waiting thread waits for the owner of its entry and for every request queued ahead of
+    its own (PostgreSQL's hard and soft edges). With soft edges a hand-off never adds an
+    edge, so checking each new wait catches every cycle. The search follows waits within
+    ``entry``'s manager. Returns ``[(thread ident, key it waits for), ...]`` starting with
+    ``me``; nothing is changed and no Python code runs until the cycle is found.
+    """
+    global searches
+    cdef Search search
+    cdef Token *thread = me
+    cdef Request *own
+    cdef int closed
+    searches += 1
+    search.number = searches
+    search.me = me
+    search.stack = NULL
+    search.depth = 0
+    search.room = 0
+    me.visit = searches
+    try:
+        closed = reach_waited_for(&search, me, entry, NULL)
+        while not closed and search.depth:
+            search.depth -= 1
+            thread = search.stack[search.depth]
+            own = thread.request
+            if own is not NULL and (own.state == WAITING or own.state == WOKEN) \
+                    and own.entry.manager == entry.manager:
+                closed = reach_waited_for(&search, thread, own.entry, own)
+    finally:
+        PyMem_Free(search.stack)
+    if not closed:
+        return None
+    cycle = []
+    thread = me
+    while True:  # walk back: whoever reached ``thread`` waits for it in ``reached_via``
+        cycle.append((thread.reached_from.ident, <object>thread.reached_via.key))
+        thread = thread.reached_from
+        if thread == me:
+            break
+    cycle.reverse()
+    return cycle
+
+
 cdef PyThread_type_lock new_wakeup() except NULL:
     cdef PyThread_type_lock wakeup = PyThread_allocate_lock()
     if wakeup is NULL:
@@ -256,6 +369,38 @@ cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline, bint is_main) noexc
     return <PY_TIMEOUT_T>(seconds * 1e6)
 
 
+# -- fork ---------------------------------------------------------------------------------
+
+def _before_fork():
+    global forking
+    forking = True
+
+
+def _after_fork_in_parent():
+    global forking
+    forking = False
+
+
+def _after_fork_in_child():
+    """The child holds only what the forking thread held; the rest is free, queues are empty."""
+    global forking, main_ident
+    cdef Token *survivor = existing_token()
+    cdef PyObject *manager = managers
+    retired = []
+    main_ident = PyThread_get_thread_ident()
+    if survivor is not NULL:
+        survivor.is_main = True  # the forking thread is the child's main thread
+    while manager is not NULL:
+        (<LockManager>manager)._keep_only(survivor, retired)
+        manager = (<LockManager>manager).next_manager
+    forking = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
 # -- the manager --------------------------------------------------------------------------
 
 @cython.final
@@ -277,6 +422,8 @@ cdef class LockManager:
     cdef unsigned long long contended     # acquisitions that had to wait
     cdef unsigned long long timeouts      # acquisitions that gave up (try-locks included)
     cdef unsigned long long deadlocks     # acquisitions refused to avoid a deadlock
+    cdef PyObject *previous_manager       # neighbour in the list of live managers (for fork)
+    cdef PyObject *next_manager           # neighbour in the list of live managers (for fork)
     cdef object __weakref__
 
     def __cinit__(self, *, fair=True):
@@ -285,6 +432,11 @@ cdef class LockManager:
             raise MemoryError()
         self.mask = MIN_BUCKETS - 1
         self._fair = bool(fair)
+        global managers
+        self.next_manager = managers
+        if managers is not NULL:
+            (<LockManager>managers).previous_manager = <PyObject*>self
+        managers = <PyObject*>self
 
     def __dealloc__(self):
         # Nobody can wait here (a waiter's call keeps the manager alive), but keys may be
@@ -292,8 +444,15 @@ cdef class LockManager:
         cdef Entry *entry
         cdef Entry *following
         cdef size_t i
+        global managers
         if self.buckets is NULL:  # __cinit__ failed before allocating anything
             return
+        if self.previous_manager is not NULL:
+            (<LockManager>self.previous_manager).next_manager = self.next_manager
+        else:
+            managers = self.next_manager
+        if self.next_manager is not NULL:
+            (<LockManager>self.next_manager).previous_manager = self.previous_manager
         for i in range(self.mask + 1):
             entry = self.buckets[i]
             while entry is not NULL:
@@ -463,6 +622,11 @@ cdef class LockManager:
         if seconds == 0:
             self.timeouts += 1
             return False
+        cycle = find_cycle(token, entry)
+        if cycle is not None:
+            self.deadlocks += 1
+            # end of table section
+            raise deadlock(cycle)
         return self._wait(entry, token, seconds, count)
 
     cdef int _release(self, object key, Py_hash_t h) except -1:
@@ -507,6 +671,7 @@ cdef class LockManager:
         if token.wakeup is NULL:
             token.wakeup = new_wakeup()
         request.token = token
+        request.entry = entry
         request.count = count
         request.state = WAITING
         request.since = lockmgr_monotonic()
@@ -538,7 +703,7 @@ cdef class LockManager:
                     return True
                 if deadline >= 0 and lockmgr_monotonic() >= deadline:
                     # table section
-                    self._dequeue(entry, &request)
+                    self._leave_queue(entry, &request)
                     if entry.owner is NULL:
                         retired = self._pass_on(entry)
                     self.timeouts += 1
@@ -560,7 +725,7 @@ cdef class LockManager:
             self._disown(entry)
             return self._pass_on(entry)
         PyThread_acquire_lock(request.token.wakeup, NOWAIT_LOCK)  # consume a post that raced us
-        self._dequeue(entry, request)
+        self._leave_queue(entry, request)
         if entry.owner is NULL:
             return self._pass_on(entry)
         return NULL
@@ -587,6 +752,45 @@ cdef class LockManager:
         if was == WAITING:  # a WOKEN head has its post already
             PyThread_release_lock(head.token.wakeup)
         return NULL
+
+    cdef int _keep_only(self, Token *survivor, list retired) except -1:
+        """In a forked child: keep what ``survivor`` (the forking thread) holds, drop the rest.
+
+        Every other thread and every waiting request belongs to a thread that does not exist
+        here. Keys the table gives up go to ``retired``.
+        """
+        cdef Entry **doomed = <Entry**>PyMem_Malloc((self.entries + 1) * sizeof(Entry*))
+        cdef Py_ssize_t count = 0, i
+        cdef size_t bucket
+        cdef Entry *entry
+        cdef Request *request
+        cdef PyObject *key
+        if doomed is NULL:
+            raise MemoryError()
+        # table section
+        for bucket in range(self.mask + 1):
+            entry = self.buckets[bucket]
+            while entry is not NULL:
+                request = entry.head
+                while request is not NULL:
+                    request.token.request = NULL  # lets its thread's token be freed
+                    request = request.next
+                entry.head = NULL
+                entry.tail = NULL
+                if entry.owner is not NULL and entry.owner != survivor:
+                    self._disown(entry)
+                if entry.owner is NULL:
+                    doomed[count] = entry
+                    count += 1
+                entry = entry.bucket_next
+        self.waiting = 0
+        for i in range(count):
+            key = self._remove(doomed[i])
+            retired.append(<object>key)
+            Py_XDECREF(key)
+        # end of table section
+        PyMem_Free(doomed)
+        return 0
 
     cdef inline void _own(self, Entry *entry, Token *token, Py_ssize_t count) noexcept:
         entry.owner = token
@@ -619,6 +823,10 @@ cdef class LockManager:
             entry.head = request
         entry.tail = request
         self.waiting += 1
+
+    cdef inline void _leave_queue(self, Entry *entry, Request *request) noexcept:
+        self._dequeue(entry, request)
+        request.state = LEFT
 
     cdef inline void _dequeue(self, Entry *entry, Request *request) noexcept:
         if request.prev is not NULL:

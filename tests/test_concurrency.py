@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import PATIENCE, wait_until
+from lockmgr import AbandonedLockWarning
 
 
 def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-def]
@@ -86,10 +87,12 @@ def test_release_hands_off_before_returning_so_no_barging(locks, workers) -> Non
     assert locks.owner("k") == waiter.thread.ident and locks.stats().waiting == 0
     assert locks.acquire("k", blocking=False) is False
     assert got.result() is True
-    again = workers("again").submit(lambda: locks.acquire("k"))
+    again = workers("again")
+    queued = again.submit(lambda: locks.acquire("k"))
     wait_until(lambda: locks.stats().waiting == 1, "the re-acquirer queued behind")
     waiter.run(lambda: locks.release("k"))
-    assert again.result() is True
+    assert queued.result() is True
+    again.run(lambda: locks.release("k"))
 
 
 def test_try_lock_never_jumps_the_queue(locks, workers) -> None:
@@ -211,21 +214,29 @@ def test_keys_whose_eq_runs_python_keep_mutual_exclusion(impl, fair) -> None:
 
 
 def test_keys_of_a_thread_that_ends_are_released_to_waiters(locks, workers) -> None:
-    took = threading.Event()
+    took, end = threading.Event(), threading.Event()
 
     def holder() -> None:
         locks.acquire("k")
         locks.acquire("k")
         locks.acquire("other")
         took.set()
+        end.wait(PATIENCE)
 
     thread = threading.Thread(target=holder)
     thread.start()
     assert took.wait(PATIENCE)
     waiter = workers("waiter")
     queued = waiter.submit(lambda: locks.acquire("k"))
-    thread.join(PATIENCE)
-    assert queued.result() is True and locks.owner("k") == waiter.thread.ident
+    wait_until(lambda: locks.stats().waiting == 1, "the waiter queued")
+    with pytest.warns(AbandonedLockWarning) as warned:
+        end.set()
+        thread.join(PATIENCE)
+        assert queued.result() is True
+    assert sorted(str(w.message) for w in warned) == [
+        f"thread {thread.ident} ended holding key 'k'; released it",
+        f"thread {thread.ident} ended holding key 'other'; released it",
+    ] and locks.owner("k") == waiter.thread.ident
     assert locks.recursion_count("k") == 0 and not locks.locked("other")
     waiter.run(lambda: locks.release("k"))
     assert len(locks) == 0
@@ -235,8 +246,9 @@ def test_a_new_thread_never_inherits_an_ended_threads_keys(locks) -> None:
     seen: list[tuple[int, bool, int]] = []
     for _ in range(5):  # idents are commonly recycled by the next thread
         first = threading.Thread(target=locks.acquire, args=("k",))
-        first.start()
-        first.join(PATIENCE)
+        with pytest.warns(AbandonedLockWarning):
+            first.start()
+            first.join(PATIENCE)
         second = threading.Thread(
             target=lambda: seen.append((threading.get_ident(), locks.owned("k"),
                                         locks.recursion_count("k"))))

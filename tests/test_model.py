@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import Call, Worker, wait_until
-from lockmgr import NotOwnedError
+from lockmgr import DeadlockError, NotOwnedError
 
 THREADS = 3
 KEYS = ("a", "b", 3)
@@ -29,6 +29,7 @@ class LockModel(RuleBasedStateMachine):
         self.owner: dict[object, tuple[int, int]] = {}  # key -> (thread, count)
         self.queue: dict[object, list[int]] = {key: [] for key in KEYS}
         self.blocked: dict[int, Call] = {}  # thread -> its pending acquire
+        self.deadlocks = 0
 
     def teardown(self) -> None:
         while self.owner:  # let every queued thread through, then stop
@@ -37,17 +38,33 @@ class LockModel(RuleBasedStateMachine):
         for worker in self.workers:
             worker.stop()
 
+    def _waits_for(self, key: object, ahead_of: int | None) -> set[int]:
+        """Threads a request on ``key`` waits for: the owner, and everyone queued ahead."""
+        queued = self.queue[key]
+        ahead = queued if ahead_of is None else queued[:queued.index(ahead_of)]
+        owner = {self.owner[key][0]} if key in self.owner else set()
+        return owner | set(ahead)
+
     def _would_deadlock(self, thread: int, key: object) -> bool:
         """Whether ``thread`` waiting for ``key`` closes a cycle of waiting threads."""
-        waiting_for = {t: k for k, queued in self.queue.items() for t in queued}
-        while key in self.owner:
-            owner = self.owner[key][0]
-            if owner == thread:
+        waiting_on = {t: k for k, queued in self.queue.items() for t in queued}
+        seen: set[int] = set()
+        frontier = self._waits_for(key, None)
+        while frontier:
+            other = frontier.pop()
+            if other == thread:
                 return True
-            if owner not in waiting_for:
-                return False
-            key = waiting_for[owner]
+            if other in seen or other not in waiting_on:
+                continue
+            seen.add(other)
+            frontier |= self._waits_for(waiting_on[other], other)
         return False
+
+    def _expect_deadlock(self, thread: int, key: object, **how: Any) -> None:
+        with pytest.raises(DeadlockError) as caught:
+            self.workers[thread].run(lambda: self.locks.acquire(key, **how))
+        assert caught.value.cycle[0] == (self.workers[thread].thread.ident, key)
+        self.deadlocks += 1
 
     def _hand_off(self, key: object) -> None:
         """The model of release: the key is free; the head of its queue gets it."""
@@ -77,7 +94,10 @@ class LockModel(RuleBasedStateMachine):
 
     @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS))
     def acquire(self, thread: int, key: object) -> None:
-        if not self._idle(thread) or self._would_deadlock(thread, key):
+        if not self._idle(thread):
+            return
+        if not self._free_for(thread, key) and self._would_deadlock(thread, key):
+            self._expect_deadlock(thread, key)
             return
         call = self.workers[thread].submit(lambda: self.locks.acquire(key))
         if self._free_for(thread, key):
@@ -94,6 +114,9 @@ class LockModel(RuleBasedStateMachine):
         if not self._idle(thread):
             return
         expected = self._free_for(thread, key)
+        if not expected and how.get("timeout", 0) > 0 and self._would_deadlock(thread, key):
+            self._expect_deadlock(thread, key, **how)
+            return
         assert self.workers[thread].run(lambda: self.locks.acquire(key, **how)) is expected
         if expected:
             self._take(thread, key)
@@ -127,6 +150,7 @@ class LockModel(RuleBasedStateMachine):
         stats = self.locks.stats()
         assert stats.held == len(self.owner) == len(self.locks)
         assert stats.waiting == len(self.blocked)
+        assert stats.deadlocks == self.deadlocks
 
     @invariant()
     def counts_match_the_model(self) -> None:

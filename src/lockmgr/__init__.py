@@ -15,9 +15,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ._common import DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError
+from ._common import (
+    AbandonedLockWarning,
+    DeadlockError,
+    LockError,
+    LockStats,
+    LockTimeout,
+    NotOwnedError,
+)
 
 __all__ = [
+    "AbandonedLockWarning",
     "DeadlockError",
     "KeyLock",
     "LockError",
@@ -45,6 +53,8 @@ else:
     else:
         implementation = "cython"
 
-for _exported in (DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError):
+for _exported in (
+    AbandonedLockWarning, DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError
+):
     _exported.__module__ = __name__
 del _exported

@@ -11,6 +11,7 @@ import math
 import operator
 import reprlib
 import threading
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -21,12 +22,14 @@ if TYPE_CHECKING:
 __all__ = [
     "HANDOFF_AFTER",
     "MAIN_THREAD_SLICE",
+    "AbandonedLockWarning",
     "DeadlockError",
     "LockError",
     "LockStats",
     "LockTimeout",
     "NotOwnedError",
     "PICKLE_ERROR",
+    "deadlock",
     "hold_seconds",
     "key_lock_repr",
     "manager_repr",
@@ -35,6 +38,7 @@ __all__ = [
     "synchronized",
     "timed_out",
     "wait_seconds",
+    "warn_abandoned",
 ]
 
 #: In ``fair=False`` mode a waiter that has queued this long (seconds) is handed the key
@@ -63,7 +67,19 @@ class NotOwnedError(LockError, RuntimeError):
 
 
 class DeadlockError(LockError, RuntimeError):
-    """Waiting for a key would close a cycle of threads waiting for each other."""
+    """Waiting for a key would close a cycle of threads waiting for each other.
+
+    ``cycle`` lists the cycle as ``(thread ident, key it waits for)`` pairs, starting with
+    the refused request; each thread waits for the next one (the last for the first).
+    """
+
+    def __init__(self, message: str, cycle: list[tuple[int, Hashable]]) -> None:
+        super().__init__(message)
+        self.cycle = cycle
+
+
+class AbandonedLockWarning(RuntimeWarning):
+    """A thread ended while holding a key; the key was released."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,26 @@ def hold_seconds(timeout: float | None) -> float:
     if timeout is None:
         return -1.0
     return wait_seconds(True, timeout)
+
+
+def deadlock(cycle: list[tuple[int, Hashable]]) -> DeadlockError:
+    """The error for a wait that would close ``cycle`` (see DeadlockError.cycle)."""
+    steps = "; ".join(f"thread {ident} waits for key {_short.repr(key)}" for ident, key in cycle)
+    return DeadlockError(
+        f"waiting for key {_short.repr(cycle[0][1])} would deadlock: {steps}, "
+        f"held or queued ahead by the next thread in this list (the last by the first)",
+        cycle,
+    )
+
+
+def warn_abandoned(ident: int, keys: list[Hashable]) -> None:
+    """Report keys released because their thread ``ident`` ended while holding them."""
+    for key in keys:
+        warnings.warn(
+            f"thread {ident} ended holding key {_short.repr(key)}; released it",
+            AbandonedLockWarning,
+            stacklevel=1,
+        )
 
 
 def not_owned(key: object) -> NotOwnedError:

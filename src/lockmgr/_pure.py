@@ -24,6 +24,8 @@ Invariants (kept under ``_mutex``):
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 import weakref
@@ -36,6 +38,7 @@ from ._common import (
     MAIN_THREAD_SLICE,
     PICKLE_ERROR,
     LockStats,
+    deadlock,
     hold_seconds,
     key_lock_repr,
     manager_repr,
@@ -44,6 +47,7 @@ from ._common import (
     synchronized,
     timed_out,
     wait_seconds,
+    warn_abandoned,
 )
 
 __all__ = ["KeyLock", "LockManager"]
@@ -53,12 +57,13 @@ K = TypeVar("K", bound=Hashable)
 _WAITING = 0  # queued, asleep or about to sleep
 _WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
 _GRANTED = 2  # the key was handed to this request; its thread owns it now
+_LEFT = 3  # timed out or cancelled: out of the queue, its thread about to return
 
 
 class _Token:
     """The identity of one thread towards every manager; ownership means this object."""
 
-    __slots__ = ("held", "ident", "is_main", "wakeup")
+    __slots__ = ("held", "ident", "is_main", "request", "wakeup")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -66,6 +71,7 @@ class _Token:
         self.held: dict[_Entry, weakref.ref[LockManager[Any]]] = {}  # entries owned -> manager
         self.wakeup = threading.Lock()  # held except while a grant/wake is posted
         self.wakeup.acquire()
+        self.request: _Request | None = None  # the request its thread is waiting in
 
 
 class _ThreadExit:
@@ -82,13 +88,20 @@ class _ThreadExit:
 
     def __del__(self) -> None:
         token = self.token
+        if token.request is not None or _forking:
+            return  # shutdown or a forked child: the thread is gone mid-wait or fork cleans up
+        abandoned = [entry.key for entry in token.held]
         for entry, manager_ref in list(token.held.items()):
             manager = manager_ref()
             if manager is not None:
                 manager._release_abandoned(entry, token)
+        if abandoned and not sys.is_finalizing():
+            warn_abandoned(token.ident, abandoned)
 
 
 _local = threading.local()
+_managers: weakref.WeakSet[LockManager[Any]] = weakref.WeakSet()  # every live manager (fork)
+_forking = False  # between os.fork()'s before hook and its after hook
 
 
 def _current_token() -> _Token:
@@ -106,10 +119,12 @@ def _existing_token() -> _Token | None:
 
 
 class _Request:
-    __slots__ = ("count", "since", "state", "token")
+    __slots__ = ("count", "entry", "manager", "since", "state", "token")
 
-    def __init__(self, token: _Token, count: int) -> None:
+    def __init__(self, token: _Token, manager: LockManager[Any], entry: _Entry, count: int) -> None:
         self.token = token  # the waiting thread
+        self.manager = manager  # whose queue it is in
+        self.entry = entry  # the entry whose queue it is in
         self.count = count  # recursion level to install when granted
         self.state = _WAITING
         self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
@@ -151,6 +166,7 @@ class LockManager(Generic[K]):
         self._mutex = threading.Lock()  # guards everything below and every entry and request
         self._table: dict[Hashable, _Entry] = {}
         self._ref = weakref.ref(self)  # what tokens keep: they must not keep the manager alive
+        _managers.add(self)
         self._held = 0
         self._waiting = 0
         self._acquisitions = 0
@@ -321,10 +337,57 @@ class LockManager(Generic[K]):
             if seconds == 0:
                 self._timeouts += 1
                 return False
-            request = _Request(token, count)
+            cycle = self._find_cycle(token, entry)
+            if cycle is not None:
+                self._deadlocks += 1
+                raise deadlock(cycle)
+            request = _Request(token, self, entry, count)
             entry.queue.append(request)
+            token.request = request
             self._waiting += 1
         return self._wait(entry, request, seconds)
+
+    def _find_cycle(self, me: _Token, entry: _Entry) -> list[tuple[int, Hashable]] | None:
+        """The cycle ``me`` would close by waiting for ``entry``, or None (see _core)."""
+        reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
+        stack: list[_Token] = []
+
+        def reach_waited_for(thread: _Token, waits_for: _Entry, own: _Request | None) -> bool:
+            successors = [waits_for.owner]
+            for ahead in waits_for.queue:
+                if ahead is own:
+                    break
+                successors.append(ahead.token)
+            for successor in successors:
+                if successor is None:
+                    continue
+                if successor is me:
+                    if thread is not me:
+                        reached[me] = (thread, waits_for)
+                        return True
+                elif successor not in reached:
+                    reached[successor] = (thread, waits_for)
+                    stack.append(successor)
+            return False
+
+        closed = reach_waited_for(me, entry, None)
+        while not closed and stack:
+            thread = stack.pop()
+            own = thread.request
+            if own is not None and own.state in (_WAITING, _WOKEN) and own.manager is self:
+                closed = reach_waited_for(thread, own.entry, own)
+        if not closed:
+            return None
+        cycle = []
+        thread = me
+        while True:  # walk back: whoever reached ``thread`` waits for it in ``via``
+            waiter, via = reached[thread]
+            cycle.append((waiter.ident, via.key))
+            thread = waiter
+            if thread is me:
+                break
+        cycle.reverse()
+        return cycle
 
     def _wait(self, entry: _Entry, request: _Request, seconds: float) -> bool:
         """Sleep until ``request`` is granted or its time runs out. Called without _mutex."""
@@ -365,6 +428,8 @@ class LockManager(Generic[K]):
             with self._mutex:
                 self._give_up(entry, request)
             raise
+        finally:
+            request.token.request = None
 
     def _give_up(self, entry: _Entry, request: _Request) -> None:
         """An exception ends the wait: undo the request, passing on a grant that raced it."""
@@ -398,6 +463,7 @@ class LockManager(Generic[K]):
     def _leave_queue(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)
         self._waiting -= 1
+        request.state = _LEFT
 
     def _pass_on(self, entry: _Entry) -> None:
         """``entry`` just lost its owner: grant or wake the head request, or drop the entry."""
@@ -419,6 +485,19 @@ class LockManager(Generic[K]):
             head.state = _WOKEN
         if was == _WAITING:  # a WOKEN head has its post already
             head.token.wakeup.release()
+
+    def _keep_only(self, survivor: _Token | None) -> None:
+        """In a forked child (see _after_fork_in_child); the mutex was held across fork()."""
+        self._mutex = threading.Lock()
+        for key, entry in list(self._table.items()):
+            for request in entry.queue:
+                request.token.request = None
+            entry.queue.clear()
+            if entry.owner is not None and entry.owner is not survivor:
+                self._disown(entry)
+            if entry.owner is None:
+                del self._table[key]
+        self._waiting = 0
 
     def _release_abandoned(self, entry: _Entry, token: _Token) -> None:
         """Release a key whose owning thread has ended (called from the token's finalizer)."""
@@ -495,4 +574,35 @@ class KeyLock(Generic[K]):
     def __repr__(self) -> str:
         owner, count = self._manager._owner_and_count(self._key)
         return key_lock_repr(self, self._key, owner, count)
+
+
+def _before_fork() -> None:
+    """Hold every manager's mutex across fork(), so the child sees whole tables."""
+    global _forking
+    _forking = True
+    for manager in sorted(_managers, key=id):
+        manager._mutex.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    global _forking
+    for manager in sorted(_managers, key=id):
+        manager._mutex.release()
+    _forking = False
+
+
+def _after_fork_in_child() -> None:
+    """The child holds only what the forking thread held; the rest is free, queues are empty."""
+    global _forking
+    survivor = _existing_token()
+    if survivor is not None:
+        survivor.is_main = True  # the forking thread is the child's main thread
+    for manager in list(_managers):
+        manager._keep_only(survivor)
+    _forking = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
