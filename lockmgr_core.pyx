@@ -110,14 +110,20 @@ cdef extern from *:
 cdef enum RequestState:
     WAITING = 0  # queued, asleep or about to sleep
     WOKEN = 1    # fair=False: the key was freed and this request was told to race for it
-    GRANTED = 2  # the key was handed to this request; its thread owns it now
+    GRANTED = 2  # the key was handed to this request; its thread holds it now
     LEFT = 3     # timed out or cancelled: out of the queue, its thread about to return
+
+
+cdef enum Mode:
+    READ = 1   # shared: any number of threads at once (RWLockManager)
+    WRITE = 2  # exclusive (every LockManager request)
 
 
 cdef struct Token:
     unsigned long ident         # threading.get_ident() of its thread, for owner() and reprs
     bint is_main                # its thread is the main thread, where signal handlers run
-    Entry *held                 # entries it owns in any manager, linked through held_next
+    Entry *held                 # entries it write-holds in any manager, linked through held_next
+    Hold *reads                 # its read holds in any manager, linked through token_next
     PyThread_type_lock wakeup   # locked unless a grant or wake is posted; NULL until first wait
     Request *request            # the request its thread is waiting in, or NULL
     unsigned long long visit    # deadlock search: number of the last search that reached it
@@ -125,11 +131,23 @@ cdef struct Token:
     Entry *reached_via          # deadlock search: the entry that thread waits for
 
 
+cdef struct Hold:
+    Token *token        # the reading thread
+    Entry *entry        # the entry it reads
+    Py_ssize_t count    # its read recursion level (> 0 while linked)
+    Hold *entry_prev    # neighbour among the entry's read holds (newest first)
+    Hold *entry_next    # neighbour among the entry's read holds
+    Hold *token_prev    # neighbour among the token's read holds (newest first)
+    Hold *token_next    # neighbour among the token's read holds
+
+
 cdef struct Request:
     Request *prev        # neighbour towards the head of the entry's queue
     Request *next        # neighbour towards the tail
     Token *token         # the waiting thread's token
     Entry *entry         # the entry whose queue it is in
+    Mode mode            # what it asks for
+    Hold *hold           # READ: the hold to link in when granted (allocated by the waiter)
     Py_ssize_t count     # recursion level to install when granted
     RequestState state   # set by the granting/waking thread and by the waiter, table section only
     double since         # monotonic time it queued (fair=False's hand-off rule)
@@ -139,12 +157,14 @@ cdef struct Entry:
     PyObject *key        # strong reference to the key as first given
     Py_hash_t hash       # hash(key), computed before the table section
     Entry *bucket_next   # next entry in the same bucket, or in the manager's spare list
-    PyObject *manager    # the LockManager holding this entry (borrowed: it frees its entries)
-    Token *owner         # the owning thread's token; NULL while free
-    Py_ssize_t count     # the owner's recursion level; 0 iff owner is NULL
-    Entry *held_prev     # neighbour in the owner's list of held entries
-    Entry *held_next     # neighbour in the owner's list of held entries
-    Request *head        # oldest waiting request
+    PyObject *manager    # the _Engine holding this entry (borrowed: it frees its entries)
+    Token *owner         # the write (exclusive) holder; NULL if none
+    Py_ssize_t count     # the owner's write recursion level; 0 iff owner is NULL
+    Entry *held_prev     # neighbour in the owner's list of write-held entries
+    Entry *held_next     # neighbour in the owner's list of write-held entries
+    Hold *readers        # read holds, one per reading thread (newest first)
+    Py_ssize_t nreaders  # how many read holds
+    Request *head        # oldest waiting request (an upgrade goes before all others)
     Request *tail        # newest waiting request
 
 
@@ -159,7 +179,7 @@ cdef unsigned long main_ident = threading.main_thread().ident
 
 cdef Py_tss_t token_key  # per thread: that thread's Token*, or NULL before its first use
 cdef unsigned long long searches = 0  # numbers deadlock searches (Token.visit)
-cdef PyObject *managers = NULL  # every live LockManager, linked through next_manager (for fork)
+cdef PyObject *managers = NULL  # every live _Engine, linked through next_manager (for fork)
 cdef bint forking = False  # between os.fork()'s before hook and its after hook
 if PyThread_tss_create(&token_key) != 0:
     raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
@@ -229,32 +249,54 @@ cdef class _ThreadExit:
 
 
 cdef list held_keys(Token *token):
+    """Every key ``token`` holds, read or write, once each."""
     cdef list keys = []
     cdef Entry *entry = token.held
+    cdef Hold *hold = token.reads
     while entry is not NULL:
         keys.append(<object>entry.key)
         entry = entry.held_next
+    while hold is not NULL:
+        if hold.entry.owner != token:
+            keys.append(<object>hold.entry.key)
+        hold = hold.token_next
     return keys
 
 
 cdef Py_ssize_t release_held(Token *token, PyObject *manager, list retired) except -1:
-    """Fully release every entry ``token`` owns (in ``manager`` only, unless it is NULL).
+    """Fully release every key ``token`` holds (in ``manager`` only, unless it is NULL).
 
-    Returns how many; the keys the tables gave up go to ``retired``, for the caller to
-    drop after the section.
+    Returns how many keys (one held for read and write counts once); the keys the tables
+    gave up go to ``retired``, for the caller to drop after the section.
     """
     cdef Py_ssize_t released = 0
     cdef Entry *entry = token.held
     cdef Entry *following
+    cdef Hold *hold = token.reads
+    cdef Hold *next_hold
     cdef PyObject *key
-    cdef LockManager owner_of_entry
+    cdef _Engine engine
     # table section
+    while hold is not NULL:  # reads first, so a write-held key is counted with its write
+        next_hold = hold.token_next  # survives: it is on another entry
+        entry = hold.entry
+        if manager is NULL or entry.manager == manager:
+            engine = <_Engine>entry.manager
+            if entry.owner != token:
+                released += 1
+            engine._drop_read(entry, hold)
+            key = engine._pass_on(entry)
+            if key is not NULL:
+                retired.append(<object>key)
+                Py_XDECREF(key)
+        hold = next_hold
+    entry = token.held
     while entry is not NULL:
         following = entry.held_next  # survives: only ``entry`` is unlinked or freed below
         if manager is NULL or entry.manager == manager:
-            owner_of_entry = <LockManager>entry.manager
-            owner_of_entry._disown(entry)
-            key = owner_of_entry._pass_on(entry)
+            engine = <_Engine>entry.manager
+            engine._disown(entry)
+            key = engine._pass_on(entry)
             if key is not NULL:
                 retired.append(<object>key)
                 Py_XDECREF(key)
@@ -272,42 +314,61 @@ cdef struct Search:
     Py_ssize_t room            # how many the stack has room for
 
 
-cdef int reach_waited_for(Search *search, Token *thread, Entry *waits_for, Request *own) except -1:
-    """Reach every thread ``thread`` waits for in ``waits_for``: the owner (a hard edge), then
-    each request queued ahead of ``own`` (soft edges; ``own`` NULL: all are ahead).
-    Returns 1 when one of them is ``search.me``."""
-    cdef Token *successor = waits_for.owner
+cdef int reach(Search *search, Token *thread, Token *successor, Entry *waits_for) except -1:
+    """``thread`` waits for ``successor`` in ``waits_for``; returns 1 if that closes the cycle."""
+    if successor is NULL or successor == thread:
+        return 0
+    if successor == search.me:
+        successor.reached_from = thread
+        successor.reached_via = waits_for
+        return 1
+    if successor.visit == search.number:
+        return 0
+    successor.visit = search.number
+    successor.reached_from = thread
+    successor.reached_via = waits_for
+    if search.depth == search.room:
+        search.room = search.room * 2 + 8
+        search.stack = <Token**>PyMem_Realloc(search.stack, search.room * sizeof(Token*))
+        if search.stack is NULL:
+            raise MemoryError()
+    search.stack[search.depth] = successor
+    search.depth += 1
+    return 0
+
+
+cdef int reach_waited_for(Search *search, Token *thread, Entry *waits_for, Mode mode,
+                          Request *own, bint at_head) except -1:
+    """Reach every thread a ``mode`` request of ``thread`` in ``waits_for`` waits for: the
+    holders it conflicts with (hard edges), then the conflicting requests queued ahead of
+    ``own`` (soft edges; ``own`` NULL: all, unless ``at_head``). Returns 1 on a cycle."""
+    cdef Hold *hold = waits_for.readers
     cdef Request *ahead = waits_for.head
-    while True:
-        if successor is not NULL and successor.visit != search.number:
-            successor.visit = search.number
-            successor.reached_from = thread
-            successor.reached_via = waits_for
-            if search.depth == search.room:
-                search.room = search.room * 2 + 8
-                search.stack = <Token**>PyMem_Realloc(search.stack, search.room * sizeof(Token*))
-                if search.stack is NULL:
-                    raise MemoryError()
-            search.stack[search.depth] = successor
-            search.depth += 1
-        elif successor == search.me and thread != search.me:
-            successor.reached_from = thread
-            successor.reached_via = waits_for
+    if reach(search, thread, waits_for.owner, waits_for):
+        return 1
+    if mode == WRITE:
+        while hold is not NULL:
+            if reach(search, thread, hold.token, waits_for):
+                return 1
+            hold = hold.entry_next
+    if at_head:
+        return 0
+    while ahead is not NULL and ahead != own:
+        if (mode == WRITE or ahead.mode == WRITE) and reach(search, thread, ahead.token, waits_for):
             return 1
-        if ahead is NULL or ahead == own:
-            return 0
-        successor = ahead.token
         ahead = ahead.next
+    return 0
 
 
-cdef list find_cycle(Token *me, Entry *entry):
-    """The cycle ``me`` would close by waiting for ``entry``, or None.
+cdef list find_cycle(Token *me, Entry *entry, Mode mode, bint at_head):
+    """The cycle ``me`` would close by waiting for ``entry`` in ``mode``, or None.
 
-    A waiting thread waits for the owner of its entry and for every request queued ahead of
-    its own (PostgreSQL's hard and soft edges). With soft edges a hand-off never adds an
-    edge, so checking each new wait catches every cycle. The search follows waits within
-    ``entry``'s manager. Returns ``[(thread ident, key it waits for), ...]`` starting with
-    ``me``; nothing is changed and no Python code runs until the cycle is found.
+    A waiting request waits for the holders it conflicts with and for the conflicting
+    requests queued ahead of it (PostgreSQL's hard and soft edges). With soft edges a
+    hand-off never adds an edge, so checking each new wait catches every cycle. The search
+    follows waits within ``entry``'s manager. Returns ``[(thread ident, key it waits for),
+    ...]`` starting with ``me``; nothing is changed and no Python code runs until the cycle
+    is found.
     """
     global searches
     cdef Search search
@@ -322,14 +383,14 @@ cdef list find_cycle(Token *me, Entry *entry):
     search.room = 0
     me.visit = searches
     try:
-        closed = reach_waited_for(&search, me, entry, NULL)
+        closed = reach_waited_for(&search, me, entry, mode, NULL, at_head)
         while not closed and search.depth:
             search.depth -= 1
             thread = search.stack[search.depth]
             own = thread.request
             if own is not NULL and (own.state == WAITING or own.state == WOKEN) \
                     and own.entry.manager == entry.manager:
-                closed = reach_waited_for(&search, thread, own.entry, own)
+                closed = reach_waited_for(&search, thread, own.entry, own.mode, own, False)
     finally:
         PyMem_Free(search.stack)
     if not closed:
@@ -391,8 +452,8 @@ def _after_fork_in_child():
     if survivor is not NULL:
         survivor.is_main = True  # the forking thread is the child's main thread
     while manager is not NULL:
-        (<LockManager>manager)._keep_only(survivor, retired)
-        manager = (<LockManager>manager).next_manager
+        (<_Engine>manager)._keep_only(survivor, retired)
+        manager = (<_Engine>manager).next_manager
     forking = False
 
 
@@ -401,22 +462,18 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_after_fork_in_child)
 
 
-# -- the manager --------------------------------------------------------------------------
+# -- the engine ---------------------------------------------------------------------------
 
-@cython.final
-cdef class LockManager:
-    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
-
-    Memory grows only with the keys currently held or waited on.
-    """
+cdef class _Engine:
+    """The table, holds, queues, grants and waits that every manager shares."""
     cdef Entry **buckets        # chained hash table of entries; mask + 1 buckets
     cdef size_t mask            # bucket count - 1 (the count is a power of two)
     cdef Py_ssize_t entries     # entries in the table: keys held or waited on
     cdef size_t version         # bumped by every insert and removal (see _find)
     cdef Entry *spare           # freed entries kept for reuse, linked through bucket_next
     cdef Py_ssize_t spares      # how many entries ``spare`` holds (at most MAX_SPARE)
-    cdef bint _fair             # strict FIFO hand-off, or eventual fairness
-    cdef Py_ssize_t held        # entries with an owner
+    cdef bint _fair             # strict FIFO hand-off, or eventual fairness (exclusive only)
+    cdef Py_ssize_t held        # entries with a write or read holder
     cdef Py_ssize_t waiting     # requests queued in any entry
     cdef unsigned long long acquisitions  # successful acquisitions, reentrant ones included
     cdef unsigned long long contended     # acquisitions that had to wait
@@ -426,38 +483,40 @@ cdef class LockManager:
     cdef PyObject *next_manager           # neighbour in the list of live managers (for fork)
     cdef object __weakref__
 
-    def __cinit__(self, *, fair=True):
+    def __cinit__(self, *args, **kwargs):
+        global managers
         self.buckets = <Entry**>PyMem_Calloc(MIN_BUCKETS, sizeof(Entry*))
         if self.buckets is NULL:
             raise MemoryError()
         self.mask = MIN_BUCKETS - 1
-        self._fair = bool(fair)
-        global managers
+        self._fair = True
         self.next_manager = managers
         if managers is not NULL:
-            (<LockManager>managers).previous_manager = <PyObject*>self
+            (<_Engine>managers).previous_manager = <PyObject*>self
         managers = <PyObject*>self
 
     def __dealloc__(self):
         # Nobody can wait here (a waiter's call keeps the manager alive), but keys may be
-        # held: unlink every entry from its owner's list first, then drop the keys.
+        # held: unlink every entry and hold from its thread's lists first, then drop keys.
+        global managers
         cdef Entry *entry
         cdef Entry *following
         cdef size_t i
-        global managers
         if self.buckets is NULL:  # __cinit__ failed before allocating anything
             return
         if self.previous_manager is not NULL:
-            (<LockManager>self.previous_manager).next_manager = self.next_manager
+            (<_Engine>self.previous_manager).next_manager = self.next_manager
         else:
             managers = self.next_manager
         if self.next_manager is not NULL:
-            (<LockManager>self.next_manager).previous_manager = self.previous_manager
+            (<_Engine>self.next_manager).previous_manager = self.previous_manager
         for i in range(self.mask + 1):
             entry = self.buckets[i]
             while entry is not NULL:
                 if entry.owner is not NULL:
                     self._disown(entry)
+                while entry.readers is not NULL:
+                    self._drop_read(entry, entry.readers)
                 entry = entry.bucket_next
         for i in range(self.mask + 1):
             entry = self.buckets[i]
@@ -474,11 +533,6 @@ cdef class LockManager:
 
     __class_getitem__ = classmethod(GenericAlias)
 
-    @property
-    def fair(self):
-        """True for strict FIFO hand-off, False for eventual fairness."""
-        return self._fair
-
     def __repr__(self):
         return manager_repr(self, self._fair, self.held, self.waiting)
 
@@ -489,82 +543,9 @@ cdef class LockManager:
         return (sizeof(LockManager) + (self.mask + 1) * sizeof(Entry*)
                 + (self.entries + self.spares) * sizeof(Entry))
 
-    # -- acquiring and releasing ----------------------------------------------------------
-
-    def acquire(self, key, blocking=True, timeout=FOREVER):
-        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
-
-        Returns True once held (reentrant: a holder always succeeds at once), False if
-        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
-        """
-        cdef double seconds = -1.0
-        if blocking is not True or timeout is not FOREVER:
-            seconds = wait_seconds(blocking, timeout)
-        return self._acquire(key, hash(key), seconds, 1)
-
-    def release(self, key):
-        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
-        self._release(key, hash(key))
-
-    def hold(self, key, timeout=None):
-        """A context manager holding ``key`` for its block.
-
-        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
-        """
-        cdef double seconds = hold_seconds(timeout)
-        cdef KeyLock view = self._view(key)
-        view.seconds = seconds
-        return view
-
-    def __getitem__(self, key):
-        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
-        return self._view(key)
-
-    def release_all(self):
-        """Release every key of this manager the calling thread holds, all levels; returns how many."""
-        cdef Token *token = existing_token()
-        if token is NULL:
-            return 0
-        retired = []
-        return release_held(token, <PyObject*>self, retired)
-
-    def synchronized(self, key_func):
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
-        return synchronized(self, key_func)
-
-    # -- introspection --------------------------------------------------------------------
-
-    def locked(self, key):
-        """Whether any thread holds ``key``."""
-        cdef Entry *entry
-        self._find(key, hash(key), &entry)
-        return entry is not NULL and entry.owner is not NULL
-
-    def owned(self, key):
-        """Whether the calling thread holds ``key``."""
-        cdef Entry *entry
-        self._find(key, hash(key), &entry)
-        return entry is not NULL and entry.owner is not NULL and entry.owner == existing_token()
-
-    def owner(self, key):
-        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
-        return self._owner_and_count(key)[0]
-
-    def recursion_count(self, key):
-        """How many times the calling thread holds ``key`` (0 if it does not)."""
-        cdef Entry *entry
-        self._find(key, hash(key), &entry)
-        if entry is NULL or entry.owner is NULL or entry.owner != existing_token():
-            return 0
-        return entry.count
-
     def __len__(self):
         """Keys currently held."""
         return self.held
-
-    def __contains__(self, key):
-        """Whether ``key`` is currently held (by any thread)."""
-        return self.locked(key)
 
     def stats(self):
         """A snapshot of this manager's counters."""
@@ -577,35 +558,22 @@ cdef class LockManager:
             deadlocks=self.deadlocks,
         )
 
-    def _owner_and_count(self, key):
-        cdef Entry *entry
-        self._find(key, hash(key), &entry)
-        if entry is NULL or entry.owner is NULL:
-            return None, 0
-        return entry.owner.ident, entry.count
+    def release_all(self):
+        """Release every key of this manager the calling thread holds, all levels; returns how many."""
+        cdef Token *token = existing_token()
+        if token is NULL:
+            return 0
+        retired = []
+        return release_held(token, <PyObject*>self, retired)
 
-    # -- what threading.Condition uses ----------------------------------------------------
+    # -- acquiring ------------------------------------------------------------------------
 
-    def _release_save(self, key):
-        return self._release_fully(key, hash(key))
-
-    def _acquire_restore(self, key, state):
-        self._acquire(key, hash(key), -1.0, restored_count(state))
-
-    # -- the engine -----------------------------------------------------------------------
-
-    cdef KeyLock _view(self, key):
-        cdef KeyLock view = KeyLock.__new__(KeyLock)
-        view.hash = hash(key)
-        view.manager = self
-        view.key = key
-        view.seconds = -1.0
-        return view
-
-    cdef bint _acquire(self, object key, Py_hash_t h, double seconds, Py_ssize_t count) except -1:
-        """Acquire ``count`` levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+    cdef bint _acquire_write(self, object key, Py_hash_t h, double seconds,
+                             Py_ssize_t count) except -1:
+        """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         cdef Token *token = current_token()
         cdef Entry *entry
+        cdef bint upgrade = False
         self._find(key, h, &entry)
         # table section
         if entry is NULL:
@@ -616,52 +584,61 @@ cdef class LockManager:
             entry.count += count
             self.acquisitions += 1
             return True
-        if entry.owner is NULL:  # fair=False only: the woken head has not run yet
+        if entry.nreaders:
+            upgrade = self._read_hold(entry, token) is not NULL
+        if entry.owner is NULL and (entry.nreaders == 0 or (upgrade and entry.nreaders == 1)):
+            # No reader, or the caller is the only one. In fair mode no holder means an empty
+            # queue; with fair=False a woken head may not have run yet: this barges.
             self._own(entry, token, count)
             return True
+        return self._wait_unless(entry, token, seconds, count, WRITE, NULL, upgrade)
+
+    cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
+        cdef Token *token = current_token()
+        cdef Entry *entry
+        cdef Hold *hold
+        self._find(key, h, &entry)
+        # table section
+        if entry is not NULL:
+            hold = self._read_hold(entry, token)
+            if hold is not NULL:  # reentrant, even past queued writers (else it self-deadlocks)
+                hold.count += 1
+                self.acquisitions += 1
+                return True
+        hold = <Hold*>PyMem_Malloc(sizeof(Hold))
+        if hold is NULL:
+            raise MemoryError()
+        if entry is NULL:
+            try:
+                entry = self._insert(key, h)
+            except MemoryError:
+                PyMem_Free(hold)
+                raise
+        if entry.owner == token or (entry.owner is NULL and entry.head is NULL):
+            self._add_read(entry, token, hold, 1)
+            return True
+        return self._wait_unless(entry, token, seconds, 1, READ, hold, False)
+
+    cdef bint _wait_unless(self, Entry *entry, Token *token, double seconds, Py_ssize_t count,
+                           Mode mode, Hold *hold, bint upgrade) except -1:
+        """The key is taken: give up (try-lock), refuse (deadlock), or queue and wait.
+
+        Owns ``hold`` (READ), freeing it unless a grant links it in.
+        """
         if seconds == 0:
+            PyMem_Free(hold)
             self.timeouts += 1
             return False
-        cycle = find_cycle(token, entry)
+        cycle = find_cycle(token, entry, mode, upgrade)
         if cycle is not None:
+            PyMem_Free(hold)
             self.deadlocks += 1
             # end of table section
             raise deadlock(cycle)
-        return self._wait(entry, token, seconds, count)
+        return self._wait(entry, token, seconds, count, mode, hold, upgrade)
 
-    cdef int _release(self, object key, Py_hash_t h) except -1:
-        cdef Token *token = existing_token()
-        cdef Entry *entry
-        cdef PyObject *retired
-        self._find(key, h, &entry)
-        # table section
-        if entry is NULL or token is NULL or entry.owner != token:
-            raise not_owned(key)
-        entry.count -= 1
-        if entry.count:
-            return 0
-        self._disown(entry)
-        retired = self._pass_on(entry)
-        # end of table section
-        Py_XDECREF(retired)
-        return 0
-
-    cdef tuple _release_fully(self, object key, Py_hash_t h):
-        cdef Token *token = existing_token()
-        cdef Entry *entry
-        cdef PyObject *retired
-        self._find(key, h, &entry)
-        # table section
-        if entry is NULL or token is NULL or entry.owner != token:
-            raise not_owned(key)
-        saved = (entry.count, token.ident)
-        self._disown(entry)
-        retired = self._pass_on(entry)
-        # end of table section
-        Py_XDECREF(retired)
-        return saved
-
-    cdef bint _wait(self, Entry *entry, Token *token, double seconds, Py_ssize_t count) except -1:
+    cdef bint _wait(self, Entry *entry, Token *token, double seconds, Py_ssize_t count,
+                    Mode mode, Hold *hold, bint at_head) except -1:
         """Queue a request on ``entry`` and sleep until it is granted or time runs out."""
         cdef Request request
         cdef double deadline = -1.0
@@ -669,15 +646,21 @@ cdef class LockManager:
         cdef PyLockStatus status
         cdef PyObject *retired = NULL
         if token.wakeup is NULL:
-            token.wakeup = new_wakeup()
+            try:
+                token.wakeup = new_wakeup()
+            except MemoryError:
+                PyMem_Free(hold)
+                raise
         request.token = token
         request.entry = entry
+        request.mode = mode
+        request.hold = hold
         request.count = count
         request.state = WAITING
         request.since = lockmgr_monotonic()
         if seconds > 0:
             deadline = request.since + seconds
-        self._enqueue(entry, &request)
+        self._enqueue(entry, &request, at_head)
         token.request = &request
         # end of table section
         try:
@@ -690,10 +673,8 @@ cdef class LockManager:
                     if status != PY_LOCK_ACQUIRED:
                         PyThread_acquire_lock(token.wakeup, NOWAIT_LOCK)  # consume the post
                     if request.state == WOKEN:
-                        if entry.owner is NULL:
-                            self._dequeue(entry, &request)
-                            self._own(entry, token, request.count)
-                            request.state = GRANTED
+                        if self._grantable(entry, &request):
+                            self._grant(entry, &request)
                         else:
                             request.state = WAITING  # overtaken: sleep again at the head
                 # end of table section
@@ -704,8 +685,7 @@ cdef class LockManager:
                 if deadline >= 0 and lockmgr_monotonic() >= deadline:
                     # table section
                     self._leave_queue(entry, &request)
-                    if entry.owner is NULL:
-                        retired = self._pass_on(entry)
+                    retired = self._pass_on(entry)
                     self.timeouts += 1
                     # end of table section
                     Py_XDECREF(retired)
@@ -722,36 +702,204 @@ cdef class LockManager:
         # table section (to the end of this function)
         if request.state == GRANTED:  # only this thread can release what it was granted
             self.acquisitions -= 1
-            self._disown(entry)
+            if request.mode == READ:
+                self._drop_read(entry, request.hold)
+            else:
+                self._disown(entry)
             return self._pass_on(entry)
         PyThread_acquire_lock(request.token.wakeup, NOWAIT_LOCK)  # consume a post that raced us
         self._leave_queue(entry, request)
-        if entry.owner is NULL:
-            return self._pass_on(entry)
-        return NULL
+        return self._pass_on(entry)
+
+    # -- releasing ------------------------------------------------------------------------
+
+    cdef int _release_write(self, object key, Py_hash_t h) except -1:
+        cdef Token *token = existing_token()
+        cdef Entry *entry
+        cdef PyObject *retired
+        self._find(key, h, &entry)
+        # table section
+        if entry is NULL or token is NULL or entry.owner != token:
+            raise not_owned(key)
+        entry.count -= 1
+        if entry.count:
+            return 0
+        self._disown(entry)
+        retired = self._pass_on(entry)
+        # end of table section
+        Py_XDECREF(retired)
+        return 0
+
+    cdef int _release_read(self, object key, Py_hash_t h) except -1:
+        cdef Token *token = existing_token()
+        cdef Entry *entry
+        cdef Hold *hold = NULL
+        cdef PyObject *retired
+        self._find(key, h, &entry)
+        # table section
+        if entry is not NULL and token is not NULL:
+            hold = self._read_hold(entry, token)
+        if hold is NULL:
+            raise not_owned(key)
+        hold.count -= 1
+        if hold.count:
+            return 0
+        self._drop_read(entry, hold)
+        retired = self._pass_on(entry)
+        # end of table section
+        Py_XDECREF(retired)
+        return 0
 
     cdef PyObject* _pass_on(self, Entry *entry) noexcept:
-        """``entry`` just lost its owner: grant or wake its head request, or drop the entry.
+        """A holder or a request left ``entry``: grant what the queue's head allows (a run
+        of readers together, or one writer), or drop the entry if nothing is left.
 
         Returns the key reference the table gave up (the caller drops it after the
         section), or NULL.
         """
-        cdef Request *head = entry.head
+        cdef Request *head
         cdef RequestState was
-        if head is NULL:
-            return self._remove(entry)
-        was = head.state
-        if self._fair or lockmgr_monotonic() - head.since >= handoff_after:
-            # Also when already WOKEN: a woken thread may wait long for the GIL while
-            # others keep taking the key; granting it is what bounds its wait.
-            self._dequeue(entry, head)
-            self._own(entry, head.token, head.count)
-            head.state = GRANTED
-        elif was == WAITING:
-            head.state = WOKEN
-        if was == WAITING:  # a WOKEN head has its post already
-            PyThread_release_lock(head.token.wakeup)
-        return NULL
+        while True:
+            head = entry.head
+            if head is NULL:
+                if entry.owner is NULL and entry.nreaders == 0:
+                    return self._remove(entry)
+                return NULL
+            if not self._grantable(entry, head):
+                return NULL
+            was = head.state
+            if head.mode == READ or self._fair \
+                    or lockmgr_monotonic() - head.since >= handoff_after:
+                # Also when already WOKEN: a woken thread may wait long for the GIL while
+                # others keep taking the key; granting it is what bounds its wait.
+                self._grant(entry, head)
+            elif was == WAITING:
+                head.state = WOKEN
+            if was == WAITING:  # a WOKEN head has its post already
+                PyThread_release_lock(head.token.wakeup)
+            if head.mode == WRITE:
+                return NULL
+
+    cdef inline bint _grantable(self, Entry *entry, Request *request) noexcept:
+        if entry.owner is not NULL:
+            return False
+        return request.mode == READ or entry.nreaders == 0 or (
+            entry.nreaders == 1 and entry.readers.token == request.token)
+
+    cdef inline void _grant(self, Entry *entry, Request *request) noexcept:
+        self._dequeue(entry, request)
+        if request.mode == READ:
+            self._add_read(entry, request.token, request.hold, request.count)
+        else:
+            self._own(entry, request.token, request.count)
+        request.state = GRANTED
+
+    # -- holders --------------------------------------------------------------------------
+
+    cdef inline void _own(self, Entry *entry, Token *token, Py_ssize_t count) noexcept:
+        if entry.nreaders == 0:
+            self.held += 1
+        entry.owner = token
+        entry.count = count
+        entry.held_prev = NULL
+        entry.held_next = token.held
+        if token.held is not NULL:
+            token.held.held_prev = entry
+        token.held = entry
+        self.acquisitions += 1
+
+    cdef inline void _disown(self, Entry *entry) noexcept:
+        if entry.held_prev is not NULL:
+            entry.held_prev.held_next = entry.held_next
+        else:
+            entry.owner.held = entry.held_next
+        if entry.held_next is not NULL:
+            entry.held_next.held_prev = entry.held_prev
+        entry.owner = NULL
+        entry.count = 0
+        if entry.nreaders == 0:
+            self.held -= 1
+
+    cdef inline Hold* _read_hold(self, Entry *entry, Token *token) noexcept:
+        cdef Hold *hold = entry.readers
+        while hold is not NULL and hold.token != token:
+            hold = hold.entry_next
+        return hold
+
+    cdef void _add_read(self, Entry *entry, Token *token, Hold *hold, Py_ssize_t count) noexcept:
+        if entry.owner is NULL and entry.nreaders == 0:
+            self.held += 1
+        hold.token = token
+        hold.entry = entry
+        hold.count = count
+        hold.entry_prev = NULL
+        hold.entry_next = entry.readers
+        if entry.readers is not NULL:
+            entry.readers.entry_prev = hold
+        entry.readers = hold
+        entry.nreaders += 1
+        hold.token_prev = NULL
+        hold.token_next = token.reads
+        if token.reads is not NULL:
+            token.reads.token_prev = hold
+        token.reads = hold
+        self.acquisitions += 1
+
+    cdef void _drop_read(self, Entry *entry, Hold *hold) noexcept:
+        if hold.entry_prev is not NULL:
+            hold.entry_prev.entry_next = hold.entry_next
+        else:
+            entry.readers = hold.entry_next
+        if hold.entry_next is not NULL:
+            hold.entry_next.entry_prev = hold.entry_prev
+        if hold.token_prev is not NULL:
+            hold.token_prev.token_next = hold.token_next
+        else:
+            hold.token.reads = hold.token_next
+        if hold.token_next is not NULL:
+            hold.token_next.token_prev = hold.token_prev
+        entry.nreaders -= 1
+        if entry.owner is NULL and entry.nreaders == 0:
+            self.held -= 1
+        PyMem_Free(hold)
+
+    # -- queues ---------------------------------------------------------------------------
+
+    cdef inline void _enqueue(self, Entry *entry, Request *request, bint at_head) noexcept:
+        if at_head:  # an upgrade: no writer behind could get in before it anyway
+            request.prev = NULL
+            request.next = entry.head
+            if entry.head is not NULL:
+                entry.head.prev = request
+            else:
+                entry.tail = request
+            entry.head = request
+        else:
+            request.next = NULL
+            request.prev = entry.tail
+            if entry.tail is not NULL:
+                entry.tail.next = request
+            else:
+                entry.head = request
+            entry.tail = request
+        self.waiting += 1
+
+    cdef inline void _dequeue(self, Entry *entry, Request *request) noexcept:
+        if request.prev is not NULL:
+            request.prev.next = request.next
+        else:
+            entry.head = request.next
+        if request.next is not NULL:
+            request.next.prev = request.prev
+        else:
+            entry.tail = request.prev
+        self.waiting -= 1
+
+    cdef inline void _leave_queue(self, Entry *entry, Request *request) noexcept:
+        self._dequeue(entry, request)
+        PyMem_Free(request.hold)
+        request.hold = NULL
+        request.state = LEFT
 
     cdef int _keep_only(self, Token *survivor, list retired) except -1:
         """In a forked child: keep what ``survivor`` (the forking thread) holds, drop the rest.
@@ -764,6 +912,8 @@ cdef class LockManager:
         cdef size_t bucket
         cdef Entry *entry
         cdef Request *request
+        cdef Hold *hold
+        cdef Hold *next_hold
         cdef PyObject *key
         if doomed is NULL:
             raise MemoryError()
@@ -779,7 +929,13 @@ cdef class LockManager:
                 entry.tail = NULL
                 if entry.owner is not NULL and entry.owner != survivor:
                     self._disown(entry)
-                if entry.owner is NULL:
+                hold = entry.readers
+                while hold is not NULL:
+                    next_hold = hold.entry_next
+                    if hold.token != survivor:
+                        self._drop_read(entry, hold)
+                    hold = next_hold
+                if entry.owner is NULL and entry.nreaders == 0:
                     doomed[count] = entry
                     count += 1
                 entry = entry.bucket_next
@@ -791,53 +947,6 @@ cdef class LockManager:
         # end of table section
         PyMem_Free(doomed)
         return 0
-
-    cdef inline void _own(self, Entry *entry, Token *token, Py_ssize_t count) noexcept:
-        entry.owner = token
-        entry.count = count
-        entry.held_prev = NULL
-        entry.held_next = token.held
-        if token.held is not NULL:
-            token.held.held_prev = entry
-        token.held = entry
-        self.held += 1
-        self.acquisitions += 1
-
-    cdef inline void _disown(self, Entry *entry) noexcept:
-        if entry.held_prev is not NULL:
-            entry.held_prev.held_next = entry.held_next
-        else:
-            entry.owner.held = entry.held_next
-        if entry.held_next is not NULL:
-            entry.held_next.held_prev = entry.held_prev
-        entry.owner = NULL
-        entry.count = 0
-        self.held -= 1
-
-    cdef inline void _enqueue(self, Entry *entry, Request *request) noexcept:
-        request.next = NULL
-        request.prev = entry.tail
-        if entry.tail is not NULL:
-            entry.tail.next = request
-        else:
-            entry.head = request
-        entry.tail = request
-        self.waiting += 1
-
-    cdef inline void _leave_queue(self, Entry *entry, Request *request) noexcept:
-        self._dequeue(entry, request)
-        request.state = LEFT
-
-    cdef inline void _dequeue(self, Entry *entry, Request *request) noexcept:
-        if request.prev is not NULL:
-            request.prev.next = request.next
-        else:
-            entry.head = request.next
-        if request.next is not NULL:
-            request.next.prev = request.prev
-        else:
-            entry.tail = request.prev
-        self.waiting -= 1
 
     # -- the table ------------------------------------------------------------------------
 
@@ -894,6 +1003,8 @@ cdef class LockManager:
         entry.count = 0
         entry.held_prev = NULL
         entry.held_next = NULL
+        entry.readers = NULL
+        entry.nreaders = 0
         entry.head = NULL
         entry.tail = NULL
         bucket = &self.buckets[self._bucket(h)]
@@ -946,6 +1057,222 @@ cdef class LockManager:
         PyMem_Free(old)
 
 
+# -- the managers -------------------------------------------------------------------------
+
+@cython.final
+cdef class LockManager(_Engine):
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    def __cinit__(self, *, fair=True):
+        self._fair = bool(fair)
+
+    @property
+    def fair(self):
+        """True for strict FIFO hand-off, False for eventual fairness."""
+        return self._fair
+
+    def acquire(self, key, blocking=True, timeout=FOREVER):
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(key, hash(key), seconds, 1)
+
+    def release(self, key):
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        self._release_write(key, hash(key))
+
+    def hold(self, key, timeout=None):
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        cdef double seconds = hold_seconds(timeout)
+        cdef KeyLock view = self._view(key)
+        view.seconds = seconds
+        return view
+
+    def __getitem__(self, key):
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return self._view(key)
+
+    def synchronized(self, key_func):
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        return synchronized(self, key_func)
+
+    def locked(self, key):
+        """Whether any thread holds ``key``."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and entry.owner is not NULL
+
+    def owned(self, key):
+        """Whether the calling thread holds ``key``."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and entry.owner is not NULL and entry.owner == existing_token()
+
+    def owner(self, key):
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def recursion_count(self, key):
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        if entry is NULL or entry.owner is NULL or entry.owner != existing_token():
+            return 0
+        return entry.count
+
+    def __contains__(self, key):
+        """Whether ``key`` is currently held (by any thread)."""
+        return self.locked(key)
+
+    def _owner_and_count(self, key):
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        if entry is NULL or entry.owner is NULL:
+            return None, 0
+        return entry.owner.ident, entry.count
+
+    def _release_save(self, key):
+        return self._release_fully(key, hash(key))
+
+    def _acquire_restore(self, key, state):
+        self._acquire_write(key, hash(key), -1.0, restored_count(state))
+
+    cdef KeyLock _view(self, key):
+        cdef KeyLock view = KeyLock.__new__(KeyLock)
+        view.hash = hash(key)
+        view.manager = self
+        view.key = key
+        view.seconds = -1.0
+        return view
+
+    cdef tuple _release_fully(self, object key, Py_hash_t h):
+        cdef Token *token = existing_token()
+        cdef Entry *entry
+        cdef PyObject *retired
+        self._find(key, h, &entry)
+        # table section
+        if entry is NULL or token is NULL or entry.owner != token:
+            raise not_owned(key)
+        saved = (entry.count, token.ident)
+        self._disown(entry)
+        retired = self._pass_on(entry)
+        # end of table section
+        Py_XDECREF(retired)
+        return saved
+
+
+@cython.final
+cdef class RWLockManager(_Engine):
+    """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
+    writer starvation, upgrades and downgrades within a thread."""
+
+    def __cinit__(self):
+        pass
+
+    def acquire_read(self, key, blocking=True, timeout=FOREVER):
+        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_read(key, hash(key), seconds)
+
+    def acquire_write(self, key, blocking=True, timeout=FOREVER):
+        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(key, hash(key), seconds, 1)
+
+    def release_read(self, key):
+        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        self._release_read(key, hash(key))
+
+    def release_write(self, key):
+        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        self._release_write(key, hash(key))
+
+    def read(self, key, timeout=None):
+        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        return self._holding(key, timeout, READ)
+
+    def write(self, key, timeout=None):
+        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        return self._holding(key, timeout, WRITE)
+
+    def readers(self, key):
+        """How many threads hold ``key`` for reading."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return 0 if entry is NULL else entry.nreaders
+
+    def write_locked(self, key):
+        """Whether a thread holds ``key`` for writing."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and entry.owner is not NULL
+
+    def __contains__(self, key):
+        """Whether ``key`` has any holder."""
+        cdef Entry *entry
+        self._find(key, hash(key), &entry)
+        return entry is not NULL and (entry.owner is not NULL or entry.nreaders > 0)
+
+    def _read_count(self, key):
+        """How many times the calling thread reads ``key``."""
+        cdef Entry *entry
+        cdef Hold *hold = NULL
+        self._find(key, hash(key), &entry)
+        if entry is not NULL and existing_token() is not NULL:
+            hold = self._read_hold(entry, existing_token())
+        return 0 if hold is NULL else hold.count
+
+    cdef _Holding _holding(self, key, timeout, Mode mode):
+        cdef _Holding holding = _Holding.__new__(_Holding)
+        holding.seconds = hold_seconds(timeout)
+        holding.hash = hash(key)
+        holding.manager = self
+        holding.key = key
+        holding.mode = mode
+        return holding
+
+
+@cython.final
+@cython.freelist(16)
+cdef class _Holding:
+    """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
+    cdef RWLockManager manager  # whose key
+    cdef object key             # the key
+    cdef Py_hash_t hash         # hash(key)
+    cdef double seconds         # how long ``with`` waits: -1 forever
+    cdef Mode mode              # READ or WRITE
+
+    def __enter__(self):
+        if self.mode == READ:
+            acquired = self.manager._acquire_read(self.key, self.hash, self.seconds)
+        else:
+            acquired = self.manager._acquire_write(self.key, self.hash, self.seconds, 1)
+        if not acquired:
+            raise timed_out(self.key, self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        if self.mode == READ:
+            self.manager._release_read(self.key, self.hash)
+        else:
+            self.manager._release_write(self.key, self.hash)
+
+
 @cython.final
 @cython.freelist(16)
 cdef class KeyLock:
@@ -972,21 +1299,21 @@ cdef class KeyLock:
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self.manager._acquire(self.key, self.hash, seconds, 1)
+        return self.manager._acquire_write(self.key, self.hash, seconds, 1)
 
     def release(self):
-        self.manager._release(self.key, self.hash)
+        self.manager._release_write(self.key, self.hash)
 
     def locked(self):
         return self.manager.locked(self.key)
 
     def __enter__(self):
-        if not self.manager._acquire(self.key, self.hash, self.seconds, 1):
+        if not self.manager._acquire_write(self.key, self.hash, self.seconds, 1):
             raise timed_out(self.key, self.seconds)
         return True
 
     def __exit__(self, exc_type, exc, traceback):
-        self.manager._release(self.key, self.hash)
+        self.manager._release_write(self.key, self.hash)
 
     def _is_owned(self):
         return self.manager.owned(self.key)
@@ -995,7 +1322,7 @@ cdef class KeyLock:
         return self.manager._release_fully(self.key, self.hash)
 
     def _acquire_restore(self, state):
-        self.manager._acquire(self.key, self.hash, -1.0, restored_count(state))
+        self.manager._acquire_write(self.key, self.hash, -1.0, restored_count(state))
 
     def _recursion_count(self):
         return self.manager.recursion_count(self.key)

@@ -33,6 +33,7 @@ __all__ = [
     "LockStats",
     "LockTimeout",
     "NotOwnedError",
+    "RWLockManager",
     "implementation",
 ]
 
@@ -40,14 +41,14 @@ implementation: str
 NO_EXTENSIONS = bool(os.environ.get("LOCKMGR_NO_EXTENSIONS"))
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from ._pure import KeyLock, LockManager
+    from ._pure import KeyLock, LockManager, RWLockManager
 
     implementation = "python"
 else:
     try:
-        from ._core import KeyLock, LockManager
+        from ._core import KeyLock, LockManager, RWLockManager
     except ImportError:  # pragma: no cover - built without a compiler, or on PyPy
-        from ._pure import KeyLock, LockManager
+        from ._pure import KeyLock, LockManager, RWLockManager
 
         implementation = "python"
     else:

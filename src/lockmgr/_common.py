@@ -169,10 +169,9 @@ def restored_count(state: tuple[int, int]) -> int:
 
 
 def manager_repr(manager: object, fair: bool, held: int, waiting: int) -> str:
-    return (
-        f"<lockmgr.LockManager fair={fair} held={held} waiting={waiting} "
-        f"at {id(manager):#x}>"
-    )
+    name = type(manager).__name__
+    option = f" fair={fair}" if name == "LockManager" else ""
+    return f"<lockmgr.{name}{option} held={held} waiting={waiting} at {id(manager):#x}>"
 
 
 def key_lock_repr(view: object, key: object, owner: int | None, count: int) -> str:

@@ -3,23 +3,27 @@
 It is the reference the compiled core is tested against, the fallback where no compiled
 core is available (PyPy, no compiler), and what type checkers read.
 
-Engine in one paragraph (the compiled core follows it line for line): a manager keeps a
-table of *entries*, one per key that is held or waited on. An entry has an owner (a
-per-thread *token*, never the integer ident), the owner's recursion count, and a FIFO
-queue of *requests*. A request belongs to one waiting thread, which sleeps on its token's
-``wakeup`` lock. Releasing a key with waiters either grants it to the head request
-(strict FIFO: the head becomes the owner before ``release`` returns) or, in ``fair=False``
-mode while the head has waited less than ``HANDOFF_AFTER``, frees it and wakes the head to
-race for it. Every table, entry, request and token field is guarded by ``_mutex``.
+The engine (the compiled core follows it name for name): a manager keeps a table of
+*entries*, one per key that is held or waited on. An entry has a write holder (a per-thread
+*token*, never the integer ident) with its recursion count, read holders with theirs
+(RWLockManager), and a FIFO queue of *requests*. A request belongs to one waiting thread,
+which sleeps on its token's ``wakeup`` lock. When a holder or a request leaves, ``_pass_on``
+grants what the head of the queue allows: a run of readers together, or one writer (strict
+FIFO: the head becomes the holder before ``release`` returns; with ``fair=False`` and a head
+that has waited less than ``HANDOFF_AFTER``, the key is freed and the head woken to race for
+it). Every table, entry, request and token field is guarded by the manager's ``_mutex``.
 
 Invariants (kept under ``_mutex``):
-- an entry is in the table iff it has an owner or a queued request;
-- ``entry.count > 0`` iff ``entry.owner is not None``;
-- fair mode: an entry without owner has an empty queue (release hands off directly);
-- an entry without owner but with a queue has a WOKEN head, on its way to take the key;
+- an entry is in the table iff it has a holder or a queued request;
+- ``entry.count > 0`` iff ``entry.owner is not None``; every read count is > 0;
+- in fair mode an entry whose head request could be granted has no queue: ``_pass_on``
+  runs whenever a holder or a request leaves;
+- with ``fair=False``, an entry without holders but with a queue has a WOKEN head, on its
+  way to take the key;
 - a token's ``wakeup`` lock is released (posted) only on a request's WAITING -> WOKEN or
-  WAITING -> GRANTED transition (WOKEN -> GRANTED reuses the post already made), and the waiter consumes that post before its request
-  goes back to WAITING or leaves the queue, so the lock acts as a binary semaphore.
+  WAITING -> GRANTED transition (WOKEN -> GRANTED reuses the post already made), and the
+  waiter consumes that post before its request goes back to WAITING or leaves the queue,
+  so the lock acts as a binary semaphore.
 """
 
 from __future__ import annotations
@@ -50,25 +54,29 @@ from ._common import (
     warn_abandoned,
 )
 
-__all__ = ["KeyLock", "LockManager"]
+__all__ = ["KeyLock", "LockManager", "RWLockManager"]
 
 K = TypeVar("K", bound=Hashable)
 
 _WAITING = 0  # queued, asleep or about to sleep
 _WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
-_GRANTED = 2  # the key was handed to this request; its thread owns it now
+_GRANTED = 2  # the key was handed to this request; its thread holds it now
 _LEFT = 3  # timed out or cancelled: out of the queue, its thread about to return
+
+_READ = 1  # shared: any number of threads at once (RWLockManager)
+_WRITE = 2  # exclusive (every LockManager request)
 
 
 class _Token:
     """The identity of one thread towards every manager; ownership means this object."""
 
-    __slots__ = ("held", "ident", "is_main", "request", "wakeup")
+    __slots__ = ("held", "ident", "is_main", "reads", "request", "wakeup")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
         self.is_main = threading.current_thread() is threading.main_thread()
-        self.held: dict[_Entry, weakref.ref[LockManager[Any]]] = {}  # entries owned -> manager
+        self.held: dict[_Entry, weakref.ref[_Engine]] = {}  # write-held entries -> manager
+        self.reads: dict[_Entry, weakref.ref[_Engine]] = {}  # read-held entries -> manager
         self.wakeup = threading.Lock()  # held except while a grant/wake is posted
         self.wakeup.acquire()
         self.request: _Request | None = None  # the request its thread is waiting in
@@ -91,16 +99,17 @@ class _ThreadExit:
         if token.request is not None or _forking:
             return  # shutdown or a forked child: the thread is gone mid-wait or fork cleans up
         abandoned = [entry.key for entry in token.held]
-        for entry, manager_ref in list(token.held.items()):
+        abandoned += [entry.key for entry in token.reads if entry.owner is not token]
+        for manager_ref in {*token.held.values(), *token.reads.values()}:
             manager = manager_ref()
             if manager is not None:
-                manager._release_abandoned(entry, token)
+                manager._release_held(token)
         if abandoned and not sys.is_finalizing():
             warn_abandoned(token.ident, abandoned)
 
 
 _local = threading.local()
-_managers: weakref.WeakSet[LockManager[Any]] = weakref.WeakSet()  # every live manager (fork)
+_managers: weakref.WeakSet[_Engine] = weakref.WeakSet()  # every live manager (for fork)
 _forking = False  # between os.fork()'s before hook and its after hook
 
 
@@ -119,33 +128,33 @@ def _existing_token() -> _Token | None:
 
 
 class _Request:
-    __slots__ = ("count", "entry", "manager", "since", "state", "token")
+    __slots__ = ("count", "entry", "manager", "mode", "since", "state", "token")
 
-    def __init__(self, token: _Token, manager: LockManager[Any], entry: _Entry, count: int) -> None:
+    def __init__(
+        self, token: _Token, manager: _Engine, entry: _Entry, mode: int, count: int
+    ) -> None:
         self.token = token  # the waiting thread
         self.manager = manager  # whose queue it is in
         self.entry = entry  # the entry whose queue it is in
+        self.mode = mode  # _READ or _WRITE
         self.count = count  # recursion level to install when granted
         self.state = _WAITING
         self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
 
 
 class _Entry:
-    __slots__ = ("count", "key", "owner", "queue")
+    __slots__ = ("count", "key", "owner", "queue", "readers")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key  # the key as first given
-        self.owner: _Token | None = None
-        self.count = 0  # the owner's recursion level
+        self.owner: _Token | None = None  # the write holder
+        self.count = 0  # the write holder's recursion level
+        self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
 
 
-@final
-class LockManager(Generic[K]):
-    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
-
-    Memory grows only with the keys currently held or waited on.
-    """
+class _Engine:
+    """The table, holds, queues, grants and waits that every manager shares."""
 
     __slots__ = (
         "_acquisitions",
@@ -161,29 +170,26 @@ class LockManager(Generic[K]):
         "__weakref__",
     )
 
-    def __init__(self, *, fair: bool = True) -> None:
-        self._fair = bool(fair)
+    def __init__(self) -> None:
+        self._fair = True
         self._mutex = threading.Lock()  # guards everything below and every entry and request
         self._table: dict[Hashable, _Entry] = {}
-        self._ref = weakref.ref(self)  # what tokens keep: they must not keep the manager alive
-        _managers.add(self)
-        self._held = 0
+        self._held = 0  # entries with a write or read holder
         self._waiting = 0
         self._acquisitions = 0
         self._contended = 0
         self._timeouts = 0
         self._deadlocks = 0
+        self._ref = weakref.ref(self)  # what tokens keep: they must not keep the manager alive
+        _managers.add(self)
 
     def __del__(self) -> None:
         # Nobody waits here (a waiter's call keeps the manager alive), but keys may be held.
         for entry in getattr(self, "_table", {}).values():  # __init__ may have failed
             if entry.owner is not None:
                 entry.owner.held.pop(entry, None)
-
-    @property
-    def fair(self) -> bool:
-        """True for strict FIFO hand-off, False for eventual fairness (see the class doc)."""
-        return self._fair
+            for reader in entry.readers:
+                reader.reads.pop(entry, None)
 
     def __repr__(self) -> str:
         return manager_repr(self, self._fair, self._held, self._waiting)
@@ -191,102 +197,9 @@ class LockManager(Generic[K]):
     def __reduce__(self) -> Any:
         raise TypeError(PICKLE_ERROR)
 
-    # -- acquiring and releasing -----------------------------------------------------------
-
-    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
-
-        Returns True once held (reentrant: a holder always succeeds at once), False if
-        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
-        """
-        return self._acquire(key, wait_seconds(blocking, timeout), 1)
-
-    def release(self, key: K) -> None:
-        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or token is None or entry.owner is not token:
-                raise not_owned(key)
-            entry.count -= 1
-            if entry.count == 0:
-                self._disown(entry)
-                self._pass_on(entry)
-
-    def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
-        """A context manager holding ``key`` for its block.
-
-        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
-        """
-        seconds = hold_seconds(timeout)
-        view = KeyLock(self, key)
-        view._seconds = seconds
-        return view
-
-    def __getitem__(self, key: K) -> KeyLock[K]:
-        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
-        return KeyLock(self, key)
-
-    def release_all(self) -> int:
-        """Release every key of this manager the calling thread holds, all levels; returns how many."""
-        token = _existing_token()
-        if token is None:
-            return 0
-        with self._mutex:
-            mine = [entry for entry, manager in token.held.items() if manager is self._ref]
-            for entry in mine:
-                self._disown(entry)
-                self._pass_on(entry)
-        return len(mine)
-
-    def synchronized(self, key_func: Any) -> Any:
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
-        return synchronized(self, key_func)
-
-    # -- introspection ---------------------------------------------------------------------
-
-    def locked(self, key: K) -> bool:
-        """Whether any thread holds ``key``."""
-        with self._mutex:
-            entry = self._table.get(key)
-            return entry is not None and entry.owner is not None
-
-    def owned(self, key: K) -> bool:
-        """Whether the calling thread holds ``key``."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            return entry is not None and token is not None and entry.owner is token
-
-    def owner(self, key: K) -> int | None:
-        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
-        return self._owner_and_count(key)[0]
-
-    def _owner_and_count(self, key: K) -> tuple[int | None, int]:
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or entry.owner is None:
-                return None, 0
-            return entry.owner.ident, entry.count
-
-    def recursion_count(self, key: K) -> int:
-        """How many times the calling thread holds ``key`` (0 if it does not)."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or token is None or entry.owner is not token:
-                return 0
-            return entry.count
-
     def __len__(self) -> int:
         """Keys currently held."""
         return self._held
-
-    def __contains__(self, key: object) -> bool:
-        """Whether ``key`` is currently held (by any thread)."""
-        with self._mutex:
-            entry = self._table.get(key)
-            return entry is not None and entry.owner is not None
 
     def stats(self) -> LockStats:
         """A snapshot of this manager's counters."""
@@ -300,26 +213,15 @@ class LockManager(Generic[K]):
                 deadlocks=self._deadlocks,
             )
 
-    # -- what threading.Condition uses -----------------------------------------------------
-
-    def _release_save(self, key: K) -> tuple[int, int]:
+    def release_all(self) -> int:
+        """Release every key of this manager the calling thread holds, all levels; returns how many."""
         token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or token is None or entry.owner is not token:
-                raise not_owned(key)
-            saved = (entry.count, token.ident)
-            self._disown(entry)
-            self._pass_on(entry)
-            return saved
+        return 0 if token is None else self._release_held(token)
 
-    def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
-        self._acquire(key, -1.0, restored_count(state))
+    # -- acquiring (everything below runs under _mutex unless it says otherwise) ------------
 
-    # -- the engine (everything below runs under _mutex unless it says otherwise) -----------
-
-    def _acquire(self, key: K, seconds: float, count: int) -> bool:
-        """Acquire ``count`` levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+    def _acquire_write(self, key: Hashable, seconds: float, count: int) -> bool:
+        """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         token = _current_token()
         with self._mutex:
             entry = self._table.get(key)
@@ -331,51 +233,92 @@ class LockManager(Generic[K]):
                 entry.count += count
                 self._acquisitions += 1
                 return True
-            if entry.owner is None:  # fair=False only: the woken head has not run yet
+            upgrade = token in entry.readers
+            if entry.owner is None and (not entry.readers or (upgrade and len(entry.readers) == 1)):
+                # No reader, or the caller is the only one. In fair mode no holder means an
+                # empty queue; with fair=False a woken head may not have run yet: this barges.
                 self._own(entry, token, count)
                 return True
-            if seconds == 0:
-                self._timeouts += 1
-                return False
-            cycle = self._find_cycle(token, entry)
-            if cycle is not None:
-                self._deadlocks += 1
-                raise deadlock(cycle)
-            request = _Request(token, self, entry, count)
-            entry.queue.append(request)
-            token.request = request
-            self._waiting += 1
-        return self._wait(entry, request, seconds)
+            request = self._queue_unless(entry, token, seconds, count, _WRITE, upgrade)
+        return request is not None and self._wait(entry, request, seconds)
 
-    def _find_cycle(self, me: _Token, entry: _Entry) -> list[tuple[int, Hashable]] | None:
-        """The cycle ``me`` would close by waiting for ``entry``, or None (see _core)."""
+    def _acquire_read(self, key: Hashable, seconds: float) -> bool:
+        token = _current_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is not None and token in entry.readers:
+                entry.readers[token] += 1  # reentrant, even past queued writers
+                self._acquisitions += 1
+                return True
+            if entry is None:
+                entry = self._table[key] = _Entry(key)
+            if entry.owner is token or (entry.owner is None and not entry.queue):
+                self._add_read(entry, token, 1)
+                return True
+            request = self._queue_unless(entry, token, seconds, 1, _READ, False)
+        return request is not None and self._wait(entry, request, seconds)
+
+    def _queue_unless(
+        self, entry: _Entry, token: _Token, seconds: float, count: int, mode: int, upgrade: bool
+    ) -> _Request | None:
+        """The key is taken: give up (try-lock, None), refuse (deadlock), or queue a request."""
+        if seconds == 0:
+            self._timeouts += 1
+            return None
+        cycle = self._find_cycle(token, entry, mode, upgrade)
+        if cycle is not None:
+            self._deadlocks += 1
+            raise deadlock(cycle)
+        request = _Request(token, self, entry, mode, count)
+        if upgrade:  # no writer behind could get in before it anyway
+            entry.queue.appendleft(request)
+        else:
+            entry.queue.append(request)
+        token.request = request
+        self._waiting += 1
+        return request
+
+    def _find_cycle(
+        self, me: _Token, entry: _Entry, mode: int, at_head: bool
+    ) -> list[tuple[int, Hashable]] | None:
+        """The cycle ``me`` would close by waiting for ``entry`` in ``mode``, or None.
+
+        A waiting request waits for the holders it conflicts with and for the conflicting
+        requests queued ahead of it (PostgreSQL's hard and soft edges); see the compiled
+        core's ``find_cycle``, which this follows step for step.
+        """
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
 
-        def reach_waited_for(thread: _Token, waits_for: _Entry, own: _Request | None) -> bool:
+        def reach_waited_for(
+            thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool
+        ) -> bool:
             successors = [waits_for.owner]
-            for ahead in waits_for.queue:
-                if ahead is own:
-                    break
-                successors.append(ahead.token)
+            if mode == _WRITE:
+                successors += reversed(waits_for.readers)  # newest first, as in _core
+            if not at_head:
+                for ahead in waits_for.queue:
+                    if ahead is own:
+                        break
+                    if mode == _WRITE or ahead.mode == _WRITE:
+                        successors.append(ahead.token)
             for successor in successors:
-                if successor is None:
+                if successor is None or successor is thread:
                     continue
                 if successor is me:
-                    if thread is not me:
-                        reached[me] = (thread, waits_for)
-                        return True
-                elif successor not in reached:
+                    reached[me] = (thread, waits_for)
+                    return True
+                if successor not in reached:
                     reached[successor] = (thread, waits_for)
                     stack.append(successor)
             return False
 
-        closed = reach_waited_for(me, entry, None)
+        closed = reach_waited_for(me, entry, mode, None, at_head)
         while not closed and stack:
             thread = stack.pop()
             own = thread.request
             if own is not None and own.state in (_WAITING, _WOKEN) and own.manager is self:
-                closed = reach_waited_for(thread, own.entry, own)
+                closed = reach_waited_for(thread, own.entry, own.mode, own, False)
         if not closed:
             return None
         cycle = []
@@ -409,10 +352,8 @@ class LockManager(Generic[K]):
                         if not posted:
                             wakeup.acquire(blocking=False)  # consume the post
                         if request.state == _WOKEN:
-                            if entry.owner is None:
-                                self._leave_queue(entry, request)
-                                self._own(entry, request.token, request.count)
-                                request.state = _GRANTED
+                            if self._grantable(entry, request):
+                                self._grant(entry, request)
                             else:
                                 request.state = _WAITING  # overtaken: sleep again at the head
                         if request.state == _GRANTED:
@@ -420,8 +361,7 @@ class LockManager(Generic[K]):
                             return True
                     if deadline is not None and time.monotonic() >= deadline:
                         self._leave_queue(entry, request)
-                        if entry.owner is None:
-                            self._pass_on(entry)
+                        self._pass_on(entry)
                         self._timeouts += 1
                         return False
         except BaseException:
@@ -435,19 +375,104 @@ class LockManager(Generic[K]):
         """An exception ends the wait: undo the request, passing on a grant that raced it."""
         if request.state == _GRANTED:  # only this thread can release what it was granted
             self._acquisitions -= 1
-            self._disown(entry)
-            self._pass_on(entry)
+            if request.mode == _READ:
+                self._drop_read(entry, request.token)
+            else:
+                self._disown(entry)
         else:
             request.token.wakeup.acquire(blocking=False)  # consume a post that raced us
             self._leave_queue(entry, request)
-            if entry.owner is None:
+        self._pass_on(entry)
+
+    # -- releasing ---------------------------------------------------------------------------
+
+    def _release_write(self, key: Hashable) -> None:
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                raise not_owned(key)
+            entry.count -= 1
+            if entry.count == 0:
+                self._disown(entry)
                 self._pass_on(entry)
 
+    def _release_read(self, key: Hashable) -> None:
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or token not in entry.readers:
+                raise not_owned(key)
+            entry.readers[token] -= 1
+            if entry.readers[token] == 0:
+                self._drop_read(entry, token)
+                self._pass_on(entry)
+
+    def _release_held(self, token: _Token) -> int:
+        """Fully release every key of this manager ``token`` holds; returns how many keys."""
+        released = 0
+        with self._mutex:
+            for entry, manager in list(token.reads.items()):  # reads first: see _core
+                if manager is self._ref:
+                    released += entry.owner is not token
+                    self._drop_read(entry, token)
+                    self._pass_on(entry)
+            for entry, manager in list(token.held.items()):
+                if manager is self._ref:
+                    released += 1
+                    self._disown(entry)
+                    self._pass_on(entry)
+        return released
+
+    def _pass_on(self, entry: _Entry) -> None:
+        """A holder or a request left ``entry``: grant what the queue's head allows (a run
+        of readers together, or one writer), or drop the entry if nothing is left."""
+        while True:
+            if not entry.queue:
+                if entry.owner is None and not entry.readers:
+                    del self._table[entry.key]
+                    if not self._table:
+                        self._table.clear()  # dicts never shrink on delete; this frees a grown one
+                return
+            head = entry.queue[0]
+            if not self._grantable(entry, head):
+                return
+            was = head.state
+            if head.mode == _READ or self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:
+                # Also when already WOKEN: a woken thread may wait long for the GIL while
+                # others keep taking the key; granting it is what bounds its wait.
+                self._grant(entry, head)
+            elif was == _WAITING:
+                head.state = _WOKEN
+            if was == _WAITING:  # a WOKEN head has its post already
+                head.token.wakeup.release()
+            if head.mode == _WRITE:
+                return
+
+    def _grantable(self, entry: _Entry, request: _Request) -> bool:
+        if entry.owner is not None:
+            return False
+        readers = entry.readers
+        return request.mode == _READ or not readers or (
+            len(readers) == 1 and request.token in readers)
+
+    def _grant(self, entry: _Entry, request: _Request) -> None:
+        entry.queue.remove(request)
+        self._waiting -= 1
+        if request.mode == _READ:
+            self._add_read(entry, request.token, request.count)
+        else:
+            self._own(entry, request.token, request.count)
+        request.state = _GRANTED
+
+    # -- holders -----------------------------------------------------------------------------
+
     def _own(self, entry: _Entry, token: _Token, count: int) -> None:
+        if not entry.readers:
+            self._held += 1
         entry.owner = token
         entry.count = count
         token.held[entry] = self._ref
-        self._held += 1
         self._acquisitions += 1
 
     def _disown(self, entry: _Entry) -> None:
@@ -458,33 +483,28 @@ class LockManager(Generic[K]):
             owner.held.clear()  # dicts never shrink on delete; this frees a grown one
         entry.owner = None
         entry.count = 0
-        self._held -= 1
+        if not entry.readers:
+            self._held -= 1
+
+    def _add_read(self, entry: _Entry, token: _Token, count: int) -> None:
+        if entry.owner is None and not entry.readers:
+            self._held += 1
+        entry.readers[token] = count
+        token.reads[entry] = self._ref
+        self._acquisitions += 1
+
+    def _drop_read(self, entry: _Entry, token: _Token) -> None:
+        del entry.readers[token]
+        del token.reads[entry]
+        if not token.reads:
+            token.reads.clear()  # dicts never shrink on delete; this frees a grown one
+        if entry.owner is None and not entry.readers:
+            self._held -= 1
 
     def _leave_queue(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)
         self._waiting -= 1
         request.state = _LEFT
-
-    def _pass_on(self, entry: _Entry) -> None:
-        """``entry`` just lost its owner: grant or wake the head request, or drop the entry."""
-        if not entry.queue:
-            del self._table[entry.key]
-            if not self._table:
-                self._table.clear()  # dicts never shrink on delete; this frees a grown one
-            return
-        head = entry.queue[0]
-        was = head.state
-        if self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:
-            # Also when already WOKEN: a woken thread may wait long for the GIL while
-            # others keep taking the key; granting it is what bounds its wait.
-            entry.queue.popleft()
-            self._waiting -= 1
-            self._own(entry, head.token, head.count)
-            head.state = _GRANTED
-        elif was == _WAITING:
-            head.state = _WOKEN
-        if was == _WAITING:  # a WOKEN head has its post already
-            head.token.wakeup.release()
 
     def _keep_only(self, survivor: _Token | None) -> None:
         """In a forked child (see _after_fork_in_child); the mutex was held across fork()."""
@@ -495,16 +515,199 @@ class LockManager(Generic[K]):
             entry.queue.clear()
             if entry.owner is not None and entry.owner is not survivor:
                 self._disown(entry)
-            if entry.owner is None:
+            for reader in [reader for reader in entry.readers if reader is not survivor]:
+                self._drop_read(entry, reader)
+            if entry.owner is None and not entry.readers:
                 del self._table[key]
         self._waiting = 0
 
-    def _release_abandoned(self, entry: _Entry, token: _Token) -> None:
-        """Release a key whose owning thread has ended (called from the token's finalizer)."""
+
+@final
+class LockManager(_Engine, Generic[K]):
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *, fair: bool = True) -> None:
+        super().__init__()
+        self._fair = bool(fair)
+
+    @property
+    def fair(self) -> bool:
+        """True for strict FIFO hand-off, False for eventual fairness (see the README)."""
+        return self._fair
+
+    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        return self._acquire_write(key, wait_seconds(blocking, timeout), 1)
+
+    def release(self, key: K) -> None:
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        self._release_write(key)
+
+    def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        seconds = hold_seconds(timeout)
+        view = KeyLock(self, key)
+        view._seconds = seconds
+        return view
+
+    def __getitem__(self, key: K) -> KeyLock[K]:
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return KeyLock(self, key)
+
+    def synchronized(self, key_func: Any) -> Any:
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        return synchronized(self, key_func)
+
+    def locked(self, key: K) -> bool:
+        """Whether any thread holds ``key``."""
         with self._mutex:
-            if entry.owner is token:
-                self._disown(entry)
-                self._pass_on(entry)
+            entry = self._table.get(key)
+            return entry is not None and entry.owner is not None
+
+    def owned(self, key: K) -> bool:
+        """Whether the calling thread holds ``key``."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and token is not None and entry.owner is token
+
+    def owner(self, key: K) -> int | None:
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def recursion_count(self, key: K) -> int:
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                return 0
+            return entry.count
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is currently held (by any thread)."""
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and entry.owner is not None
+
+    def _owner_and_count(self, key: K) -> tuple[int | None, int]:
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or entry.owner is None:
+                return None, 0
+            return entry.owner.ident, entry.count
+
+    def _release_save(self, key: K) -> tuple[int, int]:
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            if entry is None or token is None or entry.owner is not token:
+                raise not_owned(key)
+            saved = (entry.count, token.ident)
+            self._disown(entry)
+            self._pass_on(entry)
+            return saved
+
+    def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
+        self._acquire_write(key, -1.0, restored_count(state))
+
+
+@final
+class RWLockManager(_Engine, Generic[K]):
+    """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
+    writer starvation, upgrades and downgrades within a thread."""
+
+    __slots__ = ()
+
+    def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        return self._acquire_read(key, wait_seconds(blocking, timeout))
+
+    def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        return self._acquire_write(key, wait_seconds(blocking, timeout), 1)
+
+    def release_read(self, key: K) -> None:
+        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        self._release_read(key)
+
+    def release_write(self, key: K) -> None:
+        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        self._release_write(key)
+
+    def read(self, key: K, timeout: float | None = None) -> _Holding[K]:
+        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        return _Holding(self, key, hold_seconds(timeout), _READ)
+
+    def write(self, key: K, timeout: float | None = None) -> _Holding[K]:
+        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        return _Holding(self, key, hold_seconds(timeout), _WRITE)
+
+    def readers(self, key: K) -> int:
+        """How many threads hold ``key`` for reading."""
+        with self._mutex:
+            entry = self._table.get(key)
+            return 0 if entry is None else len(entry.readers)
+
+    def write_locked(self, key: K) -> bool:
+        """Whether a thread holds ``key`` for writing."""
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and entry.owner is not None
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has any holder."""
+        with self._mutex:
+            entry = self._table.get(key)
+            return entry is not None and (entry.owner is not None or bool(entry.readers))
+
+    def _read_count(self, key: K) -> int:
+        """How many times the calling thread reads ``key``."""
+        token = _existing_token()
+        with self._mutex:
+            entry = self._table.get(key)
+            return 0 if entry is None or token is None else entry.readers.get(token, 0)
+
+
+@final
+class _Holding(Generic[K]):
+    """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
+
+    __slots__ = ("_key", "_manager", "_mode", "_seconds")
+
+    def __init__(self, manager: RWLockManager[K], key: K, seconds: float, mode: int) -> None:
+        hash(key)  # an unhashable key fails here, not later
+        self._manager = manager
+        self._key = key
+        self._seconds = seconds
+        self._mode = mode
+
+    def __enter__(self) -> bool:
+        if self._mode == _READ:
+            acquired = self._manager._acquire_read(self._key, self._seconds)
+        else:
+            acquired = self._manager._acquire_write(self._key, self._seconds, 1)
+        if not acquired:
+            raise timed_out(self._key, self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._mode == _READ:
+            self._manager._release_read(self._key)
+        else:
+            self._manager._release_write(self._key)
 
 
 @final
@@ -532,21 +735,21 @@ class KeyLock(Generic[K]):
         return self._manager
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._manager._acquire(self._key, wait_seconds(blocking, timeout), 1)
+        return self._manager._acquire_write(self._key, wait_seconds(blocking, timeout), 1)
 
     def release(self) -> None:
-        self._manager.release(self._key)
+        self._manager._release_write(self._key)
 
     def locked(self) -> bool:
         return self._manager.locked(self._key)
 
     def __enter__(self) -> bool:
-        if not self._manager._acquire(self._key, self._seconds, 1):
+        if not self._manager._acquire_write(self._key, self._seconds, 1):
             raise timed_out(self._key, self._seconds)
         return True
 
     def __exit__(self, *exc_info: object) -> None:
-        self._manager.release(self._key)
+        self._manager._release_write(self._key)
 
     def _is_owned(self) -> bool:
         return self._manager.owned(self._key)
@@ -605,4 +808,3 @@ def _after_fork_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
-
