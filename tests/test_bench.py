@@ -48,3 +48,16 @@ def test_bad_options_are_rejected() -> None:
         bench.main(["--threads", "0"])
     with pytest.raises(SystemExit):
         bench.main(["--scenario", "nope"])
+
+
+def test_reader_writer_managers_run_only_the_read_mostly_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "read-mostly", "--scenario", "uncontended",
+                       "--impl", "rwlock", "--impl", "rwlock-pure", "--impl", "threading.Lock",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    read_mostly = {row["impl"] for row in rows if row["scenario"] == "read-mostly"}
+    uncontended = {row["impl"] for row in rows if row["scenario"] == "uncontended"}
+    assert read_mostly == {"rwlock", "rwlock-pure", "threading.Lock"}
+    assert uncontended == {"threading.Lock"}
+    assert all(row["value"] > 0 for row in rows)

@@ -44,6 +44,8 @@ class Subject:
     with_block: tuple[str, dict[str, Any]]  # timeit statement + globals: one ``with`` block
     hold: tuple[str, dict[str, Any]] | None = None  # lockmgr's ``with locks.hold(key)``
     per_key_memory: bool = True  # whether memory grows per key (not for one global lock)
+    read_view: View | None = None  # key -> a context manager reading it (default: ``view``)
+    shared_only: bool = False  # a reader/writer manager: only the read-mostly scenario
 
 
 def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
@@ -73,6 +75,17 @@ def _global(lock_class: Callable[[], Any]) -> Callable[[], Subject]:
     return make
 
 
+def _rwlock(manager_class: Any) -> Callable[[], Subject]:
+    def make() -> Subject:
+        locks = manager_class()
+        names = {"a": locks.acquire_write, "r": locks.release_write, "m": locks, "k": "user:42"}
+        return Subject(view=locks.write, read_view=locks.read, acquire=locks.acquire_write,
+                       release=locks.release_write, pair=("a(k); r(k)", names),
+                       with_block=("with m.write(k): pass", names), shared_only=True)
+
+    return make
+
+
 def _dict_of_locks() -> Subject:
     locks: collections.defaultdict[Key, Any] = collections.defaultdict(threading.Lock)
     names = {"d": locks, "k": "user:42"}
@@ -92,7 +105,9 @@ def implementations() -> dict[str, Callable[[], Subject]]:
     else:
         found["lockmgr"] = _lockmgr(compiled.LockManager)
         found["lockmgr-unfair"] = _lockmgr(compiled.LockManager, fair=False)
+        found["rwlock"] = _rwlock(compiled.RWLockManager)
     found["lockmgr-pure"] = _lockmgr(_pure.LockManager)
+    found["rwlock-pure"] = _rwlock(_pure.RWLockManager)
     found["threading.Lock"] = _global(threading.Lock)
     found["threading.RLock"] = _global(threading.RLock)
     found["dict-of-locks"] = _dict_of_locks
@@ -335,6 +350,44 @@ def memory(name: str, subject: Subject, settings: Settings, results: Results) ->
     results.add("memory", name, f"residue-after-{2 * count}-keys", residue, "B")
 
 
+READ_SECONDS = 0.0005  # a read's work inside the lock, off the GIL (say, I/O)
+WRITE_SECONDS = 0.0005
+
+
+def read_mostly(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    """90% reads, 10% writes over 4 hot keys; each holds its key while it sleeps 0.5 ms."""
+    duration = settings.scaled(1.0, 3.0)
+    stop = threading.Event()
+    start = threading.Barrier(settings.threads + 1)
+    counts = [0] * settings.threads
+    read_view = subject.read_view or subject.view
+
+    def body(index: int) -> None:
+        rng = random.Random(index)
+        plan = [(f"key-{rng.randrange(4)}", rng.random() < 0.9) for _ in range(4096)]
+        start.wait()
+        done = 0
+        for key, reading in itertools.cycle(plan):
+            if stop.is_set():
+                break
+            with (read_view if reading else subject.view)(key):
+                time.sleep(READ_SECONDS if reading else WRITE_SECONDS)
+            done += 1
+        counts[index] = done
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(duration)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    results.add("read-mostly", name, "throughput", sum(counts) / (time.perf_counter() - began),
+                "ops/s")
+
+
 SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
     "uncontended": uncontended,
     "hot-key": hot_key,
@@ -342,6 +395,7 @@ SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
     "create-if-not-exists": create_if_not_exists,
     "fairness": fairness,
     "memory": memory,
+    "read-mostly": read_mostly,
 }
 
 
@@ -451,8 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     results = Results()
     for scenario in args.scenario or list(SCENARIOS):
         for name in impls:
+            subject = available[name]()
+            if subject.shared_only and scenario != "read-mostly":
+                continue
             progress(f"{scenario}: {name}")
-            SCENARIOS[scenario](name, available[name](), settings, results)
+            SCENARIOS[scenario](name, subject, settings, results)
     print("\n".join(table(results, impls)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
