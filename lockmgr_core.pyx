@@ -58,8 +58,10 @@ from lockmgr._common import (
     hold_seconds,
     key_lock_repr,
     manager_repr,
+    many_items,
     not_owned,
     restored_count,
+    rw_items,
     synchronized,
     timed_out,
     wait_seconds,
@@ -145,12 +147,16 @@ cdef struct Request:
     Request *prev        # neighbour towards the head of the entry's queue
     Request *next        # neighbour towards the tail
     Token *token         # the waiting thread's token
-    Entry *entry         # the entry whose queue it is in
+    Entry *entry         # the entry whose queue it is (or would be) in
     Mode mode            # what it asks for
     Hold *hold           # READ: the hold to link in when granted (allocated by the waiter)
     Py_ssize_t count     # recursion level to install when granted
     RequestState state   # set by the granting/waking thread and by the waiter, table section only
     double since         # monotonic time it queued (fair=False's hand-off rule)
+    bint at_head         # an upgrade: queued before every other request
+    Request *lead        # multi-key: the first node of its array, whose state speaks for all
+    Py_ssize_t nodes     # multi-key, on the lead: how many nodes its array holds
+    bint queued          # multi-key: it waits in its entry's queue (else it re-enters a held key)
 
 
 cdef struct Entry:
@@ -360,8 +366,23 @@ cdef int reach_waited_for(Search *search, Token *thread, Entry *waits_for, Mode 
     return 0
 
 
-cdef list find_cycle(Token *me, Entry *entry, Mode mode, bint at_head):
-    """The cycle ``me`` would close by waiting for ``entry`` in ``mode``, or None.
+cdef int reach_request(Search *search, Token *thread, Request *request, bint enqueued) except -1:
+    """Reach every thread ``request`` (single, or a multi-key lead) waits for."""
+    cdef Py_ssize_t i
+    cdef Request *node
+    if request.lead is NULL:
+        return reach_waited_for(search, thread, request.entry, request.mode,
+                                request if enqueued else NULL, request.at_head)
+    for i in range(request.nodes):
+        node = request + i
+        if node.queued and reach_waited_for(search, thread, node.entry, node.mode,
+                                            node if enqueued else NULL, node.at_head):
+            return 1
+    return 0
+
+
+cdef list find_cycle(Token *me, Request *request):
+    """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
     A waiting request waits for the holders it conflicts with and for the conflicting
     requests queued ahead of it (PostgreSQL's hard and soft edges). With soft edges a
@@ -375,6 +396,7 @@ cdef list find_cycle(Token *me, Entry *entry, Mode mode, bint at_head):
     cdef Token *thread = me
     cdef Request *own
     cdef int closed
+    cdef PyObject *manager = request.entry.manager
     searches += 1
     search.number = searches
     search.me = me
@@ -383,14 +405,14 @@ cdef list find_cycle(Token *me, Entry *entry, Mode mode, bint at_head):
     search.room = 0
     me.visit = searches
     try:
-        closed = reach_waited_for(&search, me, entry, mode, NULL, at_head)
+        closed = reach_request(&search, me, request, False)
         while not closed and search.depth:
             search.depth -= 1
             thread = search.stack[search.depth]
             own = thread.request
             if own is not NULL and (own.state == WAITING or own.state == WOKEN) \
-                    and own.entry.manager == entry.manager:
-                closed = reach_waited_for(&search, thread, own.entry, own.mode, own, False)
+                    and own.entry.manager == manager:
+                closed = reach_request(&search, thread, own, True)
     finally:
         PyMem_Free(search.stack)
     if not closed:
@@ -428,6 +450,14 @@ cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline, bint is_main) noexc
     if seconds * 1e6 >= <double>PY_TIMEOUT_MAX:
         return PY_TIMEOUT_MAX
     return <PY_TIMEOUT_T>(seconds * 1e6)
+
+
+cdef inline int retire(PyObject *key, list retired) except -1:
+    """Keep a key reference the table gave up in ``retired`` (dropped after the section)."""
+    if key is not NULL:
+        retired.append(<object>key)
+        Py_XDECREF(key)
+    return 0
 
 
 # -- fork ---------------------------------------------------------------------------------
@@ -586,9 +616,11 @@ cdef class _Engine:
             return True
         if entry.nreaders:
             upgrade = self._read_hold(entry, token) is not NULL
-        if entry.owner is NULL and (entry.nreaders == 0 or (upgrade and entry.nreaders == 1)):
-            # No reader, or the caller is the only one. In fair mode no holder means an empty
-            # queue; with fair=False a woken head may not have run yet: this barges.
+        if entry.owner is NULL and (
+                (entry.nreaders == 0 and (entry.head is NULL or entry.head.state == WOKEN))
+                or (upgrade and entry.nreaders == 1)):
+            # Free and nobody queued (with fair=False, a woken head that has not run yet may
+            # be overtaken), or the caller is the only reader: an upgrade goes at once.
             self._own(entry, token, count)
             return True
         return self._wait_unless(entry, token, seconds, count, WRITE, NULL, upgrade)
@@ -619,49 +651,171 @@ cdef class _Engine:
             return True
         return self._wait_unless(entry, token, seconds, 1, READ, hold, False)
 
+    cdef bint _acquire_many(self, list items, double seconds) except -1:
+        """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
+        cdef Py_ssize_t n = len(items), i
+        cdef Token *token = current_token()
+        cdef Request *nodes = <Request*>PyMem_Calloc(n + 1, sizeof(Request))
+        cdef Py_hash_t *hashes = <Py_hash_t*>PyMem_Malloc((n + 1) * sizeof(Py_hash_t))
+        cdef Request *node
+        cdef Entry *entry
+        cdef size_t version
+        cdef bint ready = True
+        retired = []
+        try:
+            if nodes is NULL or hashes is NULL:
+                raise MemoryError()
+            if n == 0:
+                return True
+            for i in range(n):
+                hashes[i] = hash(items[i][0])
+            while True:  # a lookup that ran Python code may have let the table change
+                version = self.version
+                for i in range(n):
+                    self._find(items[i][0], hashes[i], &(nodes + i).entry)
+                if self.version == version:
+                    break
+            # table section
+            for i in range(n):
+                if nodes[i].entry is NULL:
+                    try:
+                        nodes[i].entry = self._insert(items[i][0], hashes[i])
+                    except MemoryError:
+                        nodes.nodes = i
+                        self._discard(nodes, retired)
+                        raise
+            nodes.nodes = n
+            for i in range(n):
+                node = nodes + i
+                entry = node.entry
+                node.token = token
+                node.lead = nodes
+                node.count = 1
+                node.mode = items[i][1]
+                node.queued = True
+                if node.mode == WRITE:
+                    if entry.owner == token:
+                        node.queued = False
+                    else:
+                        node.at_head = entry.nreaders and self._read_hold(entry, token) is not NULL
+                        ready = ready and entry.owner is NULL and (
+                            (entry.nreaders == 0 and entry.head is NULL)
+                            or (node.at_head and entry.nreaders == 1))
+                elif self._read_hold(entry, token) is not NULL:
+                    node.queued = False
+                else:
+                    node.hold = <Hold*>PyMem_Malloc(sizeof(Hold))
+                    if node.hold is NULL:
+                        self._discard(nodes, retired)
+                        raise MemoryError()
+                    if entry.owner == token:
+                        node.queued = False  # reads a key it writes
+                    else:
+                        ready = ready and entry.owner is NULL and entry.head is NULL
+            if ready:
+                self._grant_nodes(nodes, False)
+                return True
+            if seconds == 0:
+                self._discard(nodes, retired)
+                self.timeouts += 1
+                return False
+            return self._wait(nodes, seconds)
+        finally:
+            PyMem_Free(nodes)
+            PyMem_Free(hashes)
+
+    cdef int _release_many(self, list items) except -1:
+        """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
+        asked) none, with NotOwnedError."""
+        cdef Py_ssize_t n = len(items), i
+        cdef Token *token = existing_token()
+        cdef Entry **entries = <Entry**>PyMem_Malloc((n + 1) * sizeof(Entry*))
+        cdef Py_hash_t *hashes = <Py_hash_t*>PyMem_Malloc((n + 1) * sizeof(Py_hash_t))
+        cdef Entry *entry
+        cdef Hold *hold
+        cdef size_t version
+        retired = []
+        try:
+            if entries is NULL or hashes is NULL:
+                raise MemoryError()
+            for i in range(n):
+                hashes[i] = hash(items[i][0])
+            while True:
+                version = self.version
+                for i in range(n):
+                    self._find(items[i][0], hashes[i], entries + i)
+                if self.version == version:
+                    break
+            # table section
+            for i in range(n):
+                entry = entries[i]
+                if entry is NULL or token is NULL or (
+                        entry.owner != token if items[i][1] == WRITE
+                        else self._read_hold(entry, token) is NULL):
+                    raise not_owned(items[i][0])
+            for i in range(n):
+                entry = entries[i]
+                if items[i][1] == WRITE:
+                    entry.count -= 1
+                    if entry.count == 0:
+                        self._disown(entry)
+                else:
+                    hold = self._read_hold(entry, token)
+                    hold.count -= 1
+                    if hold.count == 0:
+                        self._drop_read(entry, hold)
+                retire(self._pass_on(entry), retired)
+            # end of table section
+            return 0
+        finally:
+            PyMem_Free(entries)
+            PyMem_Free(hashes)
+
     cdef bint _wait_unless(self, Entry *entry, Token *token, double seconds, Py_ssize_t count,
                            Mode mode, Hold *hold, bint upgrade) except -1:
-        """The key is taken: give up (try-lock), refuse (deadlock), or queue and wait.
-
-        Owns ``hold`` (READ), freeing it unless a grant links it in.
-        """
+        """The key is taken: give up (try-lock) or wait. Owns ``hold`` (READ): a grant links
+        it in, anything else frees it."""
+        cdef Request request
         if seconds == 0:
             PyMem_Free(hold)
             self.timeouts += 1
             return False
-        cycle = find_cycle(token, entry, mode, upgrade)
-        if cycle is not None:
-            PyMem_Free(hold)
-            self.deadlocks += 1
-            # end of table section
-            raise deadlock(cycle)
-        return self._wait(entry, token, seconds, count, mode, hold, upgrade)
-
-    cdef bint _wait(self, Entry *entry, Token *token, double seconds, Py_ssize_t count,
-                    Mode mode, Hold *hold, bint at_head) except -1:
-        """Queue a request on ``entry`` and sleep until it is granted or time runs out."""
-        cdef Request request
-        cdef double deadline = -1.0
-        cdef PY_TIMEOUT_T microseconds
-        cdef PyLockStatus status
-        cdef PyObject *retired = NULL
-        if token.wakeup is NULL:
-            try:
-                token.wakeup = new_wakeup()
-            except MemoryError:
-                PyMem_Free(hold)
-                raise
         request.token = token
         request.entry = entry
         request.mode = mode
         request.hold = hold
         request.count = count
+        request.at_head = upgrade
+        request.lead = NULL
+        request.nodes = 1
+        request.queued = True
+        return self._wait(&request, seconds)
+
+    cdef bint _wait(self, Request *request, double seconds) except -1:
+        """Refuse ``request`` (single, or a multi-key lead) if waiting would deadlock, else
+        queue it and sleep until it is granted or time runs out."""
+        cdef Token *token = request.token
+        cdef double deadline = -1.0
+        cdef PY_TIMEOUT_T microseconds
+        cdef PyLockStatus status
+        retired = []  # keys the table gave up, dropped when this returns (after the section)
+        cycle = find_cycle(token, request)
+        if cycle is not None:
+            self._discard(request, retired)
+            self.deadlocks += 1
+            # end of table section
+            raise deadlock(cycle)
+        if token.wakeup is NULL:
+            try:
+                token.wakeup = new_wakeup()
+            except MemoryError:
+                self._discard(request, retired)
+                raise
         request.state = WAITING
         request.since = lockmgr_monotonic()
         if seconds > 0:
             deadline = request.since + seconds
-        self._enqueue(entry, &request, at_head)
-        token.request = &request
+        self._enqueue_request(request)
         # end of table section
         try:
             while True:
@@ -672,9 +826,9 @@ cdef class _Engine:
                 if request.state != WAITING:
                     if status != PY_LOCK_ACQUIRED:
                         PyThread_acquire_lock(token.wakeup, NOWAIT_LOCK)  # consume the post
-                    if request.state == WOKEN:
-                        if self._grantable(entry, &request):
-                            self._grant(entry, &request)
+                    if request.state == WOKEN:  # single requests only
+                        if self._grantable(request.entry, request):
+                            self._grant(request.entry, request)
                         else:
                             request.state = WAITING  # overtaken: sleep again at the head
                 # end of table section
@@ -683,33 +837,70 @@ cdef class _Engine:
                     self.contended += 1
                     return True
                 if deadline >= 0 and lockmgr_monotonic() >= deadline:
-                    # table section
-                    self._leave_queue(entry, &request)
-                    retired = self._pass_on(entry)
+                    self._leave(request, retired)
                     self.timeouts += 1
-                    # end of table section
-                    Py_XDECREF(retired)
                     return False
         except BaseException:
-            retired = self._give_up(entry, &request)
-            Py_XDECREF(retired)
+            # table section (to the raise)
+            if request.state == GRANTED:  # only this thread can release what it was granted
+                self._undo_grant(request, retired)
+            else:
+                PyThread_acquire_lock(token.wakeup, NOWAIT_LOCK)  # consume a post that raced us
+                self._leave(request, retired)
             raise
         finally:
             token.request = NULL
 
-    cdef PyObject* _give_up(self, Entry *entry, Request *request) noexcept:
-        """An exception ends the wait: undo the request, passing on a grant that raced it."""
-        # table section (to the end of this function)
-        if request.state == GRANTED:  # only this thread can release what it was granted
+    cdef void _enqueue_request(self, Request *request) noexcept:
+        cdef Py_ssize_t i
+        if request.lead is NULL:
+            self._enqueue(request.entry, request, request.at_head)
+        else:
+            for i in range(request.nodes):
+                (request + i).state = WAITING
+                if (request + i).queued:
+                    self._enqueue((request + i).entry, request + i, (request + i).at_head)
+        self.waiting += 1
+        request.token.request = request
+
+    cdef int _leave(self, Request *request, list retired) except -1:
+        """Take a waiting ``request`` (single, or a multi-key lead) out of every queue."""
+        cdef Py_ssize_t i
+        for i in range(request.nodes):
+            if (request + i).queued:
+                self._dequeue((request + i).entry, request + i)
+        self.waiting -= 1
+        request.state = LEFT
+        self._discard(request, retired)
+
+    cdef int _discard(self, Request *request, list retired) except -1:
+        """Free what a request that was never granted allocated, and let its entries move on
+        (entries it created and nobody uses go)."""
+        cdef Py_ssize_t i
+        for i in range(request.nodes):
+            PyMem_Free((request + i).hold)
+            (request + i).hold = NULL
+        for i in range(request.nodes):
+            retire(self._pass_on((request + i).entry), retired)
+
+    cdef int _undo_grant(self, Request *request, list retired) except -1:
+        """Give back everything a granted request (single, or multi-key lead) took."""
+        cdef Py_ssize_t i
+        cdef Request *node
+        for i in range(request.nodes):
+            node = request + i
             self.acquisitions -= 1
-            if request.mode == READ:
-                self._drop_read(entry, request.hold)
+            if node.mode == WRITE:
+                if node.queued:
+                    self._disown(node.entry)
+                else:
+                    node.entry.count -= 1
+            elif node.hold is not NULL:
+                self._drop_read(node.entry, node.hold)
             else:
-                self._disown(entry)
-            return self._pass_on(entry)
-        PyThread_acquire_lock(request.token.wakeup, NOWAIT_LOCK)  # consume a post that raced us
-        self._leave_queue(entry, request)
-        return self._pass_on(entry)
+                self._read_hold(node.entry, node.token).count -= 1
+        for i in range(request.nodes):
+            retire(self._pass_on((request + i).entry), retired)
 
     # -- releasing ------------------------------------------------------------------------
 
@@ -765,6 +956,13 @@ cdef class _Engine:
                 if entry.owner is NULL and entry.nreaders == 0:
                     return self._remove(entry)
                 return NULL
+            if head.lead is not NULL:  # a multi-key request: all of its keys or none
+                if head.lead.state != WAITING or not self._group_grantable(head.lead):
+                    return NULL
+                self._grant_group(head.lead, entry)
+                if head.mode == WRITE:
+                    return NULL
+                continue
             if not self._grantable(entry, head):
                 return NULL
             was = head.state
@@ -788,11 +986,57 @@ cdef class _Engine:
 
     cdef inline void _grant(self, Entry *entry, Request *request) noexcept:
         self._dequeue(entry, request)
+        self._take(entry, request)
+        self.waiting -= 1
+        request.state = GRANTED
+
+    cdef inline void _take(self, Entry *entry, Request *request) noexcept:
         if request.mode == READ:
             self._add_read(entry, request.token, request.hold, request.count)
         else:
             self._own(entry, request.token, request.count)
-        request.state = GRANTED
+
+    cdef bint _group_grantable(self, Request *lead) noexcept:
+        """Every node of a multi-key request is at the head of its queue and compatible."""
+        cdef Py_ssize_t i
+        cdef Request *node
+        for i in range(lead.nodes):
+            node = lead + i
+            if node.queued and (node.entry.head != node or not self._grantable(node.entry, node)):
+                return False
+        return True
+
+    cdef void _grant_nodes(self, Request *lead, bint enqueued) noexcept:
+        """Give a multi-key request every key at once: queued nodes take their entries,
+        the others re-enter keys the caller already holds."""
+        cdef Py_ssize_t i
+        cdef Request *node
+        cdef Hold *hold
+        for i in range(lead.nodes):
+            node = lead + i
+            if node.queued:
+                if enqueued:
+                    self._dequeue(node.entry, node)
+                self._take(node.entry, node)
+            elif node.mode == WRITE:
+                node.entry.count += 1
+                self.acquisitions += 1
+            elif node.hold is not NULL:  # reading a key it writes
+                self._add_read(node.entry, node.token, node.hold, 1)
+            else:
+                self._read_hold(node.entry, node.token).count += 1
+                self.acquisitions += 1
+        lead.state = GRANTED
+
+    cdef void _grant_group(self, Request *lead, Entry *passing) noexcept:
+        """_pass_on found ``lead`` grantable at the head of ``passing``."""
+        cdef Py_ssize_t i
+        self._grant_nodes(lead, True)
+        self.waiting -= 1
+        PyThread_release_lock(lead.token.wakeup)
+        for i in range(lead.nodes):  # readers queued behind its read nodes may follow it in
+            if (lead + i).queued and (lead + i).entry != passing and (lead + i).mode == READ:
+                self._pass_on((lead + i).entry)  # never drops the entry: it has a holder now
 
     # -- holders --------------------------------------------------------------------------
 
@@ -882,7 +1126,6 @@ cdef class _Engine:
             else:
                 entry.head = request
             entry.tail = request
-        self.waiting += 1
 
     cdef inline void _dequeue(self, Entry *entry, Request *request) noexcept:
         if request.prev is not NULL:
@@ -893,13 +1136,6 @@ cdef class _Engine:
             request.next.prev = request.prev
         else:
             entry.tail = request.prev
-        self.waiting -= 1
-
-    cdef inline void _leave_queue(self, Entry *entry, Request *request) noexcept:
-        self._dequeue(entry, request)
-        PyMem_Free(request.hold)
-        request.hold = NULL
-        request.state = LEFT
 
     cdef int _keep_only(self, Token *survivor, list retired) except -1:
         """In a forked child: keep what ``survivor`` (the forking thread) holds, drop the rest.
@@ -1107,6 +1343,26 @@ cdef class LockManager(_Engine):
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
         return synchronized(self, key_func)
 
+    def acquire_many(self, keys, blocking=True, timeout=FOREVER):
+        """Lock every key of ``keys`` at once, or none: True, or False on timeout.
+
+        Duplicates count once; keys the caller holds are re-entered. The request queues
+        FIFO on every key it needs and keeps its place there, so it cannot starve, and it
+        never deadlocks against other multi-key calls, whatever the order of the keys.
+        """
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(many_items(keys), seconds)
+
+    def release_many(self, keys):
+        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        self._release_many(many_items(keys))
+
+    def hold_many(self, keys, timeout=None):
+        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        return _HoldingMany(self, many_items(keys), hold_seconds(timeout))
+
     def locked(self, key):
         """Whether any thread holds ``key``."""
         cdef Entry *entry
@@ -1210,6 +1466,22 @@ cdef class RWLockManager(_Engine):
         """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
         return self._holding(key, timeout, WRITE)
 
+    def acquire_many(self, reads=(), writes=(), blocking=True, timeout=FOREVER):
+        """Read every key of ``reads`` and write every key of ``writes`` at once, or none
+        (a key in both is written); see ``LockManager.acquire_many``."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(rw_items(reads, writes), seconds)
+
+    def release_many(self, reads=(), writes=()):
+        """Undo one ``acquire_many`` with the same arguments."""
+        self._release_many(rw_items(reads, writes))
+
+    def hold_many(self, reads=(), writes=(), timeout=None):
+        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        return _HoldingMany(self, rw_items(reads, writes), hold_seconds(timeout))
+
     def readers(self, key):
         """How many threads hold ``key`` for reading."""
         cdef Entry *entry
@@ -1271,6 +1543,27 @@ cdef class _Holding:
             self.manager._release_read(self.key, self.hash)
         else:
             self.manager._release_write(self.key, self.hash)
+
+
+@cython.final
+cdef class _HoldingMany:
+    """What ``hold_many()`` returns: holds a set of keys for a block."""
+    cdef _Engine manager  # whose keys
+    cdef list items       # the distinct (key, mode) pairs
+    cdef double seconds   # how long ``with`` waits: -1 forever
+
+    def __cinit__(self, _Engine manager, list items, double seconds):
+        self.manager = manager
+        self.items = items
+        self.seconds = seconds
+
+    def __enter__(self):
+        if not self.manager._acquire_many(self.items, self.seconds):
+            raise timed_out(tuple(key for key, _ in self.items), self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.manager._release_many(self.items)
 
 
 @cython.final

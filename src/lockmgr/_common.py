@@ -12,7 +12,7 @@ import operator
 import reprlib
 import threading
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -28,13 +28,17 @@ __all__ = [
     "LockStats",
     "LockTimeout",
     "NotOwnedError",
+    "READ",
+    "WRITE",
     "PICKLE_ERROR",
     "deadlock",
     "hold_seconds",
     "key_lock_repr",
     "manager_repr",
+    "many_items",
     "not_owned",
     "restored_count",
+    "rw_items",
     "synchronized",
     "timed_out",
     "wait_seconds",
@@ -150,6 +154,29 @@ def warn_abandoned(ident: int, keys: list[Hashable]) -> None:
             AbandonedLockWarning,
             stacklevel=1,
         )
+
+
+READ = 1  # a shared (read) request
+WRITE = 2  # an exclusive (write) request
+
+
+def _distinct(keys: Iterable[Hashable], argument: str) -> dict[Hashable, None]:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{argument} must be an iterable of keys, not a single {type(keys).__name__}")
+    return dict.fromkeys(keys)
+
+
+def many_items(keys: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
+    """``LockManager.*_many``: each distinct key once, for write."""
+    return [(key, WRITE) for key in _distinct(keys, "keys")]
+
+
+def rw_items(reads: Iterable[Hashable], writes: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
+    """``RWLockManager.*_many``: each distinct key once; one named in both is written."""
+    written = _distinct(writes, "writes")
+    items = [(key, WRITE) for key in written]
+    items += [(key, READ) for key in _distinct(reads, "reads") if key not in written]
+    return items
 
 
 def not_owned(key: object) -> NotOwnedError:

@@ -34,20 +34,24 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, final
 
 from ._common import (
     HANDOFF_AFTER,
     MAIN_THREAD_SLICE,
     PICKLE_ERROR,
+    READ,
+    WRITE,
     LockStats,
     deadlock,
     hold_seconds,
     key_lock_repr,
     manager_repr,
+    many_items,
     not_owned,
     restored_count,
+    rw_items,
     synchronized,
     timed_out,
     wait_seconds,
@@ -63,8 +67,8 @@ _WOKEN = 1  # fair=False: the key was freed and this request was told to race fo
 _GRANTED = 2  # the key was handed to this request; its thread holds it now
 _LEFT = 3  # timed out or cancelled: out of the queue, its thread about to return
 
-_READ = 1  # shared: any number of threads at once (RWLockManager)
-_WRITE = 2  # exclusive (every LockManager request)
+_READ = READ  # shared: any number of threads at once (RWLockManager)
+_WRITE = WRITE  # exclusive (every LockManager request)
 
 
 class _Token:
@@ -128,18 +132,27 @@ def _existing_token() -> _Token | None:
 
 
 class _Request:
-    __slots__ = ("count", "entry", "manager", "mode", "since", "state", "token")
+    __slots__ = ("at_head", "count", "entry", "lead", "manager", "mode", "nodes", "queued",
+                 "since", "state", "token")
 
     def __init__(
         self, token: _Token, manager: _Engine, entry: _Entry, mode: int, count: int
     ) -> None:
         self.token = token  # the waiting thread
-        self.manager = manager  # whose queue it is in
-        self.entry = entry  # the entry whose queue it is in
+        self.manager = manager  # whose queue it is (or would be) in
+        self.entry = entry  # the entry whose queue it is (or would be) in
         self.mode = mode  # _READ or _WRITE
         self.count = count  # recursion level to install when granted
         self.state = _WAITING
         self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
+        self.at_head = False  # an upgrade: queued before every other request
+        self.lead: _Request | None = None  # multi-key: the first node, which speaks for all
+        self.nodes: list[_Request] | None = None  # multi-key, on the lead: every node
+        self.queued = True  # multi-key: it waits in its entry's queue (else it re-enters)
+
+    def members(self) -> Sequence[_Request]:
+        """The nodes of a multi-key lead, or the single request itself."""
+        return (self,) if self.nodes is None else self.nodes
 
 
 class _Entry:
@@ -234,13 +247,16 @@ class _Engine:
                 self._acquisitions += 1
                 return True
             upgrade = token in entry.readers
-            if entry.owner is None and (not entry.readers or (upgrade and len(entry.readers) == 1)):
-                # No reader, or the caller is the only one. In fair mode no holder means an
-                # empty queue; with fair=False a woken head may not have run yet: this barges.
+            if entry.owner is None and (
+                (not entry.readers and (not entry.queue or entry.queue[0].state == _WOKEN))
+                or (upgrade and len(entry.readers) == 1)
+            ):
+                # Free and nobody queued (with fair=False, a woken head that has not run yet
+                # may be overtaken), or the caller is the only reader: an upgrade goes at once.
                 self._own(entry, token, count)
                 return True
-            request = self._queue_unless(entry, token, seconds, count, _WRITE, upgrade)
-        return request is not None and self._wait(entry, request, seconds)
+            request = self._single(entry, token, seconds, count, _WRITE, upgrade)
+        return request is not None and self._wait(request, seconds)
 
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
         token = _current_token()
@@ -255,33 +271,80 @@ class _Engine:
             if entry.owner is token or (entry.owner is None and not entry.queue):
                 self._add_read(entry, token, 1)
                 return True
-            request = self._queue_unless(entry, token, seconds, 1, _READ, False)
-        return request is not None and self._wait(entry, request, seconds)
+            request = self._single(entry, token, seconds, 1, _READ, False)
+        return request is not None and self._wait(request, seconds)
 
-    def _queue_unless(
+    def _single(
         self, entry: _Entry, token: _Token, seconds: float, count: int, mode: int, upgrade: bool
     ) -> _Request | None:
-        """The key is taken: give up (try-lock, None), refuse (deadlock), or queue a request."""
+        """The key is taken: give up (try-lock, None) or queue a request."""
         if seconds == 0:
             self._timeouts += 1
             return None
-        cycle = self._find_cycle(token, entry, mode, upgrade)
-        if cycle is not None:
-            self._deadlocks += 1
-            raise deadlock(cycle)
         request = _Request(token, self, entry, mode, count)
-        if upgrade:  # no writer behind could get in before it anyway
-            entry.queue.appendleft(request)
-        else:
-            entry.queue.append(request)
-        token.request = request
-        self._waiting += 1
+        request.at_head = upgrade
+        self._queue(request)
         return request
 
-    def _find_cycle(
-        self, me: _Token, entry: _Entry, mode: int, at_head: bool
-    ) -> list[tuple[int, Hashable]] | None:
-        """The cycle ``me`` would close by waiting for ``entry`` in ``mode``, or None.
+    def _acquire_many(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+        """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
+        if not items:
+            return True
+        token = _current_token()
+        with self._mutex:
+            nodes = []
+            ready = True
+            for key, mode in items:
+                entry = self._table.get(key)
+                if entry is None:
+                    entry = self._table[key] = _Entry(key)
+                node = _Request(token, self, entry, mode, 1)
+                nodes.append(node)
+                if mode == _WRITE:
+                    if entry.owner is token:
+                        node.queued = False
+                    else:
+                        node.at_head = token in entry.readers
+                        ready = ready and entry.owner is None and (
+                            (not entry.readers and not entry.queue)
+                            or (node.at_head and len(entry.readers) == 1))
+                elif token in entry.readers or entry.owner is token:
+                    node.queued = False
+                else:
+                    ready = ready and entry.owner is None and not entry.queue
+            lead = nodes[0]
+            lead.nodes = nodes
+            for node in nodes:
+                node.lead = lead
+            if ready:
+                self._grant_nodes(lead, enqueued=False)
+                return True
+            if seconds == 0:
+                self._discard(lead)
+                self._timeouts += 1
+                return False
+            self._queue(lead)
+        return self._wait(lead, seconds)
+
+    def _queue(self, request: _Request) -> None:
+        """Refuse ``request`` (single, or a multi-key lead) if waiting would deadlock, else
+        queue every node of it."""
+        cycle = self._find_cycle(request.token, request)
+        if cycle is not None:
+            self._discard(request)
+            self._deadlocks += 1
+            raise deadlock(cycle)
+        for node in request.members():
+            if node.queued:
+                if node.at_head:  # no writer behind could get in before it anyway
+                    node.entry.queue.appendleft(node)
+                else:
+                    node.entry.queue.append(node)
+        request.token.request = request
+        self._waiting += 1
+
+    def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[int, Hashable]] | None:
+        """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
         A waiting request waits for the holders it conflicts with and for the conflicting
         requests queued ahead of it (PostgreSQL's hard and soft edges); see the compiled
@@ -313,12 +376,19 @@ class _Engine:
                     stack.append(successor)
             return False
 
-        closed = reach_waited_for(me, entry, mode, None, at_head)
+        def reach_request(thread: _Token, request: _Request, enqueued: bool) -> bool:
+            return any(
+                reach_waited_for(thread, node.entry, node.mode, node if enqueued else None,
+                                 node.at_head)
+                for node in request.members() if node.queued
+            )
+
+        closed = reach_request(me, request, False)
         while not closed and stack:
             thread = stack.pop()
             own = thread.request
             if own is not None and own.state in (_WAITING, _WOKEN) and own.manager is self:
-                closed = reach_waited_for(thread, own.entry, own.mode, own, False)
+                closed = reach_request(thread, own, True)
         if not closed:
             return None
         cycle = []
@@ -332,8 +402,9 @@ class _Engine:
         cycle.reverse()
         return cycle
 
-    def _wait(self, entry: _Entry, request: _Request, seconds: float) -> bool:
-        """Sleep until ``request`` is granted or its time runs out. Called without _mutex."""
+    def _wait(self, request: _Request, seconds: float) -> bool:
+        """Sleep until ``request`` (queued) is granted or its time runs out. Called without
+        _mutex."""
         deadline = None if seconds < 0 else request.since + seconds
         wakeup = request.token.wakeup
         slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0
@@ -351,38 +422,60 @@ class _Engine:
                     if request.state != _WAITING:
                         if not posted:
                             wakeup.acquire(blocking=False)  # consume the post
-                        if request.state == _WOKEN:
-                            if self._grantable(entry, request):
-                                self._grant(entry, request)
+                        if request.state == _WOKEN:  # single requests only
+                            if self._grantable(request.entry, request):
+                                self._grant(request.entry, request)
                             else:
                                 request.state = _WAITING  # overtaken: sleep again at the head
                         if request.state == _GRANTED:
                             self._contended += 1
                             return True
                     if deadline is not None and time.monotonic() >= deadline:
-                        self._leave_queue(entry, request)
-                        self._pass_on(entry)
+                        self._leave(request)
                         self._timeouts += 1
                         return False
         except BaseException:
             with self._mutex:
-                self._give_up(entry, request)
+                if request.state == _GRANTED:  # only this thread can release what it was granted
+                    self._undo_grant(request)
+                else:
+                    wakeup.acquire(blocking=False)  # consume a post that raced us
+                    self._leave(request)
             raise
         finally:
             request.token.request = None
 
-    def _give_up(self, entry: _Entry, request: _Request) -> None:
-        """An exception ends the wait: undo the request, passing on a grant that raced it."""
-        if request.state == _GRANTED:  # only this thread can release what it was granted
+    def _leave(self, request: _Request) -> None:
+        """Take a waiting ``request`` (single, or a multi-key lead) out of every queue."""
+        for node in request.members():
+            if node.queued:
+                node.entry.queue.remove(node)
+        self._waiting -= 1
+        request.state = _LEFT
+        self._discard(request)
+
+    def _discard(self, request: _Request) -> None:
+        """Let the entries of a request that was never granted move on (entries it created
+        and nobody uses go)."""
+        for node in request.members():
+            self._pass_on(node.entry)
+
+    def _undo_grant(self, request: _Request) -> None:
+        """Give back everything a granted request (single, or multi-key lead) took."""
+        for node in request.members():
             self._acquisitions -= 1
-            if request.mode == _READ:
-                self._drop_read(entry, request.token)
+            token = node.token
+            if node.mode == _WRITE:
+                if node.queued:
+                    self._disown(node.entry)
+                else:
+                    node.entry.count -= 1
+            elif node.entry.readers[token] == 1:  # the grant made this read hold
+                self._drop_read(node.entry, token)
             else:
-                self._disown(entry)
-        else:
-            request.token.wakeup.acquire(blocking=False)  # consume a post that raced us
-            self._leave_queue(entry, request)
-        self._pass_on(entry)
+                node.entry.readers[token] -= 1
+        for node in request.members():
+            self._pass_on(node.entry)
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -406,6 +499,29 @@ class _Engine:
             entry.readers[token] -= 1
             if entry.readers[token] == 0:
                 self._drop_read(entry, token)
+                self._pass_on(entry)
+
+    def _release_many(self, items: list[tuple[Hashable, int]]) -> None:
+        """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
+        asked) none, with NotOwnedError."""
+        token = _existing_token()
+        with self._mutex:
+            entries = [self._table.get(key) for key, _ in items]
+            for (key, mode), entry in zip(items, entries):
+                if entry is None or token is None or (
+                    entry.owner is not token if mode == _WRITE else token not in entry.readers
+                ):
+                    raise not_owned(key)
+            for (_, mode), entry in zip(items, entries):
+                assert entry is not None and token is not None
+                if mode == _WRITE:
+                    entry.count -= 1
+                    if entry.count == 0:
+                        self._disown(entry)
+                else:
+                    entry.readers[token] -= 1
+                    if entry.readers[token] == 0:
+                        self._drop_read(entry, token)
                 self._pass_on(entry)
 
     def _release_held(self, token: _Token) -> int:
@@ -435,6 +551,13 @@ class _Engine:
                         self._table.clear()  # dicts never shrink on delete; this frees a grown one
                 return
             head = entry.queue[0]
+            if head.lead is not None:  # a multi-key request: all of its keys or none
+                if head.lead.state != _WAITING or not self._group_grantable(head.lead):
+                    return
+                self._grant_group(head.lead, entry)
+                if head.mode == _WRITE:
+                    return
+                continue
             if not self._grantable(entry, head):
                 return
             was = head.state
@@ -458,12 +581,50 @@ class _Engine:
 
     def _grant(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)
+        self._take(entry, request)
         self._waiting -= 1
+        request.state = _GRANTED
+
+    def _take(self, entry: _Entry, request: _Request) -> None:
         if request.mode == _READ:
             self._add_read(entry, request.token, request.count)
         else:
             self._own(entry, request.token, request.count)
-        request.state = _GRANTED
+
+    def _group_grantable(self, lead: _Request) -> bool:
+        """Every node of a multi-key request is at the head of its queue and compatible."""
+        return all(
+            node.entry.queue[0] is node and self._grantable(node.entry, node)
+            for node in lead.members() if node.queued
+        )
+
+    def _grant_nodes(self, lead: _Request, enqueued: bool) -> None:
+        """Give a multi-key request every key at once: queued nodes take their entries,
+        the others re-enter keys the caller already holds."""
+        for node in lead.members():
+            entry, token = node.entry, node.token
+            if node.queued:
+                if enqueued:
+                    entry.queue.remove(node)
+                self._take(entry, node)
+            elif node.mode == _WRITE:
+                entry.count += 1
+                self._acquisitions += 1
+            elif token not in entry.readers:  # reading a key it writes
+                self._add_read(entry, token, 1)
+            else:
+                entry.readers[token] += 1
+                self._acquisitions += 1
+        lead.state = _GRANTED
+
+    def _grant_group(self, lead: _Request, passing: _Entry) -> None:
+        """_pass_on found ``lead`` grantable at the head of ``passing``."""
+        self._grant_nodes(lead, enqueued=True)
+        self._waiting -= 1
+        lead.token.wakeup.release()
+        for node in lead.members():  # readers queued behind its read nodes may follow it in
+            if node.queued and node.entry is not passing and node.mode == _READ:
+                self._pass_on(node.entry)  # never drops the entry: it has a holder now
 
     # -- holders -----------------------------------------------------------------------------
 
@@ -570,6 +731,24 @@ class LockManager(_Engine, Generic[K]):
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
         return synchronized(self, key_func)
 
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock every key of ``keys`` at once, or none: True, or False on timeout.
+
+        Duplicates count once; keys the caller holds are re-entered. The request queues
+        FIFO on every key it needs and keeps its place there, so it cannot starve, and it
+        never deadlocks against other multi-key calls, whatever the order of the keys.
+        """
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(many_items(keys), seconds)
+
+    def release_many(self, keys: Iterable[K]) -> None:
+        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        self._release_many(many_items(keys))
+
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
+        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        return _HoldingMany(self, many_items(keys), hold_seconds(timeout))
+
     def locked(self, key: K) -> bool:
         """Whether any thread holds ``key``."""
         with self._mutex:
@@ -655,6 +834,25 @@ class RWLockManager(_Engine, Generic[K]):
         """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
         return _Holding(self, key, hold_seconds(timeout), _WRITE)
 
+    def acquire_many(
+        self, reads: Iterable[K] = (), writes: Iterable[K] = (), blocking: bool = True,
+        timeout: float = -1,
+    ) -> bool:
+        """Read every key of ``reads`` and write every key of ``writes`` at once, or none
+        (a key in both is written); see ``LockManager.acquire_many``."""
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(rw_items(reads, writes), seconds)
+
+    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        """Undo one ``acquire_many`` with the same arguments."""
+        self._release_many(rw_items(reads, writes))
+
+    def hold_many(
+        self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None
+    ) -> _HoldingMany:
+        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        return _HoldingMany(self, rw_items(reads, writes), hold_seconds(timeout))
+
     def readers(self, key: K) -> int:
         """How many threads hold ``key`` for reading."""
         with self._mutex:
@@ -708,6 +906,26 @@ class _Holding(Generic[K]):
             self._manager._release_read(self._key)
         else:
             self._manager._release_write(self._key)
+
+
+@final
+class _HoldingMany:
+    """What ``hold_many()`` returns: holds a set of keys for a block."""
+
+    __slots__ = ("_items", "_manager", "_seconds")
+
+    def __init__(self, manager: _Engine, items: list[tuple[Hashable, int]], seconds: float) -> None:
+        self._manager = manager
+        self._items = items
+        self._seconds = seconds
+
+    def __enter__(self) -> bool:
+        if not self._manager._acquire_many(self._items, self._seconds):
+            raise timed_out(tuple(key for key, _ in self._items), self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager._release_many(self._items)
 
 
 @final
