@@ -62,6 +62,8 @@ from lockmgr._common import (
     not_owned,
     restored_count,
     rw_items,
+    Stripe,
+    stripe_count,
     synchronized,
     timed_out,
     wait_seconds,
@@ -189,6 +191,12 @@ cdef PyObject *managers = NULL  # every live _Engine, linked through next_manage
 cdef bint forking = False  # between os.fork()'s before hook and its after hook
 if PyThread_tss_create(&token_key) != 0:
     raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
+
+
+cdef inline size_t spread(Py_hash_t h) noexcept:
+    """Mix a hash so its low bits depend on all of it (lockmgr._common.stripe_index)."""
+    cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
+    return <size_t>(mixed ^ (mixed >> 32))
 
 
 # -- tokens -------------------------------------------------------------------------------
@@ -511,6 +519,8 @@ cdef class _Engine:
     cdef unsigned long long deadlocks     # acquisitions refused to avoid a deadlock
     cdef PyObject *previous_manager       # neighbour in the list of live managers (for fork)
     cdef PyObject *next_manager           # neighbour in the list of live managers (for fork)
+    cdef tuple stripe_keys                # striped: one Stripe key per stripe; None: exact keys
+    cdef size_t stripe_mask               # striped: stripe count - 1 (the count is a power of two)
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -574,8 +584,46 @@ cdef class _Engine:
                 + (self.entries + self.spares) * sizeof(Entry))
 
     def __len__(self):
-        """Keys currently held."""
+        """Keys currently held (with stripes: stripes)."""
         return self.held
+
+    @property
+    def stripes(self):
+        """How many stripes keys map onto, or None: one lock per key."""
+        return None if self.stripe_keys is None else len(self.stripe_keys)
+
+    def stripe_of(self, key):
+        """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
+        if self.stripe_keys is None:
+            return None
+        return spread(hash(key)) & self.stripe_mask
+
+    cdef int _use_stripes(self, stripes) except -1:
+        count = stripe_count(stripes)
+        if count is not None:
+            self.stripe_keys = tuple([Stripe(index) for index in range(count)])
+            self.stripe_mask = count - 1
+        return 0
+
+    cdef inline object _lock_key(self, object key, Py_hash_t *h):
+        """The key the table uses for ``key`` (hashed to ``h[0]``): the key itself, or its
+        stripe; ``h[0]`` becomes that key's hash."""
+        cdef size_t index
+        if self.stripe_keys is None:
+            return key
+        index = spread(h[0]) & self.stripe_mask
+        h[0] = <Py_hash_t>index
+        return self.stripe_keys[index]
+
+    def _table_key(self, key):
+        """``_lock_key`` for Python callers (the multi-key argument normalisers)."""
+        cdef Py_hash_t h = hash(key)
+        return self._lock_key(key, &h)
+
+    cdef int _lookup(self, object key, Entry **found) except -1:
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._find(key, h, found)
 
     def stats(self):
         """A snapshot of this manager's counters."""
@@ -1187,8 +1235,7 @@ cdef class _Engine:
     # -- the table ------------------------------------------------------------------------
 
     cdef inline size_t _bucket(self, Py_hash_t h) noexcept:
-        cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL  # spread ints' low bits
-        return <size_t>(mixed ^ (mixed >> 32)) & self.mask
+        return spread(h) & self.mask  # spread: consecutive ints must not share low bits
 
     cdef int _find(self, object key, Py_hash_t h, Entry **found) except -1:
         """Point ``found`` at the entry for ``key`` (hashed to ``h``), or at NULL.
@@ -1302,8 +1349,9 @@ cdef class LockManager(_Engine):
     Memory grows only with the keys currently held or waited on.
     """
 
-    def __cinit__(self, *, fair=True):
+    def __cinit__(self, *, fair=True, stripes=None):
         self._fair = bool(fair)
+        self._use_stripes(stripes)
 
     @property
     def fair(self):
@@ -1319,11 +1367,15 @@ cdef class LockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self._acquire_write(key, hash(key), seconds, 1)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_write(key, h, seconds, 1)
 
     def release(self, key):
         """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
-        self._release_write(key, hash(key))
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_write(key, h)
 
     def hold(self, key, timeout=None):
         """A context manager holding ``key`` for its block.
@@ -1353,26 +1405,26 @@ cdef class LockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self._acquire_many(many_items(keys), seconds)
+        return self._acquire_many(many_items(keys, self._table_key), seconds)
 
     def release_many(self, keys):
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys))
+        self._release_many(many_items(keys, self._table_key))
 
     def hold_many(self, keys, timeout=None):
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
-        return _HoldingMany(self, many_items(keys), hold_seconds(timeout))
+        return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
 
     def locked(self, key):
         """Whether any thread holds ``key``."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         return entry is not NULL and entry.owner is not NULL
 
     def owned(self, key):
         """Whether the calling thread holds ``key``."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         return entry is not NULL and entry.owner is not NULL and entry.owner == existing_token()
 
     def owner(self, key):
@@ -1382,7 +1434,7 @@ cdef class LockManager(_Engine):
     def recursion_count(self, key):
         """How many times the calling thread holds ``key`` (0 if it does not)."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         if entry is NULL or entry.owner is NULL or entry.owner != existing_token():
             return 0
         return entry.count
@@ -1393,22 +1445,28 @@ cdef class LockManager(_Engine):
 
     def _owner_and_count(self, key):
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         if entry is NULL or entry.owner is NULL:
             return None, 0
         return entry.owner.ident, entry.count
 
     def _release_save(self, key):
-        return self._release_fully(key, hash(key))
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._release_fully(key, h)
 
     def _acquire_restore(self, key, state):
-        self._acquire_write(key, hash(key), -1.0, restored_count(state))
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._acquire_write(key, h, -1.0, restored_count(state))
 
     cdef KeyLock _view(self, key):
         cdef KeyLock view = KeyLock.__new__(KeyLock)
-        view.hash = hash(key)
-        view.manager = self
+        cdef Py_hash_t h = hash(key)
         view.key = key
+        view.lock_key = self._lock_key(key, &h)
+        view.hash = h
+        view.manager = self
         view.seconds = -1.0
         return view
 
@@ -1433,30 +1491,38 @@ cdef class RWLockManager(_Engine):
     """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
     writer starvation, upgrades and downgrades within a thread."""
 
-    def __cinit__(self):
-        pass
+    def __cinit__(self, *, stripes=None):
+        self._use_stripes(stripes)
 
     def acquire_read(self, key, blocking=True, timeout=FOREVER):
         """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self._acquire_read(key, hash(key), seconds)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_read(key, h, seconds)
 
     def acquire_write(self, key, blocking=True, timeout=FOREVER):
         """Take ``key`` for writing (an upgrade if the caller reads it)."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self._acquire_write(key, hash(key), seconds, 1)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_write(key, h, seconds, 1)
 
     def release_read(self, key):
         """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
-        self._release_read(key, hash(key))
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_read(key, h)
 
     def release_write(self, key):
         """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
-        self._release_write(key, hash(key))
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_write(key, h)
 
     def read(self, key, timeout=None):
         """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
@@ -1472,49 +1538,50 @@ cdef class RWLockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self._acquire_many(rw_items(reads, writes), seconds)
+        return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
 
     def release_many(self, reads=(), writes=()):
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes))
+        self._release_many(rw_items(reads, writes, self._table_key))
 
     def hold_many(self, reads=(), writes=(), timeout=None):
         """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
-        return _HoldingMany(self, rw_items(reads, writes), hold_seconds(timeout))
+        return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
 
     def readers(self, key):
         """How many threads hold ``key`` for reading."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         return 0 if entry is NULL else entry.nreaders
 
     def write_locked(self, key):
         """Whether a thread holds ``key`` for writing."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         return entry is not NULL and entry.owner is not NULL
 
     def __contains__(self, key):
         """Whether ``key`` has any holder."""
         cdef Entry *entry
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         return entry is not NULL and (entry.owner is not NULL or entry.nreaders > 0)
 
     def _read_count(self, key):
         """How many times the calling thread reads ``key``."""
         cdef Entry *entry
         cdef Hold *hold = NULL
-        self._find(key, hash(key), &entry)
+        self._lookup(key, &entry)
         if entry is not NULL and existing_token() is not NULL:
             hold = self._read_hold(entry, existing_token())
         return 0 if hold is NULL else hold.count
 
     cdef _Holding _holding(self, key, timeout, Mode mode):
         cdef _Holding holding = _Holding.__new__(_Holding)
+        cdef Py_hash_t h = hash(key)
         holding.seconds = hold_seconds(timeout)
-        holding.hash = hash(key)
+        holding.key = self._lock_key(key, &h)
+        holding.hash = h
         holding.manager = self
-        holding.key = key
         holding.mode = mode
         return holding
 
@@ -1576,14 +1643,17 @@ cdef class KeyLock:
     """
     cdef readonly LockManager manager  # the manager whose key this is
     cdef readonly object key           # the key
-    cdef Py_hash_t hash                # hash(key), computed when the view was made
+    cdef object lock_key               # the key the table uses: ``key``, or its stripe
+    cdef Py_hash_t hash                # hash(lock_key), computed when the view was made
     cdef double seconds                # how long ``with`` waits: -1 forever (hold() sets it)
     cdef object __weakref__
 
     def __init__(self, LockManager manager not None, key):
-        self.hash = hash(key)
-        self.manager = manager
+        cdef Py_hash_t h = hash(key)
         self.key = key
+        self.lock_key = manager._lock_key(key, &h)
+        self.hash = h
+        self.manager = manager
         self.seconds = -1.0
 
     __class_getitem__ = classmethod(GenericAlias)
@@ -1592,30 +1662,30 @@ cdef class KeyLock:
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        return self.manager._acquire_write(self.key, self.hash, seconds, 1)
+        return self.manager._acquire_write(self.lock_key, self.hash, seconds, 1)
 
     def release(self):
-        self.manager._release_write(self.key, self.hash)
+        self.manager._release_write(self.lock_key, self.hash)
 
     def locked(self):
         return self.manager.locked(self.key)
 
     def __enter__(self):
-        if not self.manager._acquire_write(self.key, self.hash, self.seconds, 1):
+        if not self.manager._acquire_write(self.lock_key, self.hash, self.seconds, 1):
             raise timed_out(self.key, self.seconds)
         return True
 
     def __exit__(self, exc_type, exc, traceback):
-        self.manager._release_write(self.key, self.hash)
+        self.manager._release_write(self.lock_key, self.hash)
 
     def _is_owned(self):
         return self.manager.owned(self.key)
 
     def _release_save(self):
-        return self.manager._release_fully(self.key, self.hash)
+        return self.manager._release_fully(self.lock_key, self.hash)
 
     def _acquire_restore(self, state):
-        self.manager._acquire_write(self.key, self.hash, -1.0, restored_count(state))
+        self.manager._acquire_write(self.lock_key, self.hash, -1.0, restored_count(state))
 
     def _recursion_count(self):
         return self.manager.recursion_count(self.key)

@@ -31,6 +31,7 @@ __all__ = [
     "READ",
     "WRITE",
     "PICKLE_ERROR",
+    "Stripe",
     "deadlock",
     "hold_seconds",
     "key_lock_repr",
@@ -38,6 +39,8 @@ __all__ = [
     "many_items",
     "not_owned",
     "restored_count",
+    "stripe_count",
+    "stripe_index",
     "rw_items",
     "synchronized",
     "timed_out",
@@ -156,26 +159,64 @@ def warn_abandoned(ident: int, keys: list[Hashable]) -> None:
         )
 
 
+MAX_STRIPES = 1 << 24
+
+
+def stripe_count(stripes: int | None) -> int | None:
+    """``stripes=`` checked and rounded up to a power of two (None: one lock per key)."""
+    if stripes is None:
+        return None
+    count = operator.index(stripes)
+    if not 1 <= count <= MAX_STRIPES:
+        raise ValueError(f"stripes must be between 1 and {MAX_STRIPES}, not {count}")
+    return 1 << (count - 1).bit_length()
+
+
+class Stripe(int):
+    """The one lock a striped manager uses for every key that maps to it."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<stripe {int(self)}>"
+
+
+def stripe_index(key_hash: int, count: int) -> int:
+    """Which of ``count`` (a power of two) stripes a key hashing to ``key_hash`` uses.
+
+    The compiled core computes the same in C: multiply by 2**64/phi modulo 2**64, fold the
+    high half onto the low half, keep the low bits.
+    """
+    mixed = (key_hash * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    return (mixed ^ (mixed >> 32)) & (count - 1)
+
+
 READ = 1  # a shared (read) request
 WRITE = 2  # an exclusive (write) request
 
 
-def _distinct(keys: Iterable[Hashable], argument: str) -> dict[Hashable, None]:
+def _distinct_locks(
+    keys: Iterable[Hashable], argument: str, lock_key: Callable[[Hashable], Hashable]
+) -> dict[Hashable, None]:
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"{argument} must be an iterable of keys, not a single {type(keys).__name__}")
-    return dict.fromkeys(keys)
+    return dict.fromkeys(map(lock_key, keys))
 
 
-def many_items(keys: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
-    """``LockManager.*_many``: each distinct key once, for write."""
-    return [(key, WRITE) for key in _distinct(keys, "keys")]
+def many_items(
+    keys: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable]
+) -> list[tuple[Hashable, int]]:
+    """``LockManager.*_many``: each distinct lock (key, or stripe) once, for write."""
+    return [(key, WRITE) for key in _distinct_locks(keys, "keys", lock_key)]
 
 
-def rw_items(reads: Iterable[Hashable], writes: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
-    """``RWLockManager.*_many``: each distinct key once; one named in both is written."""
-    written = _distinct(writes, "writes")
+def rw_items(
+    reads: Iterable[Hashable], writes: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable]
+) -> list[tuple[Hashable, int]]:
+    """``RWLockManager.*_many``: each distinct lock once; one named in both is written."""
+    written = _distinct_locks(writes, "writes", lock_key)
     items = [(key, WRITE) for key in written]
-    items += [(key, READ) for key in _distinct(reads, "reads") if key not in written]
+    items += [(key, READ) for key in _distinct_locks(reads, "reads", lock_key) if key not in written]
     return items
 
 

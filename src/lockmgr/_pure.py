@@ -52,6 +52,9 @@ from ._common import (
     not_owned,
     restored_count,
     rw_items,
+    Stripe,
+    stripe_count,
+    stripe_index,
     synchronized,
     timed_out,
     wait_seconds,
@@ -177,13 +180,17 @@ class _Engine:
         "_held",
         "_mutex",
         "_ref",
+        "_stripe_keys",
         "_table",
         "_timeouts",
         "_waiting",
         "__weakref__",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, stripes: int | None = None) -> None:
+        count = stripe_count(stripes)
+        # striped: one Stripe key per stripe; None: exact keys
+        self._stripe_keys = None if count is None else tuple(map(Stripe, range(count)))
         self._fair = True
         self._mutex = threading.Lock()  # guards everything below and every entry and request
         self._table: dict[Hashable, _Entry] = {}
@@ -211,8 +218,26 @@ class _Engine:
         raise TypeError(PICKLE_ERROR)
 
     def __len__(self) -> int:
-        """Keys currently held."""
+        """Keys currently held (with stripes: stripes)."""
         return self._held
+
+    @property
+    def stripes(self) -> int | None:
+        """How many stripes keys map onto, or None: one lock per key."""
+        return None if self._stripe_keys is None else len(self._stripe_keys)
+
+    def stripe_of(self, key: Hashable) -> int | None:
+        """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
+        if self._stripe_keys is None:
+            return None
+        return stripe_index(hash(key), len(self._stripe_keys))
+
+    def _table_key(self, key: Hashable) -> Hashable:
+        """The key the table uses for ``key``: the key itself, or its stripe."""
+        if self._stripe_keys is None:
+            hash(key)  # an unhashable key fails here, as on the exact path
+            return key
+        return self._stripe_keys[stripe_index(hash(key), len(self._stripe_keys))]
 
     def stats(self) -> LockStats:
         """A snapshot of this manager's counters."""
@@ -692,8 +717,8 @@ class LockManager(_Engine, Generic[K]):
 
     __slots__ = ()
 
-    def __init__(self, *, fair: bool = True) -> None:
-        super().__init__()
+    def __init__(self, *, fair: bool = True, stripes: int | None = None) -> None:
+        super().__init__(stripes)
         self._fair = bool(fair)
 
     @property
@@ -707,11 +732,12 @@ class LockManager(_Engine, Generic[K]):
         Returns True once held (reentrant: a holder always succeeds at once), False if
         ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
         """
-        return self._acquire_write(key, wait_seconds(blocking, timeout), 1)
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(self._table_key(key), seconds, 1)
 
     def release(self, key: K) -> None:
         """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
-        self._release_write(key)
+        self._release_write(self._table_key(key))
 
     def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
         """A context manager holding ``key`` for its block.
@@ -739,27 +765,27 @@ class LockManager(_Engine, Generic[K]):
         never deadlocks against other multi-key calls, whatever the order of the keys.
         """
         seconds = wait_seconds(blocking, timeout)
-        return self._acquire_many(many_items(keys), seconds)
+        return self._acquire_many(many_items(keys, self._table_key), seconds)
 
     def release_many(self, keys: Iterable[K]) -> None:
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys))
+        self._release_many(many_items(keys, self._table_key))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
-        return _HoldingMany(self, many_items(keys), hold_seconds(timeout))
+        return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
 
     def locked(self, key: K) -> bool:
         """Whether any thread holds ``key``."""
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return entry is not None and entry.owner is not None
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds ``key``."""
         token = _existing_token()
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return entry is not None and token is not None and entry.owner is token
 
     def owner(self, key: K) -> int | None:
@@ -770,7 +796,7 @@ class LockManager(_Engine, Generic[K]):
         """How many times the calling thread holds ``key`` (0 if it does not)."""
         token = _existing_token()
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             if entry is None or token is None or entry.owner is not token:
                 return 0
             return entry.count
@@ -778,12 +804,12 @@ class LockManager(_Engine, Generic[K]):
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is currently held (by any thread)."""
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return entry is not None and entry.owner is not None
 
     def _owner_and_count(self, key: K) -> tuple[int | None, int]:
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             if entry is None or entry.owner is None:
                 return None, 0
             return entry.owner.ident, entry.count
@@ -791,7 +817,7 @@ class LockManager(_Engine, Generic[K]):
     def _release_save(self, key: K) -> tuple[int, int]:
         token = _existing_token()
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             if entry is None or token is None or entry.owner is not token:
                 raise not_owned(key)
             saved = (entry.count, token.ident)
@@ -800,7 +826,7 @@ class LockManager(_Engine, Generic[K]):
             return saved
 
     def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
-        self._acquire_write(key, -1.0, restored_count(state))
+        self._acquire_write(self._table_key(key), -1.0, restored_count(state))
 
 
 @final
@@ -810,29 +836,36 @@ class RWLockManager(_Engine, Generic[K]):
 
     __slots__ = ()
 
+    def __init__(self, *, stripes: int | None = None) -> None:
+        super().__init__(stripes)
+
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
-        return self._acquire_read(key, wait_seconds(blocking, timeout))
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_read(self._table_key(key), seconds)
 
     def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Take ``key`` for writing (an upgrade if the caller reads it)."""
-        return self._acquire_write(key, wait_seconds(blocking, timeout), 1)
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(self._table_key(key), seconds, 1)
 
     def release_read(self, key: K) -> None:
         """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
-        self._release_read(key)
+        self._release_read(self._table_key(key))
 
     def release_write(self, key: K) -> None:
         """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
-        self._release_write(key)
+        self._release_write(self._table_key(key))
 
-    def read(self, key: K, timeout: float | None = None) -> _Holding[K]:
+    def read(self, key: K, timeout: float | None = None) -> _Holding:
         """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
-        return _Holding(self, key, hold_seconds(timeout), _READ)
+        seconds = hold_seconds(timeout)
+        return _Holding(self, self._table_key(key), seconds, _READ)
 
-    def write(self, key: K, timeout: float | None = None) -> _Holding[K]:
+    def write(self, key: K, timeout: float | None = None) -> _Holding:
         """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
-        return _Holding(self, key, hold_seconds(timeout), _WRITE)
+        seconds = hold_seconds(timeout)
+        return _Holding(self, self._table_key(key), seconds, _WRITE)
 
     def acquire_many(
         self, reads: Iterable[K] = (), writes: Iterable[K] = (), blocking: bool = True,
@@ -841,52 +874,51 @@ class RWLockManager(_Engine, Generic[K]):
         """Read every key of ``reads`` and write every key of ``writes`` at once, or none
         (a key in both is written); see ``LockManager.acquire_many``."""
         seconds = wait_seconds(blocking, timeout)
-        return self._acquire_many(rw_items(reads, writes), seconds)
+        return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes))
+        self._release_many(rw_items(reads, writes, self._table_key))
 
     def hold_many(
         self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None
     ) -> _HoldingMany:
         """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
-        return _HoldingMany(self, rw_items(reads, writes), hold_seconds(timeout))
+        return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
 
     def readers(self, key: K) -> int:
         """How many threads hold ``key`` for reading."""
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return 0 if entry is None else len(entry.readers)
 
     def write_locked(self, key: K) -> bool:
         """Whether a thread holds ``key`` for writing."""
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return entry is not None and entry.owner is not None
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has any holder."""
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return entry is not None and (entry.owner is not None or bool(entry.readers))
 
     def _read_count(self, key: K) -> int:
         """How many times the calling thread reads ``key``."""
         token = _existing_token()
         with self._mutex:
-            entry = self._table.get(key)
+            entry = self._table.get(self._table_key(key))
             return 0 if entry is None or token is None else entry.readers.get(token, 0)
 
 
 @final
-class _Holding(Generic[K]):
+class _Holding:
     """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
 
     __slots__ = ("_key", "_manager", "_mode", "_seconds")
 
-    def __init__(self, manager: RWLockManager[K], key: K, seconds: float, mode: int) -> None:
-        hash(key)  # an unhashable key fails here, not later
+    def __init__(self, manager: _Engine, key: Hashable, seconds: float, mode: int) -> None:
         self._manager = manager
         self._key = key
         self._seconds = seconds
@@ -936,10 +968,10 @@ class KeyLock(Generic[K]):
     (and compare equal). A view keeps its manager alive; the manager does not keep views.
     """
 
-    __slots__ = ("_key", "_manager", "_seconds", "__weakref__")
+    __slots__ = ("_key", "_lock_key", "_manager", "_seconds", "__weakref__")
 
     def __init__(self, manager: LockManager[K], key: K) -> None:
-        hash(key)  # an unhashable key fails here, not later
+        self._lock_key = manager._table_key(key)  # the table's key: ``key``, or its stripe
         self._manager = manager
         self._key = key
         self._seconds = -1.0  # how long ``with`` waits: -1 forever (hold() sets it)
@@ -953,21 +985,21 @@ class KeyLock(Generic[K]):
         return self._manager
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._manager._acquire_write(self._key, wait_seconds(blocking, timeout), 1)
+        return self._manager._acquire_write(self._lock_key, wait_seconds(blocking, timeout), 1)
 
     def release(self) -> None:
-        self._manager._release_write(self._key)
+        self._manager._release_write(self._lock_key)
 
     def locked(self) -> bool:
         return self._manager.locked(self._key)
 
     def __enter__(self) -> bool:
-        if not self._manager._acquire_write(self._key, self._seconds, 1):
+        if not self._manager._acquire_write(self._lock_key, self._seconds, 1):
             raise timed_out(self._key, self._seconds)
         return True
 
     def __exit__(self, *exc_info: object) -> None:
-        self._manager._release_write(self._key)
+        self._manager._release_write(self._lock_key)
 
     def _is_owned(self) -> bool:
         return self._manager.owned(self._key)
