@@ -1,0 +1,132 @@
+"""Striped managers: keys map onto a fixed number of locks, so memory never grows."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+
+from conftest import wait_until
+from lockmgr import NotOwnedError
+from lockmgr._common import stripe_index
+
+
+def _two_keys_on_one_stripe(locks) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    seen: dict[int, str] = {}
+    for i in range(10_000):
+        key = f"key-{i}"
+        stripe = locks.stripe_of(key)
+        if stripe in seen:
+            return seen[stripe], key
+        seen[stripe] = key
+    raise AssertionError("no two keys share a stripe")
+
+
+@pytest.mark.parametrize(("asked", "count"), [(1, 1), (5, 8), (16, 16), (1000, 1024)])
+def test_stripe_count_rounds_up_to_a_power_of_two(impl, asked, count) -> None:
+    assert impl.LockManager(stripes=asked).stripes == count
+    assert impl.RWLockManager(stripes=asked).stripes == count
+    assert impl.LockManager().stripes is None and impl.LockManager().stripe_of("k") is None
+
+
+@pytest.mark.parametrize(("stripes", "error"), [(0, ValueError), (-4, ValueError),
+                                                (1 << 30, ValueError), (2.5, TypeError),
+                                                ("8", TypeError)])
+def test_bad_stripe_counts_are_rejected(impl, stripes, error) -> None:
+    with pytest.raises(error):
+        impl.LockManager(stripes=stripes)
+    with pytest.raises(error):
+        impl.RWLockManager(stripes=stripes)
+
+
+def test_both_engines_map_keys_to_the_same_stripes(impl) -> None:
+    locks = impl.LockManager(stripes=64)
+    for key in ["a", "user:42", 7, -7, (1, "x"), 2**70, b"bytes"]:
+        assert locks.stripe_of(key) == stripe_index(hash(key), 64)
+
+
+def test_keys_on_one_stripe_share_its_lock(impl, workers) -> None:
+    locks = impl.LockManager(stripes=8)
+    first, second = _two_keys_on_one_stripe(locks)
+    locks.acquire(first)
+    assert locks.owned(second) and locks.locked(second) and second in locks
+    assert locks.recursion_count(second) == 1
+    locks.acquire(second)  # the same lock: re-entered
+    assert locks.recursion_count(first) == 2 and len(locks) == 1
+    locks.release(second)
+    locks.release(second)  # releasing a key of the stripe releases the stripe
+    assert not locks.locked(first)
+    other = workers("other")
+    other.run(lambda: locks.acquire(first))
+    assert locks.acquire(second, timeout=0) is False
+    with pytest.raises(NotOwnedError, match="<stripe"):
+        locks.release(second)
+    other.run(lambda: locks.release(first))
+
+
+def test_views_and_conditions_work_per_stripe(impl) -> None:
+    locks = impl.LockManager(stripes=4)
+    first, second = _two_keys_on_one_stripe(locks)
+    view = locks[first]
+    assert view.key == first
+    with view:
+        assert locks[second]._is_owned() and "key='" in repr(view)
+    with locks.hold(second, timeout=0):
+        assert locks.locked(first)
+    assert len(locks) == 0
+
+
+def test_multi_key_calls_collapse_onto_stripes(impl, workers) -> None:
+    locks = impl.LockManager(stripes=4)
+    first, second = _two_keys_on_one_stripe(locks)
+    keys = [first, second, "other-1", "other-2", "other-3"]
+    assert locks.acquire_many(keys, timeout=0) is True  # never waits on its own stripe
+    assert locks.recursion_count(first) == 1 and len(locks) <= 4
+    locks.release_many(keys)
+    assert len(locks) == 0
+    rw = impl.RWLockManager(stripes=2)
+    assert rw.acquire_many(reads=[first, second, "x"], writes=["y"], timeout=0)
+    rw.release_many(reads=[first, second, "x"], writes=["y"])
+    assert len(rw) == 0
+
+
+def test_striped_rw_reads_share_and_writes_exclude(impl, workers) -> None:
+    rw = impl.RWLockManager(stripes=4)
+    first, second = _two_keys_on_one_stripe(rw)
+    reader, writer = workers("reader"), workers("writer")
+    reader.run(lambda: rw.acquire_read(first))
+    assert rw.readers(second) == 1
+    queued = writer.submit(lambda: rw.acquire_write(second))
+    wait_until(lambda: rw.stats().waiting == 1, "the writer queued on the shared stripe")
+    reader.run(lambda: rw.release_read(first))
+    assert queued.result() is True and rw.write_locked(first)
+    writer.run(lambda: rw.release_write(second))
+    assert len(rw) == 0
+
+
+def test_memory_stays_fixed_however_many_keys(impl) -> None:
+    locks = impl.LockManager(stripes=64)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for key in range(64 * 4):  # warm-up: every stripe's entry has existed once
+            locks.acquire(key)
+        locks.release_all()
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        keys = [f"natural-id-{i}" for i in range(20_000)]
+        for key in keys[:1000]:  # by now every stripe is held
+            locks.acquire(key)
+        with_a_thousand = tracemalloc.get_traced_memory()[0]
+        for key in keys[1000:]:
+            locks.acquire(key)
+        assert len(locks) == locks.stats().held == 64
+        assert tracemalloc.get_traced_memory()[0] - with_a_thousand < 1024  # 19,000 more: no growth
+        assert locks.release_all() <= 64
+        del keys
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - before < 16 * 1024
+    finally:
+        tracemalloc.stop()
+    assert len(locks) == 0
