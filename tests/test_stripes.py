@@ -122,7 +122,8 @@ def test_memory_stays_fixed_however_many_keys(impl) -> None:
         for key in keys[1000:]:
             locks.acquire(key)
         assert len(locks) == locks.stats().held == 64
-        assert tracemalloc.get_traced_memory()[0] - with_a_thousand < 1024  # 19,000 more: no growth
+        # 19,000 more keys: nothing per key (at most a larger count object per stripe)
+        assert tracemalloc.get_traced_memory()[0] - with_a_thousand < 64 * 64
         assert locks.release_all() <= 64
         del keys
         gc.collect()
