@@ -31,6 +31,7 @@ Key = Any
 View = Callable[[Key], AbstractContextManager[Any]]
 
 BASELINE = "threading.Lock"
+STRIPES = 1024  # the ``striped`` implementation: LockManager(stripes=1024)
 
 
 @dataclass
@@ -105,6 +106,7 @@ def implementations() -> dict[str, Callable[[], Subject]]:
     else:
         found["lockmgr"] = _lockmgr(compiled.LockManager)
         found["lockmgr-unfair"] = _lockmgr(compiled.LockManager, fair=False)
+        found["striped"] = _lockmgr(compiled.LockManager, stripes=STRIPES)
         found["rwlock"] = _rwlock(compiled.RWLockManager)
     found["lockmgr-pure"] = _lockmgr(_pure.LockManager)
     found["rwlock-pure"] = _rwlock(_pure.RWLockManager)
