@@ -37,6 +37,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--no-c-extensions`` deselects (and reports) the tests that need the compiled core."""
+    if config.getoption("c_extensions"):
+        return
+    deselected = [item for item in items if item.get_closest_marker("compiled")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("compiled")]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" in metafunc.fixturenames:
         names = ["cython", "python"] if metafunc.config.getoption("c_extensions") else ["python"]

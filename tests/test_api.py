@@ -28,7 +28,9 @@ def test_public_names() -> None:
     assert LockTimeout.__module__ == "lockmgr"
 
 
-@pytest.mark.parametrize(("env", "expected"), [("", "cython"), ("1", "python"), ("yes", "python")])
+@pytest.mark.parametrize(("env", "expected"), [
+    pytest.param("", "cython", marks=pytest.mark.compiled), ("1", "python"), ("yes", "python"),
+])
 def test_selector_honours_no_extensions(env: str, expected: str) -> None:
     code = "import lockmgr; print(lockmgr.implementation, lockmgr.LockManager.__module__)"
     out = subprocess.run(

@@ -18,6 +18,7 @@ def test_max_overtaken_counts_later_tickets_granted_first(order: list[int], expe
     assert bench.max_overtaken(order) == expected
 
 
+@pytest.mark.compiled
 def test_quick_run_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out.json"
     assert bench.main(["--quick", "--scenario", "uncontended", "--impl", "lockmgr",
@@ -50,6 +51,7 @@ def test_bad_options_are_rejected() -> None:
         bench.main(["--scenario", "nope"])
 
 
+@pytest.mark.compiled
 def test_reader_writer_managers_run_only_the_read_mostly_scenario(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     assert bench.main(["--quick", "--scenario", "read-mostly", "--scenario", "uncontended",

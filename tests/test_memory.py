@@ -67,6 +67,7 @@ def test_waiting_and_timeouts_leave_nothing_behind(impl, workers) -> None:
     assert len(locks) == 0
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("held", [0, 10_000])
 def test_compiled_size_per_held_key(held: int) -> None:
     from lockmgr._core import LockManager

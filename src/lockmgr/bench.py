@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -443,10 +444,8 @@ def table(results: Results, impls: list[str]) -> Iterator[str]:
 
 
 def plot(results: Results, impls: list[str], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    importlib.import_module("matplotlib").use("Agg")  # an optional extra: untyped on purpose
+    plt = importlib.import_module("matplotlib.pyplot")
 
     metrics = list(dict.fromkeys((row["scenario"], row["metric"], row["unit"])
                                  for row in results.rows))
@@ -495,13 +494,10 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     available = implementations()
     args = parse_args(argv, list(available))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
-                  file=sys.stderr)
-            return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
+              file=sys.stderr)
+        return 2
     impls = args.impl or list(available)
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
     results = Results()
