@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import Call, Worker, wait_until
 from lockmgr import DeadlockError, NotOwnedError
+from lockmgr._common import READ, WRITE
 
 THREADS = 3
 KEYS = ("a", "b", 3)
@@ -171,3 +172,171 @@ def _machine(engine: Any, fair: bool) -> Any:
 def test_engine_matches_model(impl, fair) -> None:
     _machine(impl, fair)("runTest").runTest()
     assert threading.active_count() < 50  # workers were stopped
+
+
+class RWModel(RuleBasedStateMachine):
+    """The same for RWLockManager: read/write/upgrade/downgrade, FIFO batches, deadlocks."""
+
+    engine: Any = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rw = self.engine.RWLockManager()
+        self.workers = [Worker(f"rw-model-{i}") for i in range(THREADS)]
+        self.writer: dict[object, tuple[int, int]] = {}  # key -> (thread, write count)
+        self.readers: dict[object, dict[int, int]] = {key: {} for key in KEYS}
+        self.queue: dict[object, list[tuple[int, int]]] = {key: [] for key in KEYS}  # (thread, mode)
+        self.blocked: dict[int, tuple[object, Call]] = {}
+        self.deadlocks = 0
+
+    def teardown(self) -> None:
+        while self.blocked or any(self.writer) or any(self.readers.values()):
+            thread = next(t for t in range(THREADS) if t not in self.blocked and self._holds(t))
+            self.release_all(thread)
+        for worker in self.workers:
+            worker.stop()
+
+    def _holds(self, thread: int) -> bool:
+        return any(t == thread for t, _ in self.writer.values()) or any(
+            thread in readers for readers in self.readers.values())
+
+    def _conflicts(self, key: object, thread: int, mode: int, ahead: list[tuple[int, int]]) -> set[int]:
+        """Threads a ``mode`` request of ``thread`` on ``key`` waits for (hard and soft edges)."""
+        waits = {self.writer[key][0]} if key in self.writer else set()
+        if mode == WRITE:
+            waits |= set(self.readers[key])
+        waits |= {t for t, m in ahead if mode == WRITE or m == WRITE}
+        return waits - {thread}
+
+    def _would_deadlock(self, thread: int, key: object, mode: int, upgrade: bool) -> bool:
+        frontier = self._conflicts(key, thread, mode, [] if upgrade else self.queue[key])
+        seen: set[int] = set()
+        while frontier:
+            other = frontier.pop()
+            if other == thread:
+                return True
+            if other in seen or other not in self.blocked:
+                continue
+            seen.add(other)
+            waiting_key = self.blocked[other][0]
+            queued = self.queue[waiting_key]
+            position = next(i for i, (t, _) in enumerate(queued) if t == other)
+            other_mode = queued[position][1]
+            frontier |= self._conflicts(waiting_key, other, other_mode, queued[:position])
+        return False
+
+    def _grant_from_queue(self, key: object) -> None:
+        queued = self.queue[key]
+        while queued:
+            thread, mode = queued[0]
+            if key in self.writer:
+                return
+            if mode == READ:
+                queued.pop(0)
+                self.readers[key][thread] = 1
+                assert self.blocked.pop(thread)[1].result() is True
+                continue
+            if set(self.readers[key]) - {thread}:
+                return
+            queued.pop(0)
+            self.writer[key] = (thread, 1)
+            assert self.blocked.pop(thread)[1].result() is True
+            return
+
+    def _request(self, thread: int, key: object, mode: int, how: dict[str, Any]) -> None:
+        readers, writer = self.readers[key], self.writer.get(key)
+        acquire = self.rw.acquire_read if mode == READ else self.rw.acquire_write
+        upgrade = mode == WRITE and thread in readers
+        if mode == READ:
+            immediate = thread in readers or (writer is not None and writer[0] == thread) or (
+                writer is None and not self.queue[key])
+        else:
+            immediate = (writer is not None and writer[0] == thread) or (writer is None and (
+                (not readers and not self.queue[key]) or (upgrade and set(readers) == {thread})))
+        waits = how.get("timeout", -1) != 0 and how.get("blocking", True)
+        if not immediate and waits and self._would_deadlock(thread, key, mode, upgrade):
+            with pytest.raises(DeadlockError):
+                self.workers[thread].run(lambda: acquire(key, **how))
+            self.deadlocks += 1
+            return
+        if immediate:
+            assert self.workers[thread].run(lambda: acquire(key, **how)) is True
+            if mode == READ:
+                readers[thread] = readers.get(thread, 0) + 1
+            else:
+                self.writer[key] = (thread, (writer[1] if writer else 0) + 1)
+        elif not waits:
+            assert self.workers[thread].run(lambda: acquire(key, **how)) is False
+        else:
+            call = self.workers[thread].submit(lambda: acquire(key))
+            self.blocked[thread] = (key, call)
+            if upgrade:
+                self.queue[key].insert(0, (thread, mode))
+            else:
+                self.queue[key].append((thread, mode))
+            wait_until(lambda: self.rw.stats().waiting == len(self.blocked), "it queued")
+
+    @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS),
+          mode=st.sampled_from([READ, WRITE]),
+          how=st.sampled_from([{}, {"blocking": False}, {"timeout": 0}]))
+    def acquire(self, thread: int, key: object, mode: int, how: dict[str, Any]) -> None:
+        if thread not in self.blocked:
+            self._request(thread, key, mode, how)
+
+    @rule(thread=st.integers(0, THREADS - 1), key=st.sampled_from(KEYS),
+          mode=st.sampled_from([READ, WRITE]))
+    def release(self, thread: int, key: object, mode: int) -> None:
+        if thread in self.blocked:
+            return
+        if mode == READ:
+            held = self.readers[key].get(thread, 0)
+            if not held:
+                with pytest.raises(NotOwnedError):
+                    self.workers[thread].run(lambda: self.rw.release_read(key))
+                return
+            self.workers[thread].run(lambda: self.rw.release_read(key))
+            if held == 1:
+                del self.readers[key][thread]
+            else:
+                self.readers[key][thread] = held - 1
+        else:
+            writer = self.writer.get(key)
+            if writer is None or writer[0] != thread:
+                with pytest.raises(NotOwnedError):
+                    self.workers[thread].run(lambda: self.rw.release_write(key))
+                return
+            self.workers[thread].run(lambda: self.rw.release_write(key))
+            if writer[1] == 1:
+                del self.writer[key]
+            else:
+                self.writer[key] = (thread, writer[1] - 1)
+        self._grant_from_queue(key)
+
+    @rule(thread=st.integers(0, THREADS - 1))
+    def release_all(self, thread: int) -> None:
+        if thread in self.blocked:
+            return
+        keys = [key for key in KEYS if thread in self.readers[key] or self.writer.get(key, (None,))[0] == thread]
+        assert self.workers[thread].run(self.rw.release_all) == len(keys)
+        for key in keys:
+            self.readers[key].pop(thread, None)
+            if self.writer.get(key, (None,))[0] == thread:
+                del self.writer[key]
+            self._grant_from_queue(key)
+
+    @invariant()
+    def matches_the_model(self) -> None:
+        for key in KEYS:
+            assert self.rw.write_locked(key) is (key in self.writer)
+            assert self.rw.readers(key) == len(self.readers[key])
+        stats = self.rw.stats()
+        held = sum(1 for key in KEYS if key in self.writer or self.readers[key])
+        assert (stats.held, stats.waiting, stats.deadlocks) == (held, len(self.blocked), self.deadlocks)
+
+
+def test_rw_engine_matches_model(impl) -> None:
+    machine = type(f"RWModel_{impl.__name__}", (RWModel,), {"engine": impl})
+    case = machine.TestCase
+    case.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+    case("runTest").runTest()
