@@ -148,6 +148,28 @@ def run_threads(count: int, body: Callable[[int], None]) -> None:
         thread.join()
 
 
+def run_for(seconds: float, threads: int, body: Callable[[int, threading.Event], None]) -> float:
+    """Run ``body(index, stop)`` in ``threads`` threads started together, set ``stop`` after
+    ``seconds`` and wait for them; returns how long they ran."""
+    stop = threading.Event()
+    start = threading.Barrier(threads + 1)
+
+    def run(index: int) -> None:
+        start.wait()
+        body(index, stop)
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    return time.perf_counter() - began
+
+
 def percentile(values: list[float], fraction: float) -> float:
     if not values:
         return 0.0
@@ -174,16 +196,12 @@ def uncontended(name: str, subject: Subject, settings: Settings, results: Result
 
 
 def hot_key(name: str, subject: Subject, settings: Settings, results: Results) -> None:
-    duration = settings.scaled(1.0, 3.0)
     lock = subject.view("hot")
-    stop = threading.Event()
-    start = threading.Barrier(settings.threads + 1)
     counts = [0] * settings.threads
     last = [-1, 0.0]  # the thread that held the key last, and when it was about to release
     handoffs: list[float] = []
 
-    def body(index: int) -> None:
-        start.wait()
+    def body(index: int, stop: threading.Event) -> None:
         done = 0
         while not stop.is_set():
             with lock:
@@ -195,51 +213,29 @@ def hot_key(name: str, subject: Subject, settings: Settings, results: Results) -
                 last[1] = time.perf_counter()
         counts[index] = done
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    time.sleep(duration)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - began
+    elapsed = run_for(settings.scaled(1.0, 3.0), settings.threads, body)
     results.add("hot-key", name, "throughput", sum(counts) / elapsed, "acq/s")
     results.add("hot-key", name, "handoff-p50", percentile(handoffs, 0.50) * 1e6, "us")
     results.add("hot-key", name, "handoff-p99", percentile(handoffs, 0.99) * 1e6, "us")
 
 
 def many_keys(name: str, subject: Subject, settings: Settings, results: Results) -> None:
-    duration = settings.scaled(1.0, 3.0)
-    stop = threading.Event()
-    start = threading.Barrier(settings.threads + 1)
     counts = [0] * settings.threads
     view = subject.view
+    plans = [[f"key-{rng.randrange(settings.keys)}" for _ in range(4096)]
+             for rng in map(random.Random, range(settings.threads))]
 
-    def body(index: int) -> None:
-        rng = random.Random(index)
-        keys = [f"key-{rng.randrange(settings.keys)}" for _ in range(4096)]
-        start.wait()
+    def body(index: int, stop: threading.Event) -> None:
         done = 0
-        for key in itertools.cycle(keys):
+        for key in itertools.cycle(plans[index]):
             if stop.is_set():
                 break
             with view(key):
                 done += 1
         counts[index] = done
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    time.sleep(duration)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    results.add("many-keys", name, "throughput", sum(counts) / (time.perf_counter() - began),
-                "acq/s")
+    elapsed = run_for(settings.scaled(1.0, 3.0), settings.threads, body)
+    results.add("many-keys", name, "throughput", sum(counts) / elapsed, "acq/s")
 
 
 CREATE_THREADS = 16
@@ -276,15 +272,11 @@ def create_if_not_exists(name: str, subject: Subject, settings: Settings, result
 
 def fairness(name: str, subject: Subject, settings: Settings, results: Results) -> None:
     """Tickets are taken just before acquiring; a grant to a later ticket overtakes."""
-    duration = settings.scaled(1.0, 3.0)
     lock = subject.view("fair")
     tickets = itertools.count()
-    stop = threading.Event()
-    start = threading.Barrier(settings.threads + 1)
     grants: list[tuple[int, float]] = []  # (ticket, waited seconds), in grant order
 
-    def body(index: int) -> None:
-        start.wait()
+    def body(index: int, stop: threading.Event) -> None:
         while not stop.is_set():
             ticket = next(tickets)
             asked = time.perf_counter()
@@ -293,14 +285,7 @@ def fairness(name: str, subject: Subject, settings: Settings, results: Results) 
                 for _ in range(20):  # a little work inside
                     pass
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    time.sleep(duration)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_for(settings.scaled(1.0, 3.0), settings.threads, body)
     results.add("fairness", name, "max-overtaken", max_overtaken([t for t, _ in grants]), "times")
     waits = [waited for _, waited in grants]
     results.add("fairness", name, "wait-p50", percentile(waits, 0.50) * 1e3, "ms")
@@ -359,18 +344,14 @@ WRITE_SECONDS = 0.0005
 
 def read_mostly(name: str, subject: Subject, settings: Settings, results: Results) -> None:
     """90% reads, 10% writes over 4 hot keys; each holds its key while it sleeps 0.5 ms."""
-    duration = settings.scaled(1.0, 3.0)
-    stop = threading.Event()
-    start = threading.Barrier(settings.threads + 1)
     counts = [0] * settings.threads
     read_view = subject.read_view or subject.view
+    plans = [[(f"key-{rng.randrange(4)}", rng.random() < 0.9) for _ in range(4096)]
+             for rng in map(random.Random, range(settings.threads))]
 
-    def body(index: int) -> None:
-        rng = random.Random(index)
-        plan = [(f"key-{rng.randrange(4)}", rng.random() < 0.9) for _ in range(4096)]
-        start.wait()
+    def body(index: int, stop: threading.Event) -> None:
         done = 0
-        for key, reading in itertools.cycle(plan):
+        for key, reading in itertools.cycle(plans[index]):
             if stop.is_set():
                 break
             with (read_view if reading else subject.view)(key):
@@ -378,17 +359,8 @@ def read_mostly(name: str, subject: Subject, settings: Settings, results: Result
             done += 1
         counts[index] = done
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(settings.threads)]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    time.sleep(duration)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    results.add("read-mostly", name, "throughput", sum(counts) / (time.perf_counter() - began),
-                "ops/s")
+    elapsed = run_for(settings.scaled(1.0, 3.0), settings.threads, body)
+    results.add("read-mostly", name, "throughput", sum(counts) / elapsed, "ops/s")
 
 
 SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
