@@ -190,7 +190,7 @@ class RWModel(RuleBasedStateMachine):
         self.deadlocks = 0
 
     def teardown(self) -> None:
-        while self.blocked or any(self.writer) or any(self.readers.values()):
+        while self.blocked or self.writer or any(self.readers.values()):
             thread = next(t for t in range(THREADS) if t not in self.blocked and self._holds(t))
             self.release_all(thread)
         for worker in self.workers:
