@@ -19,6 +19,7 @@ from ._common import (
     AbandonedLockWarning,
     DeadlockError,
     LockError,
+    LockLost,
     LockStats,
     LockTimeout,
     NotOwnedError,
@@ -29,6 +30,7 @@ __all__ = [
     "DeadlockError",
     "KeyLock",
     "LockError",
+    "LockLost",
     "LockManager",
     "LockStats",
     "LockTimeout",
@@ -55,7 +57,7 @@ else:
         implementation = "cython"
 
 for _exported in (
-    AbandonedLockWarning, DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError
+    AbandonedLockWarning, DeadlockError, LockError, LockLost, LockStats, LockTimeout, NotOwnedError
 ):
     _exported.__module__ = __name__
 del _exported

@@ -25,6 +25,7 @@ __all__ = [
     "AbandonedLockWarning",
     "DeadlockError",
     "LockError",
+    "LockLost",
     "LockStats",
     "LockTimeout",
     "NotOwnedError",
@@ -83,6 +84,10 @@ class DeadlockError(LockError, RuntimeError):
     def __init__(self, message: str, cycle: list[tuple[int, Hashable]]) -> None:
         super().__init__(message)
         self.cycle = cycle
+
+
+class LockLost(LockError):
+    """A key's lock went away under its holder (a database session that was lost)."""
 
 
 class AbandonedLockWarning(RuntimeWarning):
