@@ -365,3 +365,14 @@ def test_xact_lock_lives_and_dies_with_the_transaction(locks, dsn) -> None:
         locks.release("k")
     finally:
         conn.close()
+
+
+def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> None:
+    from lockmgr import bench
+
+    out = tmp_path / "pg.json"
+    assert bench.main(["--quick", "--pg-dsn", dsn, "--scenario", "many-keys", "--threads", "2",
+                       "--impl", "postgres", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {row["impl"] for row in rows} == {"postgres", "postgres-processes"}
+    assert all(row["metric"] == "throughput" and row["value"] > 0 for row in rows)

@@ -16,6 +16,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -47,7 +48,7 @@ class Subject:
     hold: tuple[str, dict[str, Any]] | None = None  # lockmgr's ``with locks.hold(key)``
     per_key_memory: bool = True  # whether memory grows per key (not for one global lock)
     read_view: View | None = None  # key -> a context manager reading it (default: ``view``)
-    shared_only: bool = False  # a reader/writer manager: only the read-mostly scenario
+    scenarios: frozenset[str] | None = None  # the only scenarios it runs (None: all)
 
 
 def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
@@ -83,7 +84,8 @@ def _rwlock(manager_class: Any) -> Callable[[], Subject]:
         names = {"a": locks.acquire_write, "r": locks.release_write, "m": locks, "k": "user:42"}
         return Subject(view=locks.write, read_view=locks.read, acquire=locks.acquire_write,
                        release=locks.release_write, pair=("a(k); r(k)", names),
-                       with_block=("with m.write(k): pass", names), shared_only=True)
+                       with_block=("with m.write(k): pass", names),
+                       scenarios=frozenset({"read-mostly"}))
 
     return make
 
@@ -97,7 +99,58 @@ def _dict_of_locks() -> Subject:
                    with_block=("with d[k]: pass", names))
 
 
-def implementations() -> dict[str, Callable[[], Subject]]:
+PG_SCENARIOS = frozenset({"hot-key", "many-keys"})
+
+
+def _postgres(dsn: str) -> Callable[[], Subject]:
+    def make() -> Subject:
+        from .postgres import PgLockManager
+
+        locks: Any = PgLockManager(dsn, namespace=f"lockmgr-bench-{os.getpid()}-{time.time()}")
+        names = {"a": locks.acquire, "r": locks.release, "m": locks, "k": "user:42"}
+        return Subject(view=locks.__getitem__, acquire=locks.acquire, release=locks.release,
+                       pair=("a(k); r(k)", names), with_block=("with m[k]: pass", names),
+                       scenarios=PG_SCENARIOS)
+
+    return make
+
+
+PG_WORKER = """
+import itertools, random, sys, time
+from lockmgr.postgres import PgLockManager
+dsn, namespace, scenario, keys, index = sys.argv[1:6]
+locks = PgLockManager(dsn, namespace=namespace)
+rng = random.Random(int(index))
+plan = ["hot"] if scenario == "hot-key" else [f"key-{rng.randrange(int(keys))}" for _ in range(4096)]
+sys.stdin.readline()
+deadline, done = time.monotonic() + float(sys.argv[6]), 0
+for key in itertools.cycle(plan):
+    if time.monotonic() >= deadline:
+        break
+    with locks[key]:
+        done += 1
+print(done, flush=True)
+"""
+
+
+def postgres_processes(dsn: str, scenario: str, settings: Settings, results: Results) -> None:
+    """The same scenario with one worker process per thread: contention through the server."""
+    seconds = settings.scaled(1.0, 3.0)
+    namespace = f"lockmgr-bench-{os.getpid()}-{time.time()}"
+    workers = [subprocess.Popen([sys.executable, "-c", PG_WORKER, dsn, namespace, scenario,
+                                 str(settings.keys), str(index), str(seconds)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for index in range(settings.threads)]
+    time.sleep(0.5)  # let them connect and import before the clock starts
+    for worker in workers:
+        assert worker.stdin is not None
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+    total = sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers)
+    results.add(scenario, "postgres-processes", "throughput", total / seconds, "acq/s")
+
+
+def implementations(pg_dsn: str | None = None) -> dict[str, Callable[[], Subject]]:
     found: dict[str, Callable[[], Subject]] = {}
     try:
         compiled = importlib.import_module("lockmgr._core")
@@ -114,6 +167,8 @@ def implementations() -> dict[str, Callable[[], Subject]]:
     found["threading.Lock"] = _global(threading.Lock)
     found["threading.RLock"] = _global(threading.RLock)
     found["dict-of-locks"] = _dict_of_locks
+    if pg_dsn:
+        found["postgres"] = _postgres(pg_dsn)
     return found
 
 
@@ -453,7 +508,20 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
+    parser.add_argument("--pg-dsn", metavar="DSN",
+                        help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
+                             "threads of one process, and one process per thread")
     return parser.parse_args(argv)
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """An option's value before argparse runs (it decides which implementations exist)."""
+    for index, argument in enumerate(argv):
+        if argument == name and index + 1 < len(argv):
+            return argv[index + 1]
+        if argument.startswith(name + "="):
+            return argument.split("=", 1)[1]
+    return None
 
 
 def _positive(text: str) -> int:
@@ -464,7 +532,8 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    available = implementations()
+    pg_dsn = _option(argv if argv is not None else sys.argv[1:], "--pg-dsn")
+    available = implementations(pg_dsn)
     args = parse_args(argv, list(available))
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
@@ -476,10 +545,15 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in args.scenario or list(SCENARIOS):
         for name in impls:
             subject = available[name]()
-            if subject.shared_only and scenario != "read-mostly":
+            if subject.scenarios is not None and scenario not in subject.scenarios:
                 continue
             progress(f"{scenario}: {name}")
             SCENARIOS[scenario](name, subject, settings, results)
+        if args.pg_dsn and scenario in PG_SCENARIOS:
+            progress(f"{scenario}: postgres-processes")
+            postgres_processes(args.pg_dsn, scenario, settings, results)
+    if args.pg_dsn:
+        impls = [*impls, "postgres-processes"]
     print("\n".join(table(results, impls)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

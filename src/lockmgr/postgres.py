@@ -65,6 +65,7 @@ from ._common import (
 __all__ = ["LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisory_key"]
 
 K = TypeVar("K", bound=Hashable)
+_Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
 
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                "keepalives_count": 3, "tcp_user_timeout": 10_000}
@@ -150,6 +151,16 @@ class _PgEngine(Generic[K]):
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+    def __enter__(self: _Manager) -> _Manager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_idle"):  # __init__ may have failed
+            self.close()
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace."""
