@@ -187,6 +187,46 @@ def test_no_lost_update_across_processes(locks, dsn, namespace, pure) -> None:
         assert conn.execute(f"SELECT n FROM {table}").fetchone()[0] == 100
 
 
+def test_sets_in_opposite_orders_across_processes_never_deadlock(locks, dsn, namespace) -> None:
+    body = """
+    order = ["a", "b", "c"] if int(os.environ.get("FORWARD", "1")) else ["c", "b", "a"]
+    for _ in range(30):
+        with locks.hold_many(order, timeout=30):
+            pass
+    say(done=True)
+    """
+    forward = child(dsn, namespace, body)
+    os.environ["FORWARD"] = "0"
+    try:
+        backward = child(dsn, namespace, body)
+    finally:
+        del os.environ["FORWARD"]
+    for _ in range(30):
+        with locks.hold_many(["b", "c", "a"], timeout=30):
+            pass
+    for process in (forward, backward):
+        expect(process, done=True)
+        finish(process)
+
+
+def test_condition_works_on_a_key(locks) -> None:
+    view = locks["k"]
+    condition = threading.Condition(view)
+    ready: list[int] = []
+
+    def notify() -> None:
+        with condition:
+            ready.append(1)
+            condition.notify()
+
+    with condition:
+        with condition:
+            threading.Thread(target=notify).start()
+            assert condition.wait_for(lambda: ready, timeout=PATIENCE)
+            assert view._recursion_count() == 2
+    assert not locks.owned("k") and len(locks) == 0
+
+
 def test_a_killed_holder_frees_its_keys_at_once(locks, dsn, namespace) -> None:
     holder = child(dsn, namespace, """
     locks.acquire("k")

@@ -57,6 +57,7 @@ from ._common import (
     LockTimeout,
     hold_seconds,
     not_owned,
+    restored_count,
     synchronized,
     timed_out,
     wait_seconds,
@@ -651,6 +652,20 @@ class PgKeyLock(Generic[K]):
 
     def _recursion_count(self) -> int:
         return self.manager.recursion_count(self.key)
+
+    def _release_save(self) -> tuple[int, int]:
+        """For ``threading.Condition``: give the key up entirely, remembering the level."""
+        count = self.manager.recursion_count(self.key)
+        if not count:
+            raise not_owned(self.key)
+        for _ in range(count):
+            self.manager.release(self.key)
+        return count, threading.get_ident()
+
+    def _acquire_restore(self, state: tuple[int, int]) -> None:
+        self.manager.acquire(self.key)
+        for _ in range(restored_count(state) - 1):
+            self.manager.acquire(self.key)
 
     def __enter__(self) -> bool:
         return self.manager.acquire(self.key)
