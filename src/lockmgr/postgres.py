@@ -56,8 +56,10 @@ from ._common import (
     LockStats,
     LockTimeout,
     hold_seconds,
+    many_items,
     not_owned,
     restored_count,
+    rw_items,
     synchronized,
     timed_out,
     wait_seconds,
@@ -503,22 +505,28 @@ class PgLockManager(_PgEngine[K]):
     def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:
         """Lock every key of ``keys`` at once, or none (see ``LockManager.acquire_many``)."""
         seconds = wait_seconds(blocking, timeout)
-        distinct = list(dict.fromkeys(_iterable(keys, "keys")))
-        for key in distinct:
-            self.advisory_key(key)
-        return self._take([(key, WRITE) for key in distinct], seconds,
-                          lambda left: self._engine.acquire_many(distinct, timeout=left),
-                          lambda: self._engine.release_many(distinct))
+        return self._acquire_items(many_items(keys, _same), seconds)
 
     def release_many(self, keys: Iterable[K]) -> None:
-        distinct = list(dict.fromkeys(_iterable(keys, "keys")))
-        self._give([(key, WRITE) for key in distinct], lambda: self._engine.release_many(distinct))
+        self._release_items(many_items(keys, _same))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
-        distinct = list(dict.fromkeys(_iterable(keys, "keys")))
-        return _Held(lambda: self.acquire_many(distinct, timeout=seconds),
-                     lambda: self.release_many(distinct), tuple(distinct), seconds)
+        items = many_items(keys, _same)
+        return _Held(lambda: self._acquire_items(items, seconds),
+                     lambda: self._release_items(items), tuple(key for key, _ in items), seconds)
+
+    def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+        keys = [key for key, _ in items]
+        for key in keys:
+            self.advisory_key(key)
+        return self._take(items, seconds,
+                          lambda left: self._engine.acquire_many(keys, timeout=left),
+                          lambda: self._engine.release_many(keys))
+
+    def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
+        keys = [key for key, _ in items]
+        self._give(items, lambda: self._engine.release_many(keys))
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds ``key``."""
@@ -583,8 +591,21 @@ class PgRWLockManager(_PgEngine[K]):
 
     def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                      blocking: bool = True, timeout: float = -1) -> bool:
+        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written)."""
         seconds = wait_seconds(blocking, timeout)
-        items = _rw_items(reads, writes)
+        return self._acquire_items(rw_items(reads, writes, _same), seconds)
+
+    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        self._release_items(rw_items(reads, writes, _same))
+
+    def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
+                  timeout: float | None = None) -> _Held:
+        seconds = hold_seconds(timeout)
+        items = rw_items(reads, writes, _same)
+        return _Held(lambda: self._acquire_items(items, seconds),
+                     lambda: self._release_items(items), tuple(key for key, _ in items), seconds)
+
+    def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
         for key, _ in items:
             self.advisory_key(key)
         reading = [key for key, mode in items if mode == READ]
@@ -593,21 +614,10 @@ class PgRWLockManager(_PgEngine[K]):
                           lambda left: self._engine.acquire_many(reading, writing, timeout=left),
                           lambda: self._engine.release_many(reading, writing))
 
-    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        items = _rw_items(reads, writes)
+    def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
         reading = [key for key, mode in items if mode == READ]
         writing = [key for key, mode in items if mode == WRITE]
         self._give(items, lambda: self._engine.release_many(reading, writing))
-
-    def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
-                  timeout: float | None = None) -> _Held:
-        seconds = hold_seconds(timeout)
-        items = _rw_items(reads, writes)
-        reading = [key for key, mode in items if mode == READ]
-        writing = [key for key, mode in items if mode == WRITE]
-        return _Held(lambda: self.acquire_many(reading, writing, timeout=seconds),
-                     lambda: self.release_many(reading, writing),
-                     tuple(key for key, _ in items), seconds)
 
     def readers(self, key: K) -> int:
         """Threads of *this process* reading ``key``."""
@@ -695,17 +705,9 @@ class _Held:
         self._release()
 
 
-def _iterable(keys: Iterable[K], argument: str) -> Iterable[K]:
-    if isinstance(keys, (str, bytes)):
-        raise TypeError(f"{argument} must be an iterable of keys, not a single {type(keys).__name__}")
-    return keys
-
-
-def _rw_items(reads: Iterable[K], writes: Iterable[K]) -> list[tuple[K, int]]:
-    written = dict.fromkeys(_iterable(writes, "writes"))
-    items = [(key, WRITE) for key in written]
-    items += [(key, READ) for key in dict.fromkeys(_iterable(reads, "reads")) if key not in written]
-    return items
+def _same(key: Hashable) -> Hashable:
+    """The multi-key argument rules' key mapping: PostgreSQL managers lock keys as given."""
+    return key
 
 
 def _locked_on_server(dsn: str, ident: int, mode: str | None, connect_kwargs: dict[str, Any]) -> bool:
