@@ -69,7 +69,7 @@ def test_strict_fifo_hands_off_in_arrival_order(locks, workers) -> None:
                 order.append(index)
 
         calls.append(worker.submit(take))
-        wait_until(lambda: locks.stats().waiting == index + 1, f"worker {index} queued")
+        wait_until(lambda index=index: locks.stats().waiting == index + 1, f"worker {index} queued")
     locks.release("k")
     for call in calls:
         call.result()

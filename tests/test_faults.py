@@ -8,7 +8,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -50,7 +49,7 @@ def test_opposite_order_gets_deadlock_error_at_once(locks, workers, timeout) -> 
 def test_cycle_of_three_names_every_thread_and_key(locks, workers) -> None:
     threads = [workers(f"t{i}") for i in range(3)]
     keys = ["A", "B", "C"]
-    for worker, key in zip(threads, keys):
+    for worker, key in zip(threads, keys, strict=True):
         worker.run(lambda key=key: locks.acquire(key))
     pending = []
     for index in range(2):  # t0 waits for B, t1 waits for C

@@ -157,7 +157,8 @@ class LockModel(RuleBasedStateMachine):
     def counts_match_the_model(self) -> None:
         for key, (thread, count) in self.owner.items():
             if self._idle(thread):
-                assert self.workers[thread].run(lambda: self.locks.recursion_count(key)) == count
+                counted = self.workers[thread].run(lambda key=key: self.locks.recursion_count(key))
+                assert counted == count
 
 
 def _machine(engine: Any, fair: bool) -> Any:

@@ -52,13 +52,8 @@ def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # t
 
 
 def held_on_server(dsn: str, manager: Any, key: object) -> bool:
-    conn = psycopg.connect(dsn, autocommit=True)
-    with conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
-            " AND ((classid::bigint << 32) | objid::bigint) = %s::bigint",
-            (manager.advisory_key(key),)).fetchone()
-    return bool(row and row[0])
+    """Whether any session holds ``key``, asked on a connection of the test's own."""
+    return postgres._locked_on_server(dsn, manager.advisory_key(key), None, {})
 
 
 CHILD = """

@@ -532,12 +532,12 @@ class _Engine:
         token = _existing_token()
         with self._mutex:
             entries = [self._table.get(key) for key, _ in items]
-            for (key, mode), entry in zip(items, entries):
+            for (key, mode), entry in zip(items, entries, strict=True):
                 if entry is None or token is None or (
                     entry.owner is not token if mode == _WRITE else token not in entry.readers
                 ):
                     raise not_owned(key)
-            for (_, mode), entry in zip(items, entries):
+            for (_, mode), entry in zip(items, entries, strict=True):
                 assert entry is not None and token is not None
                 if mode == _WRITE:
                     entry.count -= 1

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -302,27 +301,33 @@ def create_if_not_exists(name: str, subject: Subject, settings: Settings, result
     """The LockSet article's workload: look an id up (10 ms); create it if missing (2 ms)."""
     lookups = int(settings.scaled(8, 25))
     for pool in (100, 1000):
-        rng = random.Random(pool)
-        plans = [[rng.randrange(pool) for _ in range(lookups)] for _ in range(CREATE_THREADS)]
-        store: dict[int, int] = {}
-        creations: collections.Counter[int] = collections.Counter()
-
-        def body(index: int) -> None:
-            for natural_id in plans[index]:
-                with subject.view(natural_id):
-                    time.sleep(GET_SECONDS)
-                    if natural_id not in store:
-                        time.sleep(CREATE_SECONDS)
-                        creations[natural_id] += 1
-                        store[natural_id] = natural_id
-
-        began = time.perf_counter()
-        run_threads(CREATE_THREADS, body)
-        results.add("create-if-not-exists", name, f"wall-pool{pool}",
-                    time.perf_counter() - began, "s")
-        wanted = {natural_id for plan in plans for natural_id in plan}
-        wrong = sum(count != 1 for count in creations.values()) + len(wanted - set(store))
+        wall, wrong = _create_from_pool(subject.view, pool, lookups)
+        results.add("create-if-not-exists", name, f"wall-pool{pool}", wall, "s")
         results.add("create-if-not-exists", name, f"not-created-once-pool{pool}", wrong, "ids")
+
+
+def _create_from_pool(view: View, pool: int, lookups: int) -> tuple[float, int]:
+    """One run of the workload on ids from ``pool``: its wall time, and how many ids were
+    not created exactly once."""
+    rng = random.Random(pool)
+    plans = [[rng.randrange(pool) for _ in range(lookups)] for _ in range(CREATE_THREADS)]
+    store: dict[int, int] = {}
+    creations: collections.Counter[int] = collections.Counter()
+
+    def body(index: int) -> None:
+        for natural_id in plans[index]:
+            with view(natural_id):
+                time.sleep(GET_SECONDS)
+                if natural_id not in store:
+                    time.sleep(CREATE_SECONDS)
+                    creations[natural_id] += 1
+                    store[natural_id] = natural_id
+
+    began = time.perf_counter()
+    run_threads(CREATE_THREADS, body)
+    wall = time.perf_counter() - began
+    wanted = {natural_id for plan in plans for natural_id in plan}
+    return wall, sum(count != 1 for count in creations.values()) + len(wanted - set(store))
 
 
 def fairness(name: str, subject: Subject, settings: Settings, results: Results) -> None:
@@ -479,7 +484,7 @@ def plot(results: Results, impls: list[str], path: str) -> None:
     columns = 3
     rows = (len(metrics) + columns - 1) // columns
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
-    for axis, (scenario, metric, unit) in zip(axes.flat, metrics):
+    for axis, (scenario, metric, unit) in zip(axes.flat, metrics, strict=False):  # spare axes hide
         values = {row["impl"]: row["value"] for row in results.rows
                   if row["scenario"] == scenario and row["metric"] == metric}
         names = [impl for impl in impls if impl in values]

@@ -54,7 +54,6 @@ from ._common import (
     LockError,
     LockLost,
     LockStats,
-    LockTimeout,
     hold_seconds,
     many_items,
     not_owned,
@@ -69,6 +68,11 @@ __all__ = ["LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisor
 
 K = TypeVar("K", bound=Hashable)
 _Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
+
+# pg_locks rows of granted advisory locks on one 64-bit key (bigint keys use objsubid 1 and
+# split the key into classid, the high half, and objid, the low half).
+_GRANTED_ADVISORY = ("pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+                     " AND ((classid::bigint << 32) | objid::bigint) = %s::bigint")
 
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                "keepalives_count": 3, "tcp_user_timeout": 10_000}
@@ -360,10 +364,8 @@ class _PgEngine(Generic[K]):
                 continue
             kind = "_shared" if mode == READ else ""
             row = session.conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND pid = pg_backend_pid() AND objsubid = 1"
-                " AND ((classid::bigint << 32) | objid::bigint) = %s::bigint"
-                " AND mode = %s",
+                f"SELECT count(*) FROM {_GRANTED_ADVISORY}"
+                " AND pid = pg_backend_pid() AND mode = %s",
                 (self.advisory_key(key), "ShareLock" if mode == READ else "ExclusiveLock"),
             ).fetchone()
             if row and row[0]:
@@ -713,9 +715,7 @@ def _same(key: Hashable) -> Hashable:
 def _locked_on_server(dsn: str, ident: int, mode: str | None, connect_kwargs: dict[str, Any]) -> bool:
     with psycopg.connect(dsn, autocommit=True, **connect_kwargs) as conn:
         row = conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND objsubid = 1"
-            " AND ((classid::bigint << 32) | objid::bigint) = %s::bigint"
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY}"
             " AND (%s::text IS NULL OR mode = %s::text))",
             (ident, mode, mode),
         ).fetchone()
