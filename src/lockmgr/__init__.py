@@ -22,6 +22,7 @@ from ._common import (
     LockLost,
     LockStats,
     LockTimeout,
+    NestedWaitError,
     NotOwnedError,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "LockManager",
     "LockStats",
     "LockTimeout",
+    "NestedWaitError",
     "NotOwnedError",
     "RWLockManager",
     "implementation",
@@ -57,7 +59,8 @@ else:
         implementation = "cython"
 
 for _exported in (
-    AbandonedLockWarning, DeadlockError, LockError, LockLost, LockStats, LockTimeout, NotOwnedError
+    AbandonedLockWarning, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
+    NestedWaitError, NotOwnedError,
 ):
     _exported.__module__ = __name__
 del _exported

@@ -10,6 +10,7 @@ import inspect
 import math
 import operator
 import reprlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable
@@ -28,17 +29,22 @@ __all__ = [
     "LockLost",
     "LockStats",
     "LockTimeout",
+    "MAX_COUNT",
+    "NestedWaitError",
     "NotOwnedError",
     "READ",
     "WRITE",
     "PICKLE_ERROR",
     "Stripe",
+    "count_overflow",
     "deadlock",
     "hold_seconds",
     "key_lock_repr",
     "manager_repr",
     "many_items",
+    "nested_wait",
     "not_owned",
+    "pinned",
     "restored_count",
     "stripe_count",
     "stripe_index",
@@ -84,6 +90,15 @@ class DeadlockError(LockError, RuntimeError):
     def __init__(self, message: str, cycle: list[tuple[int, Hashable]]) -> None:
         super().__init__(message)
         self.cycle = cycle
+
+
+class NestedWaitError(LockError, RuntimeError):
+    """A thread that is already waiting for a key tried to wait for another.
+
+    Only code that runs inside a wait can do that: a signal handler, or a finalizer (on
+    3.12+ the garbage collector runs inside the waits of every thread). Such code may take
+    free keys, re-enter held ones, try-lock and release; it may not queue.
+    """
 
 
 class LockLost(LockError):
@@ -225,8 +240,28 @@ def rw_items(
     return items
 
 
+#: The highest recursion level of one key for one thread (a C ``Py_ssize_t`` in the core).
+MAX_COUNT = sys.maxsize
+
+
 def not_owned(key: object) -> NotOwnedError:
     return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
+
+
+def pinned(key: object) -> NotOwnedError:
+    """Releasing a level that a waiting ``acquire_many`` of the same thread took."""
+    return NotOwnedError(f"key {_short.repr(key)} is held only by a waiting acquire_many of this thread")
+
+
+def nested_wait(key: object) -> NestedWaitError:
+    return NestedWaitError(
+        f"cannot wait for key {_short.repr(key)}: this thread is already waiting for a key "
+        "(a signal handler or finalizer runs inside that wait)"
+    )
+
+
+def count_overflow(key: object) -> OverflowError:
+    return OverflowError(f"recursion count of key {_short.repr(key)} would exceed sys.maxsize")
 
 
 def timed_out(key: object, seconds: float) -> LockTimeout:
@@ -238,6 +273,8 @@ def restored_count(state: tuple[int, int]) -> int:
     count = operator.index(state[0])
     if count < 1:
         raise ValueError(f"invalid saved recursion count {count!r}")
+    if count > MAX_COUNT:
+        raise OverflowError(f"saved recursion count {count!r} exceeds sys.maxsize")
     return count
 
 
