@@ -20,8 +20,10 @@ fail. Every operation is written in three steps:
   entries the tables gave up (their keys are dropped later), requests to wake, a cycle found;
   or answer COMPARE: a stored key needs a Python ``__eq__`` against the caller's key — the
   section then changed nothing, prepare compares (a strong reference keeps the stored key
-  alive) and runs the section again, which trusts the answer only while the table's
-  ``version`` is unchanged;
+  alive) and runs the section again with the answer. An answer is about two objects, not
+  about the table, so it stays true whatever the table did meanwhile (and the reference
+  keeps the stored key's address from being reused): each stored key is compared at most
+  once per lookup, so a key whose ``__eq__`` itself uses the manager cannot livelock it;
 - *finish* (mutex released): post the woken waiters' wakeup locks, drop retired keys, free
   or keep retired entries, resize a table, build errors and warnings.
 
@@ -356,7 +358,6 @@ cdef struct Table:
     Entry **buckets              # mutex: chained hash table; mask + 1 buckets
     size_t mask                  # mutex: bucket count - 1 (a power of two)
     Py_ssize_t entries           # mutex: entries in the table
-    size_t version               # mutex: bumped by every insert and removal (see find)
     bint fair                    # set at creation: strict FIFO hand-off, or eventual fairness
     Py_ssize_t held              # mutex: entries with a write or read holder
     Py_ssize_t waiting           # mutex: requests (a set counts once) queued in its entries
@@ -393,11 +394,9 @@ cdef struct Lookup:
     PyObject *key                # the caller's key (borrowed: the caller keeps it alive)
     Py_hash_t hash               # hash(key)
     PyObject *candidate          # set by a COMPARE section: the stored key to compare (strong)
-    size_t version               # the table version the answers from ``valid_from`` hold for
     Compared *compared           # answers so far (prepare's memory)
     Py_ssize_t ncompared         # how many answers
     Py_ssize_t room              # room in ``compared``
-    Py_ssize_t valid_from        # answers before this index are from an older version
 
 
 cdef enum:
@@ -435,9 +434,9 @@ cdef inline size_t bucket_of(Table *table, Py_hash_t h) noexcept nogil:
 
 
 cdef int known_answer(Lookup *lookup, PyObject *stored) noexcept nogil:
-    """What prepare's comparison said of ``stored`` at this version: 1, 0, or -1 (not asked)."""
+    """What prepare's comparison said of ``stored``: 1, 0, or -1 (not asked yet)."""
     cdef Py_ssize_t i
-    for i in range(lookup.valid_from, lookup.ncompared):
+    for i in range(lookup.ncompared):
         if lookup.compared[i].key == stored:
             return lookup.compared[i].equal
     return -1
@@ -448,9 +447,6 @@ cdef Entry* find(Table *table, Lookup *lookup) noexcept nogil:
     stored key must be compared in Python first."""
     cdef Entry *entry = table.buckets[bucket_of(table, lookup.hash)]
     cdef int equal
-    if lookup.version != table.version:  # answers about other versions no longer hold
-        lookup.valid_from = lookup.ncompared
-        lookup.version = table.version
     while entry is not NULL:
         if entry.hash == lookup.hash:
             if entry.key == lookup.key:
@@ -479,7 +475,6 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.bucket_next = table.buckets[bucket]
     table.buckets[bucket] = entry
     table.entries += 1
-    table.version += 1
     if <size_t>table.entries > table.mask + 1:
         after.resize = table
     return entry
@@ -494,7 +489,6 @@ cdef void remove(Table *table, Entry *entry, After *after) noexcept nogil:
     entry.bucket_next = after.retired
     after.retired = entry
     table.entries -= 1
-    table.version += 1
     if table.mask + 1 > MIN_BUCKETS and <size_t>table.entries * 4 < table.mask + 1:
         after.resize = table
 
@@ -1486,11 +1480,9 @@ cdef inline void lookup_init(Lookup *lookup, object key, Py_hash_t h) noexcept:
     lookup.key = <PyObject*>key
     lookup.hash = h
     lookup.candidate = NULL
-    lookup.version = 0
     lookup.compared = NULL
     lookup.ncompared = 0
     lookup.room = 0
-    lookup.valid_from = 0
 
 
 cdef int compare_candidate(Lookup *lookup) except -1:
