@@ -401,7 +401,6 @@ cdef struct Lookup:
 
 cdef enum:
     MIN_BUCKETS = 8   # a table never shrinks below this
-    CYCLE_ROOM = 16   # cycle steps an After has room for before prepare allocates more
 
 cdef double handoff_after = HANDOFF_AFTER
 cdef double main_thread_slice = MAIN_THREAD_SLICE
@@ -1727,24 +1726,121 @@ cdef inline Py_ssize_t held_count(Table *table) noexcept nogil:
     return table.held
 
 
-cdef inline bint needs_finish(After *after) noexcept:
-    return after.woken is not NULL or after.retired is not NULL or after.resize is not NULL
+cdef enum Kind:  # which section an Op runs
+    ACQUIRE_WRITE
+    ACQUIRE_READ
+    ACQUIRE_MANY
+    RELEASE_WRITE
+    RELEASE_READ
+    RELEASE_MANY
+    PEEK
 
 
-cdef int retry(Outcome outcome, Lookup *lookup, After *after, CycleStep **heap) except -1:
-    """1 if the section must run again: after a Python key comparison, or with more room
-    for a cycle; else 0."""
-    if outcome == COMPARE:
-        compare_candidate(lookup)
-        return 1
-    if outcome == LONG_CYCLE:
-        PyMem_RawFree(heap[0])
-        heap[0] = <CycleStep*>PyMem_RawMalloc(after.cycle_length * 2 * sizeof(CycleStep))
-        if heap[0] is NULL:
-            raise MemoryError()
-        after.cycle = heap[0]
-        after.cycle_room = after.cycle_length * 2
-        return 1
+cdef struct Op:
+    # One operation on a table: its arguments, the memory prepare took for it, its result.
+    Kind kind
+    Table *table
+    Token *token
+    Lookup *lookups         # the keys (one, or a set's)
+    Py_ssize_t n            # how many keys
+    Py_ssize_t count        # ACQUIRE_WRITE: levels to take
+    bint try_only           # acquisitions: give up rather than queue
+    bint fully              # RELEASE_WRITE: every level
+    Request *request        # acquisitions: the request (a set's nodes) to queue
+    Entry **fresh           # ACQUIRE_MANY: memory for entries
+    Entry **entries         # RELEASE_MANY: room for the entries found
+    Mode *modes             # RELEASE_MANY: each key's mode
+    Peek *seen              # PEEK: where the view goes
+    Py_ssize_t result       # RELEASE_WRITE: levels released; RELEASE_MANY: the failing key
+    After after             # what the section left for finish
+
+
+cdef Outcome run(Op *op) noexcept nogil:
+    """The section of ``op`` (the mutex is held)."""
+    if op.kind == ACQUIRE_WRITE:
+        return acquire_write(op.table, op.lookups, op.token, op.count, op.try_only, op.request,
+                             &op.after)
+    if op.kind == RELEASE_WRITE:
+        return release_write(op.table, op.lookups, op.token, op.fully, &op.result, &op.after)
+    if op.kind == ACQUIRE_READ:
+        return acquire_read(op.table, op.lookups, op.token, op.try_only, op.request, &op.after)
+    if op.kind == RELEASE_READ:
+        return release_read(op.table, op.lookups, op.token, &op.after)
+    if op.kind == ACQUIRE_MANY:
+        return acquire_many(op.table, op.lookups, op.request, op.n, op.fresh, op.try_only,
+                            &op.after)
+    if op.kind == RELEASE_MANY:
+        return release_many(op.table, op.lookups, op.modes, op.entries, op.n, op.token,
+                            &op.result, &op.after)
+    return peek(op.table, op.lookups, op.token, op.seen)
+
+
+cdef inline void op_init(Op *op, Kind kind, Table *table, Token *token, Lookup *lookups,
+                         Py_ssize_t n) noexcept:
+    op.kind = kind
+    op.table = table
+    op.token = token
+    op.lookups = lookups
+    op.n = n
+    op.result = 0
+    # No room for a cycle: a section that finds one answers LONG_CYCLE and prepare makes
+    # room (deadlocks are rare; the fast path stays small).
+    after_init(&op.after, NULL, 0)
+
+
+cdef inline int execute(Op *op) except -1:
+    """Run ``op``'s section until it decides (returns the Outcome): after comparing keys in
+    Python when it asks, with room for a cycle when it found one."""
+    cdef Outcome outcome
+    lock()
+    outcome = run(op)
+    unlock()
+    if outcome == COMPARE or outcome == LONG_CYCLE:
+        return execute_again(op, outcome)
+    return outcome
+
+
+cdef int execute_again(Op *op, Outcome outcome) except -1:
+    cdef Py_ssize_t i
+    try:
+        while True:
+            if outcome == COMPARE:
+                for i in range(op.n):
+                    if op.lookups[i].candidate is not NULL:
+                        compare_candidate(op.lookups + i)
+            elif outcome == LONG_CYCLE:
+                make_cycle_room(op)
+            else:
+                return outcome
+            lock()
+            outcome = run(op)
+            unlock()
+    finally:
+        for i in range(op.n):  # the answers hold only for this operation
+            lookup_clear(op.lookups + i)
+
+
+cdef int make_cycle_room(Op *op) except -1:
+    cdef Py_ssize_t i
+    PyMem_RawFree(op.after.cycle)
+    op.after.cycle_room = 0
+    op.after.cycle = <CycleStep*>PyMem_RawMalloc(op.after.cycle_length * 2 * sizeof(CycleStep))
+    if op.after.cycle is NULL:
+        raise MemoryError()
+    op.after.cycle_room = op.after.cycle_length * 2
+    if op.kind == ACQUIRE_MANY:  # the entries it made went back: make them again
+        finish(&op.after, NULL)
+        for i in range(op.n):
+            if op.fresh[i] is NULL:
+                op.fresh[i] = <Entry*>PyMem_RawMalloc(sizeof(Entry))
+                if op.fresh[i] is NULL:
+                    raise MemoryError()
+    return 0
+
+
+cdef inline int finish_if_needed(After *after, Token *keeper) except -1:
+    if after.woken is not NULL or after.retired is not NULL or after.resize is not NULL:
+        finish(after, keeper)
     return 0
 
 
@@ -1845,20 +1941,13 @@ cdef class _Engine:
     cdef int _peek(self, object key, Peek *seen) except -1:
         cdef Py_hash_t h = hash(key)
         cdef Lookup lookup
-        cdef Token *token = existing_token()
-        cdef Outcome outcome
+        cdef Op op
         key = self._lock_key(key, &h)
         lookup_init(&lookup, key, h)
-        try:
-            while True:
-                lock()
-                outcome = peek(&self.table, &lookup, token, seen)
-                unlock()
-                if outcome != COMPARE:
-                    return 0
-                compare_candidate(&lookup)
-        finally:
-            lookup_clear(&lookup)
+        op_init(&op, PEEK, &self.table, existing_token(), &lookup, 1)
+        op.seen = seen
+        execute(&op)
+        return 0
 
     def stats(self):
         """A snapshot of this manager's counters (read at one instant)."""
@@ -1900,86 +1989,47 @@ cdef class _Engine:
         """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         cdef Token *token = current_token()
         cdef Lookup lookup
-        cdef After after
         cdef Request request
-        cdef CycleStep steps[CYCLE_ROOM]
-        cdef CycleStep *heap = NULL
+        cdef Op op
         cdef Outcome outcome
         if token.spare_entry is NULL:
             ensure_spare_entry(token)
         if token.wakeup is NULL and seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
-        after_init(&after, steps, CYCLE_ROOM)
-        try:
-            while True:
-                lock()
-                outcome = acquire_write(&self.table, &lookup, token, count, seconds == 0,
-                                        &request, &after)
-                unlock()
-                if not retry(outcome, &lookup, &after, &heap):
-                    break
-        finally:
-            if lookup.compared is not NULL:
-                lookup_clear(&lookup)
-        if outcome == DONE:
-            if needs_finish(&after):
-                finish(&after, token)
+        op_init(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
+        op.count = count
+        op.try_only = seconds == 0
+        op.request = &request
+        outcome = <Outcome>execute(&op)
+        if outcome == DONE and op.after.resize is NULL:
             return True
-        try:
-            return self._resolve(outcome, key, &request, seconds, &after)
-        finally:
-            PyMem_RawFree(heap)
+        return self._resolve(&op, outcome, key, seconds)
 
     cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
         cdef Token *token = current_token()
         cdef Lookup lookup
-        cdef After after
         cdef Request request
-        cdef CycleStep steps[CYCLE_ROOM]
-        cdef CycleStep *heap = NULL
+        cdef Op op
         cdef Outcome outcome
         ensure_spare_entry(token)
         ensure_spare_hold(token)
         if seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
-        after_init(&after, steps, CYCLE_ROOM)
+        op_init(&op, ACQUIRE_READ, &self.table, token, &lookup, 1)
+        op.try_only = seconds == 0
+        op.request = &request
         request.hold = NULL
+        outcome = <Outcome>execute(&op)
         try:
-            while True:
-                lock()
-                outcome = acquire_read(&self.table, &lookup, token, seconds == 0, &request, &after)
-                unlock()
-                if not retry(outcome, &lookup, &after, &heap):
-                    break
+            return self._resolve(&op, outcome, key, seconds)
         finally:
-            lookup_clear(&lookup)
-        try:
-            return self._resolve(outcome, key, &request, seconds, &after)
-        finally:
-            PyMem_RawFree(heap)
             if outcome == QUEUED and request.hold is not NULL:  # the grant did not need it
                 if token.spare_hold is NULL:
                     token.spare_hold = request.hold
                 else:
                     PyMem_RawFree(request.hold)
-
-    cdef bint _resolve(self, Outcome outcome, object key, Request *request, double seconds,
-                       After *after) except -1:
-        """Act on what an acquiring section decided (off the fast path)."""
-        finish(after, request.token if outcome == QUEUED else existing_token())
-        if outcome == DONE:
-            return True
-        if outcome == BUSY:
-            return False
-        if outcome == QUEUED:
-            return self._wait(request, seconds)
-        if outcome == NESTED:
-            raise nested_wait(key)
-        if outcome == OVERFLOW:
-            raise count_overflow(key)
-        raise deadlock(cycle_list(after))
 
     cdef bint _acquire_many(self, list items, double seconds) except -1:
         """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
@@ -1988,22 +2038,23 @@ cdef class _Engine:
         cdef Lookup *lookups = NULL
         cdef Request *nodes = NULL
         cdef Entry **fresh = NULL
-        cdef After after
-        cdef CycleStep steps[CYCLE_ROOM]
-        cdef CycleStep *heap = NULL
+        cdef Op op
         cdef Outcome outcome
         if n == 0:
             return True
         token = current_token()
         if seconds != 0:
             wakeup_lock(token)
-        after_init(&after, steps, CYCLE_ROOM)
         try:
             lookups = <Lookup*>PyMem_RawCalloc(n, sizeof(Lookup))
             nodes = <Request*>PyMem_RawCalloc(n, sizeof(Request))
             fresh = <Entry**>PyMem_RawCalloc(n, sizeof(Entry*))
             if lookups is NULL or nodes is NULL or fresh is NULL:
                 raise MemoryError()
+            op_init(&op, ACQUIRE_MANY, &self.table, token, lookups, n)
+            op.try_only = seconds == 0
+            op.request = nodes
+            op.fresh = fresh
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
                 lookup_init(lookups + i, key, hash(key))
@@ -2019,30 +2070,10 @@ cdef class _Engine:
                     if nodes[i].hold is NULL:
                         raise MemoryError()
             nodes.nodes = n
-            while True:
-                lock()
-                outcome = acquire_many(&self.table, lookups, nodes, n, fresh, seconds == 0, &after)
-                unlock()
-                if outcome == COMPARE:
-                    for i in range(n):
-                        if lookups[i].candidate is not NULL:
-                            compare_candidate(lookups + i)
-                elif not retry(outcome, lookups, &after, &heap):
-                    break
-                else:  # a cycle too long for the After: the entries it made went back
-                    finish(&after, NULL)
-                    for i in range(n):
-                        if fresh[i] is NULL:
-                            fresh[i] = <Entry*>PyMem_RawMalloc(sizeof(Entry))
-                            if fresh[i] is NULL:
-                                raise MemoryError()
+            outcome = <Outcome>execute(&op)
             keys = tuple([key for key, _ in items]) if outcome in (NESTED, OVERFLOW) else None
-            return self._resolve(outcome, keys, nodes, seconds, &after)
+            return self._resolve(&op, outcome, keys, seconds)
         finally:
-            PyMem_RawFree(heap)
-            if lookups is not NULL:
-                for i in range(n):
-                    lookup_clear(lookups + i)
             if nodes is not NULL:
                 for i in range(n):
                     PyMem_RawFree(nodes[i].hold)
@@ -2052,6 +2083,24 @@ cdef class _Engine:
             PyMem_RawFree(lookups)
             PyMem_RawFree(nodes)
             PyMem_RawFree(fresh)
+
+    cdef bint _resolve(self, Op *op, Outcome outcome, object key, double seconds) except -1:
+        """Act on what an acquiring section decided (off the fast path)."""
+        try:
+            finish(&op.after, op.token)
+            if outcome == DONE:
+                return True
+            if outcome == BUSY:
+                return False
+            if outcome == QUEUED:
+                return self._wait(op.request, seconds)
+            if outcome == NESTED:
+                raise nested_wait(key)
+            if outcome == OVERFLOW:
+                raise count_overflow(key)
+            raise deadlock(cycle_list(&op.after))
+        finally:
+            PyMem_RawFree(op.after.cycle)
 
     cdef bint _wait(self, Request *request, double seconds) except -1:
         """Sleep until the queued ``request`` is granted or its time runs out."""
@@ -2085,15 +2134,6 @@ cdef class _Engine:
             self._settle(request, &posted, deadline, True)
             raise
 
-    cdef int _complete(self, Request *request) except -1:
-        cdef After after
-        after_init(&after, NULL, 0)
-        lock()
-        complete(&self.table, request, &after)
-        unlock()
-        finish(&after, request.token)
-        return 0
-
     cdef Outcome _settle(self, Request *request, bint *posted, double deadline,
                          bint abandoning) except *:
         """One section after a wake-up (or, ``abandoning``, after an exception), after
@@ -2116,52 +2156,41 @@ cdef class _Engine:
         finish(&after, request.token)
         return outcome
 
+    cdef int _complete(self, Request *request) except -1:
+        cdef After after
+        after_init(&after, NULL, 0)
+        lock()
+        complete(&self.table, request, &after)
+        unlock()
+        finish(&after, request.token)
+        return 0
+
     # -- releasing ------------------------------------------------------------------------
 
     cdef Py_ssize_t _release_write(self, object key, Py_hash_t h, bint fully) except -1:
         """Undo one write level of ``key`` (``fully``: all of them; returns how many)."""
         cdef Token *token = existing_token()
         cdef Lookup lookup
-        cdef After after
+        cdef Op op
         cdef Outcome outcome
-        cdef Py_ssize_t released = 0
         lookup_init(&lookup, key, h)
-        after_init(&after, NULL, 0)
-        try:
-            while True:
-                lock()
-                outcome = release_write(&self.table, &lookup, token, fully, &released, &after)
-                unlock()
-                if outcome != COMPARE:
-                    break
-                compare_candidate(&lookup)
-        finally:
-            if lookup.compared is not NULL:
-                lookup_clear(&lookup)
-        if needs_finish(&after):
-            finish(&after, token)
+        op_init(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
+        op.fully = fully
+        outcome = <Outcome>execute(&op)
+        finish_if_needed(&op.after, token)
         if outcome == DONE:
-            return released
+            return op.result
         raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
 
     cdef int _release_read(self, object key, Py_hash_t h) except -1:
         cdef Token *token = existing_token()
         cdef Lookup lookup
-        cdef After after
+        cdef Op op
         cdef Outcome outcome
         lookup_init(&lookup, key, h)
-        after_init(&after, NULL, 0)
-        try:
-            while True:
-                lock()
-                outcome = release_read(&self.table, &lookup, token, &after)
-                unlock()
-                if outcome != COMPARE:
-                    break
-                compare_candidate(&lookup)
-        finally:
-            lookup_clear(&lookup)
-        finish(&after, token)
+        op_init(&op, RELEASE_READ, &self.table, token, &lookup, 1)
+        outcome = <Outcome>execute(&op)
+        finish_if_needed(&op.after, token)
         if outcome == DONE:
             return 0
         raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
@@ -2169,42 +2198,34 @@ cdef class _Engine:
     cdef int _release_many(self, list items) except -1:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
         asked) none, with NotOwnedError."""
-        cdef Py_ssize_t n = len(items), i, failed = 0
+        cdef Py_ssize_t n = len(items), i
         cdef Token *token = existing_token()
         cdef Lookup *lookups = <Lookup*>PyMem_RawCalloc(n + 1, sizeof(Lookup))
         cdef Mode *modes = <Mode*>PyMem_RawCalloc(n + 1, sizeof(Mode))
         cdef Entry **entries = <Entry**>PyMem_RawCalloc(n + 1, sizeof(Entry*))
-        cdef After after
+        cdef Op op
         cdef Outcome outcome = DONE
-        after_init(&after, NULL, 0)
         try:
             if lookups is NULL or modes is NULL or entries is NULL:
                 raise MemoryError()
+            op_init(&op, RELEASE_MANY, &self.table, token, lookups, n)
+            op.modes = modes
+            op.entries = entries
             for i in range(n):
                 key, mode = items[i]
                 lookup_init(lookups + i, key, hash(key))
                 modes[i] = READ if mode == READ else WRITE
-            while n:
-                lock()
-                outcome = release_many(&self.table, lookups, modes, entries, n, token, &failed,
-                                       &after)
-                unlock()
-                if outcome != COMPARE:
-                    break
-                for i in range(n):
-                    if lookups[i].candidate is not NULL:
-                        compare_candidate(lookups + i)
+            if n:
+                outcome = <Outcome>execute(&op)
+                finish_if_needed(&op.after, token)
         finally:
-            for i in range(n):
-                lookup_clear(lookups + i)
             PyMem_RawFree(lookups)
             PyMem_RawFree(modes)
             PyMem_RawFree(entries)
-        finish(&after, token)
         if outcome == NOT_OWNED:
-            raise not_owned(items[failed][0])
+            raise not_owned(items[op.result][0])
         if outcome == PINNED:
-            raise pinned(items[failed][0])
+            raise pinned(items[op.result][0])
         return 0
 
 
