@@ -467,10 +467,17 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     """Put ``entry`` (memory from prepare) in the table for ``lookup``'s key."""
     cdef size_t bucket = bucket_of(table, lookup.hash)
     lockmgr_incref(lookup.key)
-    memset(entry, 0, sizeof(Entry))
     entry.key = lookup.key
     entry.hash = lookup.hash
     entry.table = table
+    entry.owner = NULL
+    entry.count = 0
+    entry.pinned = 0
+    entry.readers = NULL
+    entry.nreaders = 0
+    entry.head = NULL
+    entry.tail = NULL
+    entry.inflight = 0
     entry.bucket_next = table.buckets[bucket]
     table.buckets[bucket] = entry
     table.entries += 1
@@ -1839,9 +1846,15 @@ cdef int make_cycle_room(Op *op) except -1:
 
 
 cdef inline int finish_if_needed(After *after, Token *keeper) except -1:
-    if after.woken is not NULL or after.retired is not NULL or after.resize is not NULL:
-        finish(after, keeper)
-    return 0
+    cdef Entry *entry = after.retired
+    if after.woken is NULL and after.resize is NULL and (entry is NULL or (
+            entry.bucket_next is NULL and keeper is not NULL and keeper.spare_entry is NULL)):
+        if entry is not NULL:  # the common release: one key given up, its memory kept
+            after.retired = NULL
+            keeper.spare_entry = entry
+            Py_XDECREF(entry.key)
+        return 0
+    return finish(after, keeper)
 
 
 # -- the engine ---------------------------------------------------------------------------
