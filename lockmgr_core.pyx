@@ -1,4 +1,4 @@
-# cython: language_level=3, binding=False
+# cython: language_level=3, binding=False, freethreading_compatible=True
 """The compiled engine of lockmgr, built as ``lockmgr._core``.
 
 It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, holds and tokens, the same
@@ -1557,18 +1557,11 @@ cdef Token* new_token() except NULL:
     return token
 
 
-cdef int ensure_spare_entry(Token *token) except -1:
-    if token.spare_entry is NULL:
-        token.spare_entry = <Entry*>PyMem_RawMalloc(sizeof(Entry))
-        if token.spare_entry is NULL:
-            raise MemoryError()
-    return 0
-
-
-cdef int ensure_spare_hold(Token *token) except -1:
-    if token.spare_hold is NULL:
-        token.spare_hold = <Hold*>PyMem_RawMalloc(sizeof(Hold))
-        if token.spare_hold is NULL:
+cdef int ensure_memory(void **slot, size_t size) except -1:
+    """Fill an empty spare slot of a token (memory a section may take)."""
+    if slot[0] is NULL:
+        slot[0] = PyMem_RawMalloc(size)
+        if slot[0] is NULL:
             raise MemoryError()
     return 0
 
@@ -2006,7 +1999,7 @@ cdef class _Engine:
         cdef Op op
         cdef Outcome outcome
         if token.spare_entry is NULL:
-            ensure_spare_entry(token)
+            ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
         if token.wakeup is NULL and seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
@@ -2025,8 +2018,8 @@ cdef class _Engine:
         cdef Request request
         cdef Op op
         cdef Outcome outcome
-        ensure_spare_entry(token)
-        ensure_spare_hold(token)
+        ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
+        ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
         if seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
