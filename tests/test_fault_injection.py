@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 MIX = Path(__file__).with_name("fault_mix.py")
-HANG = 150.0  # the child dumps its stacks and exits after this; generous for a busy 2-core box
+HANG = 120.0  # the child dumps its stacks and exits after this; generous for a busy 2-core box
 
 
 def run_mix(impl, *options: str) -> dict:

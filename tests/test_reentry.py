@@ -992,12 +992,13 @@ def test_cycle_across_two_managers_is_detected(impl, workers, second_kind) -> No
         assert caught.value.cycle == [(two.thread.ident, "A1"), (one.thread.ident, b2)]
         assert (m1.stats().deadlocks, m1.stats().timeouts, m2.stats().deadlocks) == (1, 0, 0)
         assert m1.owner("A1") == one.thread.ident and m2.stats().waiting == 1
-    finally:  # let thread 1 go on, whatever happened
+    finally:  # let thread 1 go on and clean up, whatever happened
         two.run(m1.release_all)
         two.run(m2.release_all)
-    assert blocked.result() is True
-    one.run(m1.release_all)
-    one.run(m2.release_all)
+        granted = blocked.result()
+        one.run(m1.release_all)
+        one.run(m2.release_all)
+    assert granted is True
     assert (len(m1), len(m2), m2.stats().waiting) == (0, 0, 0)
 
 
@@ -1016,15 +1017,16 @@ def test_cycle_of_three_across_three_managers(impl, workers) -> None:
             threads[2].run(lambda: managers[0].acquire("K0", timeout=PATIENCE / 4))
         idents = [worker.thread.ident for worker in threads]
         assert caught.value.cycle == [(idents[2], "K0"), (idents[0], "K1"), (idents[1], "K2")]
-    finally:  # let the others go on, whatever happened
+    finally:  # let the others go on and clean up, whatever happened
         threads[2].run(managers[0].release_all)
         threads[2].run(managers[2].release_all)
-    assert pending[1].result() is True
-    threads[1].run(managers[1].release_all)
-    threads[1].run(managers[2].release_all)
-    assert pending[0].result() is True
-    threads[0].run(managers[0].release_all)
-    threads[0].run(managers[1].release_all)
+        results = [pending[1].result()]
+        threads[1].run(managers[1].release_all)
+        threads[1].run(managers[2].release_all)
+        results.insert(0, pending[0].result())
+        threads[0].run(managers[0].release_all)
+        threads[0].run(managers[1].release_all)
+    assert results == [True, True]
     assert all(len(manager) == 0 for manager in managers)
 
 
