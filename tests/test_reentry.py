@@ -706,6 +706,62 @@ def test_7_unfair_waiter_woken_past_its_deadline(impl, overtake) -> None:
     assert report["counts"] == [40 if overtake else 20, 0]
 
 
+WOKEN_IN_HANDLER = """
+sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
+TIMEOUT = 0.05
+locks = impl.LockManager(fair=False)
+holder = Worker("holder")
+go, release_now, released = threading.Event(), threading.Event(), threading.Event()
+began = []
+
+def handler(signum, frame):
+    # Runs inside the main thread's wait: the key is freed meanwhile (within HANDOFF_AFTER
+    # of the queueing, so the request is WOKEN), and the deadline passes before it returns.
+    release_now.set()
+    released.wait(PATIENCE)
+    while time.monotonic() < began[0] + TIMEOUT * 2:
+        pass
+
+def signal_then_release():
+    go.wait()  # the main thread is queued and asleep
+    queued = locks.stats().waiting
+    signal.pthread_kill(MAIN, signal.SIGUSR1)
+    release_now.wait(PATIENCE)
+    locks.release("k")
+    released.set()
+    return queued
+
+signal.signal(signal.SIGUSR1, handler)
+runs = []
+for attempt in range(10):
+    for event in (go, release_now, released):
+        event.clear()
+    holder.run(lambda: locks.acquire("k"))
+    releasing = holder.submit(signal_then_release)
+    began[:] = [time.monotonic()]
+    go.set()
+    got = locks.acquire("k", timeout=TIMEOUT)
+    queued = result(releasing)
+    runs.append([queued, got, locks.owned("k"), state(locks)])
+    if got:
+        locks.release("k")
+stats = locks.stats()
+report(runs=runs, state=state(locks), counts=[stats.timeouts, stats.contended])
+"""
+
+
+@POSIX_SIGNALS
+def test_7_unfair_main_thread_woken_while_a_handler_runs_past_its_deadline(impl) -> None:
+    """Item 7 on the path the compiled core gets wrong today: the key is freed while a
+    handler runs inside the main thread's wait (the request is WOKEN after the wait checked
+    its state) and the deadline passes in the handler. The key is still free when the
+    thread goes on, so it is granted (the wake-up came in time); today the compiled core
+    times out instead, leaving its wakeup posted, while the twin grants."""
+    report = outcome(run_child(impl, WOKEN_IN_HANDLER))
+    assert report["runs"] == [[1, True, True, [1, 0]]] * 10
+    assert report["state"] == [0, 0] and report["counts"] == [0, 10]
+
+
 # -- 8. key code under the pure twin's mutex ---------------------------------------------------
 
 CALLING_KEYS = """
