@@ -30,7 +30,6 @@ import importlib
 import json
 import random
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -42,7 +41,8 @@ parser.add_argument("--threads", type=int, default=5)
 parser.add_argument("--ops", type=int, default=120)
 parser.add_argument("--seed", type=int, default=1)
 parser.add_argument("--hang", type=float, default=150.0, help="dump stacks and exit after this")
-parser.add_argument("--signal-every", type=float, default=0.004, help="mean seconds between signals")
+parser.add_argument("--signal-every", type=float, default=0.004,
+                    help="mean seconds between signals")
 parser.add_argument("--gc-every", type=int, default=40, help="act on every Nth collection")
 args = parser.parse_args()
 

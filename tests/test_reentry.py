@@ -31,7 +31,8 @@ PINNED = "key 'a' is held only by a waiting acquire_many of this thread"
 
 #: What every child script starts with.
 SCRIPT = """
-import faulthandler, gc, importlib, json, os, random, signal, sys, threading, time, warnings, weakref
+import faulthandler, gc, importlib, json, os, random, signal, sys, threading, time, warnings
+import weakref
 faulthandler.enable()
 faulthandler.dump_traceback_later({hang}, exit=True)  # a hang ends the child, stacks on stderr
 {early}
