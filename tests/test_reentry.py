@@ -142,11 +142,12 @@ locks = impl.LockManager()
 holder = Worker("holder")
 holder.run(lambda: locks.acquire("k"))
 waiter_ident, seen = [], []
+claim = threading.Lock()  # whoever takes it lets the holder release: the callback, or main
 
 def collection_started(phase, info):
     # The first collection the waiter's acquire triggers (on <= 3.11: at an allocation):
     # the key's holder lets go meanwhile, so the entry the waiter found goes away.
-    if phase == "start" and waiter_ident == [threading.get_ident()] and not seen:
+    if phase == "start" and waiter_ident == [threading.get_ident()] and claim.acquire(False):
         seen.append(state(locks))
         result(holder.submit(lambda: locks.release("k")))  # blocks: the holder runs now
 
@@ -163,6 +164,11 @@ def waiter():
 
 gc.callbacks.append(collection_started)
 call = Worker("waiter").submit(waiter)
+wait_until(lambda: call[0].is_set() or locks.stats().waiting == 1, "the waiter waits")
+if not call[0].is_set() and claim.acquire(False):
+    # An engine that starts no collection before queueing: release the ordinary way.
+    seen.append("no collection before queueing")
+    result(holder.submit(lambda: locks.release("k")))
 if not call[0].wait(PATIENCE / 2):
     report(stuck="the waiter never returned", locked=locks.locked("k"), state=state(locks))
     os._exit(2)
@@ -178,7 +184,9 @@ def test_1_collection_between_lookup_and_queueing(impl, timeout) -> None:
     the waiter is about to queue on. Today (compiled, <= 3.11): SIGSEGV (timed) or a sleep
     forever on a free key (untimed). The waiter must get the key, and it then holds it."""
     report = outcome(run_child(impl, GC_BEFORE_QUEUEING.format(timeout=timeout)))
-    assert report["seen"] == [[1, 0]], "the collection ran at the wrong point"
+    # Today: [[1, 0]], between lookup and queueing. An engine that allocates nothing there
+    # collects later, in the wait ([[1, 1]], e.g. on 3.12+), or not at all.
+    assert report["seen"] in ([[1, 0]], [[1, 1]], ["no collection before queueing"])
     assert report["waiter"] == [True, True, 1, [1, 0]]
     assert report["locked"] is True  # the waiter's thread still holds it (the worker lives)
 
@@ -212,9 +220,9 @@ def refused():
 gc.callbacks.append(collection_started)
 got = outcome(second.submit(refused))
 gc.callbacks.remove(collection_started)
-if got is True:
-    second.run(lambda: locks.release("A"))
+second.run(locks.release_all)  # B if no collection came, A if it was granted
 first_got = result(blocked)
+first.run(locks.release_all)
 report(seen=len(seen), got=got if got is True else got[0], first=first_got,
        state=state(locks), deadlocks=locks.stats().deadlocks)
 """
@@ -226,7 +234,8 @@ def test_1_collection_in_an_acquire_that_would_deadlock(impl) -> None:
     (DeadlockError, decided before the collection) or, if the collection came first, the
     key was free and is granted; never a crash, nothing left behind."""
     report = outcome(run_child(impl, GC_IN_FIND_CYCLE))
-    assert report["seen"] == 1 and report["first"] is True
+    assert report["first"] is True
+    assert report["seen"] == 1 or report["got"] == "DeadlockError"  # no collection: refused
     assert report["got"] in (True, "DeadlockError")
     assert report["deadlocks"] == (report["got"] == "DeadlockError")
     assert report["state"] == [0, 0]
@@ -624,8 +633,10 @@ def test_6_nested_waits_are_refused_and_the_outer_wait_stays_visible(impl) -> No
     report = outcome(run_child(impl, NESTED))
     in_handler = report["in_handler"]
     assert in_handler[:4] == [True, True, False, ["NestedWaitError", nested_message("'B'")]]
-    # A set names the key it would wait for ("B"; assumed, the contract shows one key).
-    assert in_handler[4] == ["NestedWaitError", nested_message("'B'")]
+    # A set: which key (or keys) the message names is not in the contract; the rest is.
+    assert in_handler[4][0] == "NestedWaitError"
+    assert in_handler[4][1].startswith("cannot wait for key ")
+    assert in_handler[4][1].endswith(nested_message("")[len("cannot wait for key "):])
     assert in_handler[5:] == [["NestedWaitError", nested_message("'E'")], [1, 1, 0]]
     assert report["closed"] == ["DeadlockError", True]
     assert report["got"] is True
