@@ -13,7 +13,7 @@ set -uo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
-ops=${MEMCHECK_OPS:-40}
+ops=${MEMCHECK_OPS:-100}
 out=${MEMCHECK_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/lockmgr-memcheck.XXXXXX")}
 mkdir -p "$out"
 
