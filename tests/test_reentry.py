@@ -645,6 +645,55 @@ def test_6_nested_waits_are_refused_and_the_outer_wait_stays_visible(impl) -> No
     assert report["state"] == [0, 0] and report["elsewhere"] == [0, 0]
 
 
+NESTED_CYCLE = """
+locks = impl.LockManager()
+x, y = Worker("x"), Worker("y")
+x.run(lambda: locks.acquire("A"))
+y.run(lambda: locks.acquire("B"))
+locks.acquire("M")
+y_waiting = y.submit(lambda: locks.acquire("M", timeout=PATIENCE))
+wait_until(lambda: locks.stats().waiting == 1, "y waits for M")
+in_handler = []
+handled = threading.Event()
+
+def handler(signum, frame):
+    try:  # B's holder waits for M, which this thread holds: waiting would also deadlock
+        in_handler.append(locks.acquire("B", timeout=2))
+    except (NestedWaitError, DeadlockError) as exc:
+        in_handler.append([type(exc).__name__, str(exc)])
+    stats = locks.stats()
+    in_handler.append([stats.waiting, stats.deadlocks, stats.timeouts])
+    handled.set()
+
+def signal_then_release():
+    wait_until(lambda: locks.stats().waiting == 2, "the main thread waits for A")
+    signal.pthread_kill(MAIN, signal.SIGUSR1)
+    handled.wait(PATIENCE)
+    locks.release("A")
+
+signal.signal(signal.SIGUSR1, handler)
+x.submit(signal_then_release)
+got = locks.acquire("A", timeout=PATIENCE)
+released = [locks.release_all()]
+y_got = result(y_waiting)
+released.append(y.run(locks.release_all))
+report(got=got, in_handler=in_handler, y_got=y_got, released=released, state=state(locks),
+       deadlocks=locks.stats().deadlocks)
+"""
+
+
+@POSIX_SIGNALS
+def test_6_a_nested_wait_is_refused_before_the_deadlock_check(impl) -> None:
+    """NestedWaitError comes before the deadlock check: a nested wait that would also
+    close a cycle is refused as nested (nothing counted). Today: DeadlockError, because
+    the nested request replaced the outer one as the thread's wait."""
+    report = outcome(run_child(impl, NESTED_CYCLE))
+    assert report["in_handler"] == [["NestedWaitError", nested_message("'B'")], [2, 0, 0]]
+    assert report["got"] is True and report["y_got"] is True
+    assert report["released"] == [2, 2] and report["state"] == [0, 0]
+    assert report["deadlocks"] == 0
+
+
 # -- 7. fair=False, woken past the deadline ----------------------------------------------------
 
 WOKEN_LATE = """
