@@ -6,7 +6,9 @@
 #
 # Usage: scripts/free-threaded-python.sh [--tsan] [--rebuild]
 #   --tsan      also build a second interpreter configured --with-thread-sanitizer
-#               (for `make tsan`); the last line printed is then that one's path
+#               (for `make tsan`); the last line printed is then that one's path. Run it,
+#               and anything built for it, with CPython's own races suppressed:
+#               TSAN_OPTIONS=suppressions=<cache>/python3.13t-tsan/share/tsan/suppressions_free_threading.txt
 #   --rebuild   throw away cached interpreters and build again
 # Environment: LOCKMGR_CACHE   where sources and interpreters live
 #                              (default $HOME/.cache/lockmgr, outside the work tree)
@@ -251,28 +253,58 @@ unpacked_source() {
   echo "$dir"
 }
 
+# Runs a command with its output appended to $build_log (make prints thousands of lines); on
+# failure shows the end of the log, which is where the reason is.
+logged() {
+  "$@" >>"$build_log" 2>&1 && return 0
+  log "failed: $*; the end of $build_log:"
+  tail -n 40 "$build_log" >&2
+  return 1
+}
+
 # build PREFIX [extra configure options...]
 # Optimisation: the default release flags (-O3, NDEBUG), without --enable-optimizations (PGO
 # runs the test suite: 20+ minutes on 2 cores) or LTO (a long single-threaded link). That keeps
 # the build to a few minutes and is what the GIL-off-vs-RLock ratios need: both sides of each
-# comparison run on the same interpreter.
+# comparison run on the same interpreter. --disable-test-modules: CPython's own test suite is
+# not needed, and skipping it saves install time and ~100 MB.
 build() {
-  local prefix=$1 src build_dir
+  local prefix=$1 src build_dir name
   shift
+  name=$(basename "$prefix")
   install_build_deps
   src=$(unpacked_source)
-  build_dir=$cache/build/$(basename "$prefix")
-  rm -rf "$build_dir" "$prefix"
+  build_dir=$cache/build/$name
+  build_log=$cache/build/$name.log
+  rm -rf "$build_dir" "$prefix" "$build_log"
   mkdir -p "$build_dir"
+  log "build log: $build_log"
   (
     cd "$build_dir"
     # nice: the machine's 2 cores are shared with other engineers' work.
-    timed "configure $(basename "$prefix")" nice -n 10 "$src/configure" -q --prefix="$prefix" \
+    timed "configure $name" logged nice -n 10 "$src/configure" --prefix="$prefix" \
       --disable-gil --disable-test-modules "$@"
-    timed "make -j$jobs $(basename "$prefix")" nice -n 10 make -s -j"$jobs"
-    timed "make install $(basename "$prefix")" nice -n 10 make -s install
-  ) >&2
+    timed "make -j$jobs $name" logged nice -n 10 make -j"$jobs"
+    timed "make install $name" logged nice -n 10 make install
+  )
   rm -rf "$build_dir"
+}
+
+# The TSAN interpreter runs itself during the build (module checks, compileall, ensurepip), so
+# CPython's own known races must be suppressed from the start; the suppression files are kept
+# in the prefix for `make tsan`, which needs the same TSAN_OPTIONS.
+tsan_options() {
+  echo "suppressions=$1/share/tsan/suppressions_free_threading.txt"
+}
+build_tsan() {
+  local src
+  src=$(unpacked_source)
+  mkdir -p "$cache/build"
+  install -D -m 644 "$src/Tools/tsan/suppressions_free_threading.txt" \
+    "$cache/build/tsan-suppressions.txt"
+  TSAN_OPTIONS="suppressions=$cache/build/tsan-suppressions.txt${TSAN_OPTIONS:+ $TSAN_OPTIONS}" \
+    build "$tsan_prefix" --with-thread-sanitizer
+  install -D -m 644 -t "$tsan_prefix/share/tsan" "$src"/Tools/tsan/*.txt
 }
 
 if [ "$rebuild" -eq 1 ]; then
@@ -289,11 +321,11 @@ fi
 result=$plain_prefix/bin/python3.13t
 
 if [ "$tsan" -eq 1 ]; then
-  if works "$tsan_prefix/bin/python3.13t"; then
+  if TSAN_OPTIONS=$(tsan_options "$tsan_prefix") works "$tsan_prefix/bin/python3.13t"; then
     log "cached: $tsan_prefix/bin/python3.13t"
   else
-    build "$tsan_prefix" --with-thread-sanitizer
-    works "$tsan_prefix/bin/python3.13t" || die "the build at $tsan_prefix does not work"
+    build_tsan
+    TSAN_OPTIONS=$(tsan_options "$tsan_prefix") works "$tsan_prefix/bin/python3.13t" || die "the build at $tsan_prefix does not work"
   fi
   result=$tsan_prefix/bin/python3.13t
 fi
