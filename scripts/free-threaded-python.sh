@@ -17,6 +17,9 @@
 #   <cache>/python3.13t/bin/python3.13t (or <cache>/python3.13t-tsan/bin/python3.13t with --tsan).
 # A cached interpreter that still works is reused, so a second run takes about a second.
 set -euo pipefail
+# Functions here return their answers through $(...); without this a failure inside one would be
+# ignored there (bash drops errexit in command substitutions) and the script would go on.
+shopt -s inherit_errexit
 
 usage() { sed -n '/^# Usage:/,/^# A cached/s/^# \{0,1\}//p' "$0"; }
 
@@ -223,14 +226,14 @@ fetch_source() {
   # --download-only: just the .dsc and tarballs, checked against the signed index; no unpacking.
   (cd "$work/download" && timed "apt-get source --download-only $package" \
     apt-get "${apt_opts[@]}" source -qq --download-only "$package")
-  mkdir -p "$cache/src"
   mv "$work"/download/"${package}"_*.orig.tar.xz "$work"/download/"${package}"_*.dsc "$cache/src/"
 }
 
 # Prints the path of the cached upstream tarball, fetching it first if there is none.
 tarball() {
   local found
-  found=$(find "$cache/src" -maxdepth 1 -name "${package}_*.orig.tar.xz" 2>/dev/null | sort -V | tail -n 1)
+  mkdir -p "$cache/src"
+  found=$(find "$cache/src" -maxdepth 1 -name "${package}_*.orig.tar.xz" | sort -V | tail -n 1)
   if [ -z "$found" ]; then
     fetch_source >&2   # stdout is this function's answer: keep apt's chatter off it
     found=$(find "$cache/src" -maxdepth 1 -name "${package}_*.orig.tar.xz" | sort -V | tail -n 1)
