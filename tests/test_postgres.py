@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import os
 import random
@@ -63,7 +62,6 @@ def own_sessions_locks(dsn: str) -> int:
 def nothing_left_held(dsn: str) -> Iterator[None]:
     """After every test, no session of this process holds an advisory lock."""
     yield
-    gc.collect()  # managers a test dropped close their idle connections
     assert own_sessions_locks(dsn) == 0
 
 
@@ -457,6 +455,22 @@ def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> N
     assert all(row["metric"] == "throughput" and row["value"] > 0 for row in rows)
 
 
+def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
+    """``--redis start`` runs Debian's redis-server (installed by .ci/run) for the run."""
+    from lockmgr import bench
+
+    out = tmp_path / "pairs.json"
+    assert bench.main(["--quick", "--scenario", "server-pairs", "--pg-dsn", dsn, "--redis",
+                       "start", "--threads", "2", "--json", str(out)]) == 0
+    rows = {(row["impl"], row["metric"]): row["value"]
+            for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(impl, metric) for impl in ("postgres", "redis-py")
+                         for metric in ("1-process", "2-processes")} | {
+        ("postgres", "1-process vs redis-py"), ("postgres", "2-processes vs redis-py")}
+    assert all(value > 0 for value in rows.values())
+    assert bench.main(["--scenario", "server-pairs"]) == 2  # it needs a server to measure
+
+
 # -- issue 12: every promise kept under timeouts, forks, dead connections, cancels, Ctrl-C ------
 
 
@@ -713,12 +727,12 @@ while storm_thread.is_alive():
     except KeyboardInterrupt:
         pass
 time.sleep(0.05)  # a last signal in flight runs its handler now, not below
-stop.set()
-hammer_thread.join()
 try:
     locks.release_all()  # what the manager believes this thread holds
 except LockLost:
     pass
+stop.set()
+hammer_thread.join()
 other.close()
 locks.close()
 with psycopg.connect(os.environ["DSN"], autocommit=True) as conn:

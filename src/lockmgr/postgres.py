@@ -89,6 +89,14 @@ _GRANTED_ADVISORY = f"pg_locks WHERE locktype = 'advisory' AND granted AND objsu
 _MINE = "pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()"
 _MODE_NAMES = {READ: "ShareLock", WRITE: "ExclusiveLock"}
 
+# The single-key calls, prepared on each connection at first use.
+_STATEMENTS = {
+    f"lockmgr_{function}".encode(): f"SELECT {function}($1::bigint)".encode()
+    for function in ("pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
+                     "pg_try_advisory_lock_shared", "pg_advisory_unlock",
+                     "pg_advisory_unlock_shared")
+}
+
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 
@@ -114,7 +122,14 @@ def _encode(key: object) -> bytes:
 
 def advisory_key(key: Hashable, namespace: str = "") -> int:
     """The signed 64-bit PostgreSQL advisory key of ``key`` in ``namespace``."""
-    salt = hashlib.blake2b(namespace.encode(), digest_size=32).digest()
+    return _salted_key(key, _salt(namespace))
+
+
+def _salt(namespace: str) -> bytes:
+    return hashlib.blake2b(namespace.encode(), digest_size=32).digest()
+
+
+def _salted_key(key: Hashable, salt: bytes) -> int:
     digest = hashlib.blake2b(_encode(key), digest_size=8, key=salt).digest()
     return int.from_bytes(digest, "big", signed=True)
 
@@ -123,7 +138,7 @@ class _Link:
     """One server connection. Lock calls drive libpq directly (one message, one round trip,
     no cursor), waiting in ``poll`` so that Ctrl-C and other signal handlers run."""
 
-    __slots__ = ("busy", "conn", "pgconn", "pid", "poller")
+    __slots__ = ("busy", "conn", "pgconn", "pid", "poller", "prepared")
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.conn = conn
@@ -132,6 +147,7 @@ class _Link:
         self.busy = threading.Lock()  # held by the owner while it talks to the server
         self.poller = select.poll()
         self.poller.register(self.pgconn.socket, select.POLLIN)
+        self.prepared: set[bytes] = set()  # names of the statements prepared on this session
 
     @classmethod
     def connect(cls, dsn: str, connect_kwargs: dict[str, Any]) -> _Link:
@@ -144,10 +160,24 @@ class _Link:
     def run(self, sql: str) -> Any:
         """Send ``sql`` (one or more statements: one implicit transaction) and return the
         last result; an error result raises its psycopg exception once all are read."""
+        return self._round_trip(self.pgconn.send_query, sql.encode())
+
+    def call(self, statement: bytes, ident: int) -> Any:
+        """Run one of the single-key ``_STATEMENTS`` (prepared once per session: no parsing
+        or planning on the server after that) for the advisory key ``ident``."""
+        if statement not in self.prepared:
+            try:
+                self._round_trip(self.pgconn.send_prepare, statement, _STATEMENTS[statement])
+            except pg_errors.DuplicatePreparedStatement:
+                pass  # an interrupt came after the server prepared it, before we noted it
+            self.prepared.add(statement)
+        return self._round_trip(self.pgconn.send_query_prepared, statement, [b"%d" % ident])
+
+    def _round_trip(self, send: Callable[..., None], *args: Any) -> Any:
         pgconn = self.pgconn
         results: list[Any] = []
         with self.busy:
-            pgconn.send_query(sql.encode())
+            send(*args)
             try:
                 while pgconn.flush():
                     self._wait(select.POLLOUT)
@@ -300,6 +330,7 @@ class _PgEngine(Generic[K]):
     ) -> None:
         self._dsn = dsn
         self._namespace = namespace
+        self._salt = _salt(namespace)
         self._on_lost = on_lost
         self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
         self._local = threading.local()
@@ -330,7 +361,7 @@ class _PgEngine(Generic[K]):
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace."""
-        return advisory_key(key, self._namespace)
+        return _salted_key(key, self._salt)
 
     def stats(self) -> LockStats:
         """The in-process engine's counters (this process's threads)."""
@@ -493,7 +524,8 @@ class _PgEngine(Generic[K]):
                 else:
                     lost.append(item[0])
                     _count_down(session.lost, item)
-            session.reported &= {key for key, _ in session.lost}
+            if session.reported:
+                session.reported &= {key for key, _ in session.lost}
             local_release()
             self._return_if_idle(session)
         if lost:
@@ -509,14 +541,16 @@ class _PgEngine(Generic[K]):
         while True:
             link, fresh_link = (session.link, False) if session.link else self._attach(session)
             left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
-            if seconds == 0 or (deadline is not None and left <= 0):
-                sql, answers = _try_lock_sql(ordered), True
-            elif deadline is None:
-                sql, answers = _wait_lock_sql(ordered), False
-            else:
-                sql, answers = _timed_lock_sql(ordered, left), False
+            trying = seconds == 0 or (deadline is not None and left <= 0)
             try:
-                result = link.run(sql)
+                if deadline is not None and not trying:
+                    result = link.run(_timed_lock_sql(ordered, left))
+                elif len(ordered) == 1:
+                    ident, mode = ordered[0]
+                    function = "pg_try_advisory_lock" if trying else "pg_advisory_lock"
+                    result = link.call(f"lockmgr_{function}{_kind(mode)}".encode(), ident)
+                else:
+                    result = link.run(_try_lock_sql(ordered) if trying else _wait_lock_sql(ordered))
             except pg_errors.LockNotAvailable:
                 # Only timed waits set a lock_timeout, and they wait with transaction locks:
                 # the error rolled the wait back, a grant that raced it included.
@@ -535,7 +569,7 @@ class _PgEngine(Generic[K]):
                     raise
                 retried = True
                 continue
-            return not answers or result.get_value(0, 0) == b"t"
+            return not trying or result.get_value(0, 0) == b"t"
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
         """Release the PostgreSQL locks of ``items``. A lost connection moves every key held
@@ -543,8 +577,14 @@ class _PgEngine(Generic[K]):
         link = session.link
         assert link is not None
         try:
-            result = link.run("SELECT " + ", ".join(
-                f"pg_advisory_unlock{_kind(mode)}({self.advisory_key(key)})" for key, mode in items))
+            if len(items) == 1:
+                key, mode = items[0]
+                result = link.call(f"lockmgr_pg_advisory_unlock{_kind(mode)}".encode(),
+                                   self.advisory_key(key))
+            else:
+                result = link.run("SELECT " + ", ".join(
+                    f"pg_advisory_unlock{_kind(mode)}({self.advisory_key(key)})"
+                    for key, mode in items))
         except psycopg.OperationalError:
             if link.broken():
                 self._lose(session)
@@ -616,8 +656,8 @@ class _PgEngine(Generic[K]):
         with self._guard:
             self._sessions.discard(session)
             session.reported.clear()
-            if link is not None and not session.dead and link.idle():
-                self._idle.append(link)
+            if link is not None and not session.dead and not link.broken():
+                self._idle.append(link)  # checked again before its next use
                 link = None
         session.dead = False
         if link is not None:
@@ -770,9 +810,6 @@ def _wait_lock_sql(ordered: list[tuple[int, int]]) -> str:
 
 def _try_lock_sql(ordered: list[tuple[int, int]]) -> str:
     """Try once: all or nothing (transaction locks first, released at the statement's end)."""
-    if len(ordered) == 1:
-        ident, mode = ordered[0]
-        return f"SELECT pg_try_advisory_lock{_kind(mode)}({ident})"
     trial = " AND ".join(f"pg_try_advisory_xact_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     taking = " AND ".join(f"pg_try_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     return f"SELECT CASE WHEN {trial} THEN {taking} ELSE false END"
