@@ -97,6 +97,8 @@ _STATEMENTS = {
                      "pg_advisory_unlock_shared")
 }
 
+_REMEMBERED_KEYS = 1024
+_FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 
@@ -183,7 +185,10 @@ class _Link:
                     self._wait(select.POLLOUT)
                 while True:
                     if pgconn.is_busy():
-                        self._wait(select.POLLIN)
+                        # In slices: Python runs signal handlers in the main thread only,
+                        # and a signal the kernel gave another thread does not end a poll.
+                        while not self.poller.poll(_SLICE_MS):
+                            pass
                         pgconn.consume_input()
                         continue
                     result = pgconn.get_result()
@@ -194,21 +199,17 @@ class _Link:
                 self._abort_query()
                 raise
         for result in results:
-            if result.status == ExecStatus.FATAL_ERROR:
+            if result.status == _FATAL_ERROR:
                 raise pg_errors.error_from_result(result, encoding=self.conn.info.encoding)
         return results[-1]
 
     def _wait(self, event: int) -> None:
-        if event != select.POLLIN:
-            self.poller.modify(self.pgconn.socket, event)
+        self.poller.modify(self.pgconn.socket, event)
         try:
-            # In slices: Python runs signal handlers in the main thread only, and a signal
-            # the kernel gave another thread does not interrupt this poll.
             while not self.poller.poll(_SLICE_MS):
                 pass
         finally:
-            if event != select.POLLIN:
-                self.poller.modify(self.pgconn.socket, select.POLLIN)
+            self.poller.modify(self.pgconn.socket, select.POLLIN)
 
     def _abort_query(self) -> None:
         """Interrupted mid-query: cancel it on the server and read what is left, so that the
@@ -331,6 +332,7 @@ class _PgEngine(Generic[K]):
         self._dsn = dsn
         self._namespace = namespace
         self._salt = _salt(namespace)
+        self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
         self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
         self._local = threading.local()
@@ -361,7 +363,16 @@ class _PgEngine(Generic[K]):
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace."""
-        return _salted_key(key, self._salt)
+        if type(key) is not str:
+            return _salted_key(key, self._salt)
+        # Each call hashes its keys more than once: recent str keys are remembered, in a
+        # table that is emptied when full (so memory stays bounded).
+        ident = self._str_idents.get(key)
+        if ident is None:
+            if len(self._str_idents) >= _REMEMBERED_KEYS:
+                self._str_idents.clear()
+            ident = self._str_idents[key] = _salted_key(key, self._salt)
+        return ident
 
     def stats(self) -> LockStats:
         """The in-process engine's counters (this process's threads)."""
@@ -511,9 +522,11 @@ class _PgEngine(Generic[K]):
         if missing:
             raise not_owned(missing[0])
         assert session is not None
-        self._settle(session)
-        try:
+        last = [item for item in items if session.levels.get(item) == 1]
+        if not last:  # no round trip to the server will tell whether the connection lives
+            self._settle(session)
             last = [item for item in items if session.levels.get(item) == 1]
+        try:
             if last:
                 self._unlock(session, last)  # a connection lost on the way moves them to lost
         finally:
