@@ -410,19 +410,20 @@ class _PgEngine(Generic[K]):
 
         Raises LockLost, after releasing everything, if some of them had been lost."""
         session = self._session_or_none()
-        lost: list[Hashable] = []
-        if session is not None:
-            self._settle(session)
-            try:
+        try:
+            if session is not None:
+                self._settle(session)
                 if session.levels:
                     self._unlock(session, list(session.levels))
-            finally:
+        finally:  # interrupted or not, the thread holds nothing afterwards
+            lost: list[Hashable] = []
+            if session is not None:
                 lost = sorted({key for key, _ in session.lost}, key=repr)
                 session.levels.clear()
                 session.lost.clear()
                 session.reported.clear()
                 self._return_if_idle(session)
-        released: int = self._engine.release_all()
+            released: int = self._engine.release_all()
         if lost:
             raise _lost_error(lost)
         return released
