@@ -89,6 +89,10 @@ _GRANTED_ADVISORY = f"pg_locks WHERE locktype = 'advisory' AND granted AND objsu
 _MINE = "pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()"
 _MODE_NAMES = {READ: "ShareLock", WRITE: "ExclusiveLock"}
 
+def _kind(mode: int) -> str:
+    return "_shared" if mode == READ else ""
+
+
 # The single-key calls, prepared on each connection at first use.
 _STATEMENTS = {
     f"lockmgr_{function}".encode(): f"SELECT {function}($1::bigint)".encode()
@@ -97,6 +101,9 @@ _STATEMENTS = {
                      "pg_advisory_unlock_shared")
 }
 
+_LOCK = {mode: f"lockmgr_pg_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
+_TRY_LOCK = {mode: f"lockmgr_pg_try_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
+_UNLOCK = {mode: f"lockmgr_pg_advisory_unlock{_kind(mode)}".encode() for mode in (READ, WRITE)}
 _REMEMBERED_KEYS = 1024
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
@@ -561,8 +568,7 @@ class _PgEngine(Generic[K]):
                     result = link.run(_timed_lock_sql(ordered, left))
                 elif len(ordered) == 1:
                     ident, mode = ordered[0]
-                    function = "pg_try_advisory_lock" if trying else "pg_advisory_lock"
-                    result = link.call(f"lockmgr_{function}{_kind(mode)}".encode(), ident)
+                    result = link.call(_TRY_LOCK[mode] if trying else _LOCK[mode], ident)
                 else:
                     result = link.run(_try_lock_sql(ordered) if trying else _wait_lock_sql(ordered))
             except pg_errors.LockNotAvailable:
@@ -593,8 +599,7 @@ class _PgEngine(Generic[K]):
         try:
             if len(items) == 1:
                 key, mode = items[0]
-                result = link.call(f"lockmgr_pg_advisory_unlock{_kind(mode)}".encode(),
-                                   self.advisory_key(key))
+                result = link.call(_UNLOCK[mode], self.advisory_key(key))
             else:
                 result = link.run("SELECT " + ", ".join(
                     f"pg_advisory_unlock{_kind(mode)}({self.advisory_key(key)})"
@@ -608,8 +613,8 @@ class _PgEngine(Generic[K]):
         except BaseException:
             self._drop_or_lose(session, items)
             raise
-        gone = [item for item, released in zip(items, result_row(result), strict=True)
-                if not released]
+        released = [result.get_value(0, column) == b"t" for column in range(len(items))]
+        gone = [item for item, done in zip(items, released, strict=True) if not done]
         if gone:  # the server no longer had it: lost, though the connection lives
             self._report(session, items=gone)
 
@@ -799,10 +804,6 @@ class _PgEngine(Generic[K]):
         raise NotImplementedError
 
 
-def _kind(mode: int) -> str:
-    return "_shared" if mode == READ else ""
-
-
 def _count_down(levels: dict[tuple[Hashable, int], int], item: tuple[Hashable, int]) -> None:
     levels[item] -= 1
     if not levels[item]:
@@ -811,10 +812,6 @@ def _count_down(levels: dict[tuple[Hashable, int], int], item: tuple[Hashable, i
 
 def _lost_error(keys: list[Hashable]) -> LockLost:
     return LockLost(f"the lock on {', '.join(map(repr, keys))} was lost with its connection")
-
-
-def result_row(result: Any) -> list[bool]:
-    return [result.get_value(0, column) == b"t" for column in range(result.nfields)]
 
 
 def _wait_lock_sql(ordered: list[tuple[int, int]]) -> str:
