@@ -600,14 +600,16 @@ def test_a_forked_child_never_frees_its_parents_locks(engine, dsn, namespace) ->
     locks.close()
 
 
-@pytest.mark.parametrize("how", ["pg_terminate_backend", "server restart"])
+@pytest.mark.parametrize("how", ["pg_terminate_backend", "server restart",
+                                 "idle_session_timeout"])
 def test_a_dead_connection_never_locks_a_thread_out(engine, dsn, namespace, how) -> None:
     lost: list[list[object]] = []
-    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
-                                                                on_lost=lost.append)
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, on_lost=lost.append,
+        connect_kwargs={"options": "-c idle_session_timeout=300"}
+        if how == "idle_session_timeout" else None)
     locks.acquire("idle")
     locks.release("idle")  # its connection is now idle, in the manager's list
-    holder = threading.Thread(target=locks.acquire, args=("held",))  # dies holding it
     holder_done = threading.Event()
 
     def hold_until_told() -> None:
@@ -623,6 +625,8 @@ def test_a_dead_connection_never_locks_a_thread_out(engine, dsn, namespace, how)
     wait_until(lambda: held_on_server(dsn, locks, "a"), "the holder holds a")
     if how == "server restart":
         pgserver.restart(dsn)
+    elif how == "idle_session_timeout":  # the server ends sessions idle for 300 ms
+        wait_until(lambda: not held_on_server(dsn, locks, "a"), "the server ended the holder's")
     else:
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(pid, %s) FROM pg_stat_activity"
