@@ -657,6 +657,10 @@ def main(argv: list[str] | None = None) -> int:
         print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
               file=sys.stderr)
         return 2
+    if args.redis and importlib.util.find_spec("redis") is None:
+        print("lockmgr-bench: --redis needs redis-py: pip install 'lockmgr[bench]'",
+              file=sys.stderr)
+        return 2
     impls = args.impl or list(available)
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
     results = Results()
