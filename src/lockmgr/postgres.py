@@ -22,10 +22,14 @@ The rules that keep it correct:
   that key (and at an acquire of it), ``lost_keys()`` and the ``on_lost`` callback (once per
   key) tell the application, and the manager no longer claims to hold the key. Keys taken
   later go on a new connection. Connections use TCP keepalives so a dead peer is noticed.
-- **One round trip** per first acquire and per last release: each is one message of one
-  or more statements. A wait with a timeout takes transaction-level locks first (so a
-  timeout, or a cancel, that races the grant rolls it back) and the session locks once
-  they are granted; a wait without one takes the session locks directly.
+- **One round trip** per first acquire and per last release: each is one message (a
+  single-key call is a statement prepared once per connection). A wait with a timeout takes
+  transaction-level locks first, so that a timeout racing the grant (PostgreSQL may report
+  the timeout and grant all the same) rolls the grant back, and takes the session locks,
+  which then no longer wait, in the same message: no extra round trip, where checking for
+  a raced grant after each timeout would cost one per timeout. A wait without a timeout
+  takes the session locks directly; after a cancel or Ctrl-C (rare) one more round trip
+  releases whatever of the call the server may have granted.
 - **Timeouts** end on time via ``lock_timeout``; 0 uses ``pg_try_advisory_*lock*``;
   Ctrl-C cancels the server-side wait; PostgreSQL's deadlock error becomes
   ``DeadlockError``. After any of them, and after a cancelled statement, nothing the call
