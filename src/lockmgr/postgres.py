@@ -804,9 +804,6 @@ class _PgEngine(Generic[K]):
                 self._idle.append(link)
         return bool(result.get_value(0, 0) == b"t")
 
-    def _release_local(self, item: tuple[Hashable, int]) -> None:
-        raise NotImplementedError
-
 
 def _count_down(levels: dict[tuple[Hashable, int], int], item: tuple[Hashable, int]) -> None:
     levels[item] -= 1
