@@ -112,6 +112,8 @@ _REMEMBERED_KEYS = 1024
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
+_POLLIN = getattr(select, "POLLIN", 1)  # Windows has no poll(), nor its constants
+_POLLOUT = getattr(select, "POLLOUT", 4)
 
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                "keepalives_count": 3, "tcp_user_timeout": 10_000}
@@ -158,8 +160,8 @@ class _Link:
         self.pgconn = conn.pgconn
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
         self.busy = threading.Lock()  # held by the owner while it talks to the server
-        self.poller = select.poll()
-        self.poller.register(self.pgconn.socket, select.POLLIN)
+        self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
+        self.poller.register(self.pgconn.socket, _POLLIN)
         self.prepared: set[bytes] = set()  # names of the statements prepared on this session
 
     @classmethod
@@ -193,7 +195,7 @@ class _Link:
             send(*args)
             try:
                 while pgconn.flush():
-                    self._wait(select.POLLOUT)
+                    self._wait(_POLLOUT)
                 while True:
                     if pgconn.is_busy():
                         # In slices: Python runs signal handlers in the main thread only,
@@ -220,7 +222,7 @@ class _Link:
             while not self.poller.poll(_SLICE_MS):
                 pass
         finally:
-            self.poller.modify(self.pgconn.socket, select.POLLIN)
+            self.poller.modify(self.pgconn.socket, _POLLIN)
 
     def _abort_query(self) -> None:
         """Interrupted mid-query: cancel it on the server and read what is left, so that the
@@ -278,6 +280,28 @@ class _Link:
             self.close()
 
 
+class _SelectPoller:
+    """``select.poll``'s few methods used here, on ``select.select``: for Windows, which has
+    no poll (and whose select has no limit on descriptor numbers)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.event = 0
+
+    def register(self, fd: int, event: int) -> None:
+        self.fd, self.event = fd, event
+
+    def modify(self, fd: int, event: int) -> None:
+        self.fd, self.event = fd, event
+
+    def poll(self, milliseconds: float | None = None) -> list[tuple[int, int]]:
+        reading = [self.fd] if self.event == _POLLIN else []
+        writing = [self.fd] if self.event != _POLLIN else []
+        seconds = None if milliseconds is None else milliseconds / 1000
+        readable, writable, _ = select.select(reading, writing, [], seconds)
+        return [(self.fd, self.event)] if readable or writable else []
+
+
 class _Session:
     """One thread's standing with one manager: the connection it holds keys on, and keys
     lost with an earlier connection that the thread has not yet released."""
@@ -324,7 +348,8 @@ def _forget_parent_sessions() -> None:
         manager._forget_parent_sessions()
 
 
-os.register_at_fork(after_in_child=_forget_parent_sessions)
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=_forget_parent_sessions)
 
 
 class _PgEngine(Generic[K]):
