@@ -17,8 +17,8 @@ Sections. Every read or write of a table, entry, request, hold or token happens 
 *section*: a method whose name ends in ``_section``, run by ``_section()`` under the one
 engine-wide mutex that every manager of this module shares. A section runs only the engine's
 own code: keys are hashed before it, keys whose ``__eq__`` could run Python code are compared
-after it (``_Unsure``: the section is then run again, and trusts the comparison only if the
-manager's table ``_version`` did not change meanwhile), errors and warnings are built after
+after it (``_Unsure``: the section is then run again, and trusts the comparison only if no
+entry joined that hash's chain meanwhile), errors and warnings are built after
 it (a section returns a *verdict*), and entries it drops are kept in ``_retired`` until it
 has ended, so no key's ``__del__`` runs inside. The one exception is the garbage collector,
 which may run finalizers at any bytecode; a finalizer that calls a manager while its thread
@@ -199,16 +199,17 @@ class _ThreadExit:
 
     def __del__(self) -> None:
         token = self.token
-        if token.request is not None or os.getpid() != _fork_parent_pid:
-            # Shutdown (the thread is gone mid-wait), or a forked child, where only the
-            # forking thread lives on and _after_fork_in_child frees everything else.
+        if sys.is_finalizing() or token.request is not None or os.getpid() != _fork_parent_pid:
+            # Interpreter teardown (this module's globals may be gone already, and nobody
+            # can take the keys any more), a daemon thread gone mid-wait, or a forked child,
+            # where only the forking thread lives on and _after_fork_in_child frees the rest.
             return
         abandoned: list[Hashable] = []
         for manager_ref in {*token.held.values(), *token.reads.values()}:
             manager = manager_ref()
             if manager is not None:
                 abandoned += _section(manager._release_held_section, token)
-        if abandoned and not sys.is_finalizing():
+        if abandoned:
             warn_abandoned(token.ident, abandoned)
 
 
@@ -273,20 +274,21 @@ class _Entry:
 
 class _Unsure:
     """A section's verdict: these entries' keys hash like the caller's and must be compared
-    with it outside the section, against table ``version``."""
+    with it outside the section. ``first`` was their chain's first entry then: entries join
+    a chain at its front, so while it still is, no entry joined since the comparison."""
 
-    __slots__ = ("entries", "version")
+    __slots__ = ("entries", "first")
 
-    def __init__(self, version: int, entries: list[_Entry]) -> None:
-        self.version = version
+    def __init__(self, first: _Entry, entries: list[_Entry]) -> None:
+        self.first = first
         self.entries = entries
 
-    def settle(self, key: Hashable) -> tuple[int, _Entry | None]:
+    def settle(self, key: Hashable) -> tuple[_Entry, _Entry | None]:
         """Compare (may run the keys' ``__eq__``): what the next section may trust."""
         for entry in self.entries:
             if entry.key == key:  # the stored key first, as a dict compares
-                return self.version, entry
-        return self.version, None
+                return self.first, entry
+        return self.first, None
 
 
 class _Engine:
@@ -302,7 +304,6 @@ class _Engine:
         "_stripe_keys",
         "_table",
         "_timeouts",
-        "_version",
         "_waiting",
         "__weakref__",
     )
@@ -313,7 +314,6 @@ class _Engine:
         self._stripe_keys = None if count is None else tuple(map(Stripe, range(count)))
         self._fair = True
         self._table: dict[int, _Entry] = {}  # key hash -> first entry of its chain
-        self._version = 0  # bumped whenever an entry joins or leaves the table
         self._held = 0  # entries with a write or read holder
         self._waiting = 0
         self._acquisitions = 0
@@ -389,35 +389,40 @@ class _Engine:
     # -- finding entries ---------------------------------------------------------------------
 
     def _find(
-        self, key: Hashable, key_hash: int, plain: bool, known: tuple[int, _Entry | None] | None
+        self, key: Hashable, key_hash: int, plain: bool, known: tuple[_Entry, _Entry | None] | None
     ) -> _Entry | _Unsure | None:
-        """In a section: the entry of ``key``, None, or the entries to compare it with."""
-        if known is not None and known[0] == self._version:
-            return known[1]
-        entry = self._table.get(key_hash)
+        """In a section: the entry of ``key``, None, or the entries to compare it with
+        (``known``: the outcome of that comparison, trusted if it is still current)."""
+        first = self._table.get(key_hash)
+        trusted = known is not None and known[0] is first
         unsure = None
+        entry = first
         while entry is not None:
             stored = entry.key
             if stored is key or (plain and entry.plain and stored == key):
                 return entry
             if not (plain and entry.plain):
-                if unsure is None:
+                if trusted:
+                    if entry is known[1]:  # type: ignore[index]
+                        return entry
+                elif unsure is None:
                     unsure = [entry]
                 else:
                     unsure.append(entry)
             entry = entry.same_hash
-        return None if unsure is None else _Unsure(self._version, unsure)
+        return None if unsure is None else _Unsure(first, unsure)  # type: ignore[arg-type]
 
     def _new_entry(self, key: Hashable, key_hash: int, plain: bool) -> _Entry:
         entry = _Entry(key, key_hash, plain)
         entry.same_hash = self._table.get(key_hash)
         self._table[key_hash] = entry
-        self._version += 1
         return entry
 
     def _drop_entry(self, entry: _Entry) -> None:
+        """Unlink ``entry`` from its chain, unless it is gone already (a request whose grant
+        is undone may find its entry released and dropped by a handler meanwhile)."""
         table = self._table
-        first = table[entry.hash]
+        first = table.get(entry.hash)
         if first is entry:
             if entry.same_hash is None:
                 del table[entry.hash]
@@ -426,10 +431,11 @@ class _Engine:
             else:
                 table[entry.hash] = entry.same_hash
         else:
-            while first.same_hash is not entry:
-                first = first.same_hash  # type: ignore[assignment]
+            while first is not None and first.same_hash is not entry:
+                first = first.same_hash
+            if first is None:
+                return
             first.same_hash = entry.same_hash
-        self._version += 1
         _retired.append(entry)
 
     def _run_on_key(self, run: Callable[..., Any], key: Hashable, *args: Any) -> Any:
@@ -445,7 +451,7 @@ class _Engine:
 
     def _on_key_section(
         self, run: Callable[..., Any], key: Hashable, key_hash: int, plain: bool,
-        known: tuple[int, _Entry | None] | None, args: tuple[Any, ...],
+        known: tuple[_Entry, _Entry | None] | None, args: tuple[Any, ...],
     ) -> Any:
         entry = self._find(key, key_hash, plain, known)
         if type(entry) is _Unsure:
@@ -536,7 +542,7 @@ class _Engine:
         token = _current_token()
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
-        known: list[tuple[int, _Entry | None] | None] = [None] * len(items)
+        known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
         while True:
             verdict = _section(self._take_many_section, items, hashes, plains, known, token,
                                seconds)
@@ -551,7 +557,7 @@ class _Engine:
 
     def _take_many_section(
         self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
-        known: list[tuple[int, _Entry | None] | None], token: _Token, seconds: float,
+        known: list[tuple[_Entry, _Entry | None] | None], token: _Token, seconds: float,
     ) -> object:
         """A request, True, False, or ``(index of a key, what about it)``: an _Unsure or
         the verdict to raise for it."""
@@ -871,7 +877,7 @@ class _Engine:
         token = _existing_token()
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
-        known: list[tuple[int, _Entry | None] | None] = [None] * len(items)
+        known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
         while True:
             verdict = _section(self._release_many_section, items, hashes, plains, known, token)
             if verdict is None:
@@ -883,7 +889,7 @@ class _Engine:
 
     def _release_many_section(
         self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
-        known: list[tuple[int, _Entry | None] | None], token: _Token | None,
+        known: list[tuple[_Entry, _Entry | None] | None], token: _Token | None,
     ) -> tuple[int, object] | None:
         entries = []
         for index, (key, mode) in enumerate(items):
