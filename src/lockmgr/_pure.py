@@ -128,6 +128,8 @@ def _failure(verdict: object, key: object) -> BaseException:
     return not_owned(key)
 
 
+_ABANDON_ATTEMPTS = 5  # see _Engine._wait
+
 _mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
 _retired: list[_Entry] = []  # entries dropped by a section, released once it has ended
 _get_ident = threading.get_ident
@@ -198,7 +200,9 @@ class _ThreadExit:
         self.token = token
 
     def __del__(self) -> None:
-        token = self.token
+        token: _Token | None = getattr(self, "token", None)  # a handler may cut __init__ short
+        if token is None:
+            return
         if sys.is_finalizing() or token.request is not None or os.getpid() != _fork_parent_pid:
             # Interpreter teardown (this module's globals may be gone already, and nobody
             # can take the keys any more), a daemon thread gone mid-wait, or a forked child,
@@ -460,14 +464,43 @@ class _Engine:
 
     # -- acquiring ---------------------------------------------------------------------------
 
-    def _acquire_write(self, key: Hashable, seconds: float, count: int) -> bool:
-        """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
-        verdict = self._run_on_key(self._take_write, key, _current_token(), seconds, count)
+    def _acquire(self, token: _Token, seconds: float, take: Callable[..., Any],
+                 *args: Any) -> bool:
+        """One acquisition: ``take(*args)`` decides in a section and may queue a request,
+        which ``_wait`` then waits for. An exception anywhere from the queueing on (a
+        handler's, a finalizer's) takes the request out of the queues again or gives back
+        what it was granted: nothing stays queued or held that the caller does not know of.
+        Verdicts to raise come as ``(key, verdict)``."""
+        outer = token.request  # not None: a handler or finalizer runs inside this wait
+        try:
+            verdict = take(*args)
+            if type(verdict) is _Request:
+                verdict = self._wait(verdict, seconds)
+                token.request = None
+        except BaseException:
+            # No call before the ``try`` below, so no asynchronous exception can skip it;
+            # _abandon_section is idempotent, and tried again if another handler raises
+            # meanwhile (a few times only, so that an engine bug cannot become a hang).
+            attempts = 0
+            while True:
+                try:
+                    _section(self._abandon_section, token, outer)
+                    break
+                except BaseException:
+                    attempts += 1
+                    if attempts == _ABANDON_ATTEMPTS:
+                        raise
+            raise
         if type(verdict) is bool:
             return verdict
-        if type(verdict) is _Request:
-            return self._wait(verdict, seconds)
-        raise _failure(verdict, key)
+        key, failure = verdict
+        raise _failure(failure, key)
+
+    def _acquire_write(self, key: Hashable, seconds: float, count: int) -> bool:
+        """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+        token = _current_token()
+        return self._acquire(token, seconds, self._run_on_key, self._take_write, key, token,
+                             seconds, count)
 
     def _take_write(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
@@ -478,7 +511,7 @@ class _Engine:
             return True
         if entry.owner is token:
             if entry.count > MAX_COUNT - count:
-                return _OVERFLOW
+                return key, _OVERFLOW
             entry.count += count
             self._acquisitions += 1
             return True
@@ -491,15 +524,12 @@ class _Engine:
             # may be overtaken), or the caller is the only reader: an upgrade goes at once.
             self._own(entry, token, count)
             return True
-        return self._single(entry, token, seconds, count, _WRITE, upgrade)
+        return self._single(key, entry, token, seconds, count, _WRITE, upgrade)
 
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
-        verdict = self._run_on_key(self._take_read, key, _current_token(), seconds)
-        if type(verdict) is bool:
-            return verdict
-        if type(verdict) is _Request:
-            return self._wait(verdict, seconds)
-        raise _failure(verdict, key)
+        token = _current_token()
+        return self._acquire(token, seconds, self._run_on_key, self._take_read, key, token,
+                             seconds)
 
     def _take_read(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
@@ -512,7 +542,7 @@ class _Engine:
         level = entry.readers.get(token)
         if level is not None:  # reentrant, even past queued writers
             if level >= MAX_COUNT:
-                return _OVERFLOW
+                return key, _OVERFLOW
             entry.readers[token] = level + 1
             self._acquisitions += 1
             return True
@@ -520,39 +550,43 @@ class _Engine:
             self._add_read(entry, token, 1)
             self._acquisitions += 1
             return True
-        return self._single(entry, token, seconds, 1, _READ, False)
+        return self._single(key, entry, token, seconds, 1, _READ, False)
 
     def _single(
-        self, entry: _Entry, token: _Token, seconds: float, count: int, mode: int, upgrade: bool
+        self, key: Hashable, entry: _Entry, token: _Token, seconds: float, count: int,
+        mode: int, upgrade: bool,
     ) -> object:
         """The key is taken: give up (try-lock), refuse (nested wait, deadlock) or queue."""
         if seconds == 0:
             self._timeouts += 1
             return False
         if token.request is not None:
-            return _NESTED
+            return key, _NESTED
         request = _Request(token, self, entry, mode, count)
         request.at_head = upgrade
-        return self._queue(request)
+        verdict = self._queue(request)
+        return verdict if verdict is request else (key, verdict)
 
     def _acquire_many(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
         """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
         if not items:
             return True
         token = _current_token()
+        return self._acquire(token, seconds, self._take_many, items, token, seconds)
+
+    def _take_many(self, items: list[tuple[Hashable, int]], token: _Token,
+                   seconds: float) -> object:
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
         known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
         while True:
             verdict = _section(self._take_many_section, items, hashes, plains, known, token,
                                seconds)
-            if type(verdict) is bool:
+            if type(verdict) is not tuple:
                 return verdict
-            if type(verdict) is _Request:
-                return self._wait(verdict, seconds)
             index, what = verdict
             if type(what) is not _Unsure:
-                raise _failure(what, items[index][0])
+                return items[index][0], what
             known[index] = what.settle(items[index][0])
 
     def _take_many_section(
@@ -703,27 +737,24 @@ class _Engine:
     # -- waiting (the only place that sleeps, and the only call that may raise midway) ------
 
     def _wait(self, request: _Request, seconds: float) -> bool:
-        """Sleep until ``request`` (queued) is granted or its time runs out."""
+        """Sleep until ``request`` (queued) is granted or its time runs out. The request
+        stays ``token.request`` until the acquiring call has its outcome (see _acquired)."""
         deadline = None if seconds < 0 else request.since + seconds
         wakeup = request.token.wakeup
         slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0
-        try:
-            while True:
-                outcome = _section(self._check_wait_section, request, deadline)
-                if outcome is not None:
-                    return outcome  # type: ignore[no-any-return]
-                if deadline is None:
-                    remaining = slice_
-                else:
-                    remaining = max(0.0, deadline - time.monotonic())
-                    if slice_ > 0:
-                        remaining = min(remaining, slice_)
-                # Signal handlers (main thread) and finalizers run around this sleep and
-                # may call the manager, or raise.
-                wakeup.acquire(timeout=remaining)
-        except BaseException:
-            _section(self._abandon_wait_section, request)
-            raise
+        while True:
+            outcome = _section(self._check_wait_section, request, deadline)
+            if outcome is not None:
+                return outcome  # type: ignore[no-any-return]
+            if deadline is None:
+                remaining = slice_
+            else:
+                remaining = max(0.0, deadline - time.monotonic())
+                if slice_ > 0:
+                    remaining = min(remaining, slice_)
+            # Signal handlers (main thread) and finalizers run around this sleep and may
+            # call the manager, or raise (the acquiring call then abandons the request).
+            wakeup.acquire(timeout=remaining)
 
     def _check_wait_section(self, request: _Request, deadline: float | None) -> bool | None:
         """After a wake-up: True (granted), False (timed out) or None (sleep again)."""
@@ -746,23 +777,23 @@ class _Engine:
                 for node in request.nodes:
                     self._pass_on(node.entry)
         if request.state == _GRANTED:
-            token.request = None
             self._contended += 1
             return True
         if deadline is not None and time.monotonic() >= deadline:
-            token.request = None
             self._leave(request)
             self._timeouts += 1
             return False
         return None
 
-    def _abandon_wait_section(self, request: _Request) -> None:
-        """An exception ends the wait: give back what it got, as far as it still exists."""
-        token = request.token
-        if token.request is request:
-            token.request = None
+    def _abandon_section(self, token: _Token, outer: _Request | None) -> None:
+        """An exception ends an acquisition: if it had queued a request, take it out of the
+        queues, or give back what it was granted, as far as its thread still holds that."""
+        request = token.request
+        if request is None or request is outer:
+            return  # it never queued, or this ran already
+        token.request = None
         if request.state == _LEFT:
-            return  # the exception came after the section that ended it
+            return  # it timed out
         if request.state != _WAITING:
             token.consume_post()
         if request.state == _GRANTED:
@@ -945,7 +976,7 @@ class _Engine:
     def _pinned(self, token: _Token, entry: _Entry, mode: int) -> int:
         """The levels of ``entry`` in ``mode`` that a waiting set of ``token`` has pinned."""
         request = token.request
-        if request is None or request.nodes is None:
+        if request is None or request.nodes is None or request.state != _WAITING:
             return 0
         for node in request.nodes:
             if node.entry is entry and not node.queued and node.mode == mode:
