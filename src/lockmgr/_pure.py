@@ -14,47 +14,70 @@ that has waited less than ``HANDOFF_AFTER``, the key is freed and the head woken
 it).
 
 Sections. Every read or write of a table, entry, request, hold or token happens in a
-*section*: a method whose name ends in ``_section``, run by ``_section()`` under the one
-engine-wide mutex that every manager of this module shares. A section runs only the engine's
-own code: keys are hashed before it, keys whose ``__eq__`` could run Python code are compared
-after it (``_Unsure``: the section is then run again, and trusts the comparison only if no
-entry joined that hash's chain meanwhile), errors and warnings are built after
-it (a section returns a *verdict*), and entries it drops are kept in ``_retired`` until it
-has ended, so no key's ``__del__`` runs inside. The one exception is the garbage collector,
-which may run finalizers at any bytecode; a finalizer that calls a manager while its thread
-is inside a section gets RuntimeError (``_reentered``) instead of deadlocking on the mutex.
+*section*: a function run by ``_section()`` (directly, or by ``_run_on_key``, which finds
+the key's entry for it) under the one engine-wide mutex that every manager of this module
+shares. Outside any section run only the public methods, ``_run_on_key``, ``_acquire`` and
+the ``_acquire_*``/``_take_many``/``_release_write``/``_release_read``/``_release_many``
+wrappers, ``_wait`` and ``_Unsure.settle``; every other method of ``_Engine`` runs inside
+one. A section runs only the engine's own code: keys are hashed before it; a key whose
+``__eq__`` could run Python code is compared after it (the section returns ``_Unsure``,
+and is run again with the outcome, which it trusts only if no entry joined that hash's
+chain meanwhile); errors and warnings are built after it (a section returns a *verdict*);
+entries it drops wait in ``_retired`` until it has ended, so no key's ``__del__`` runs
+inside. Python code can still run inside a section uninvited: the garbage collector's
+finalizers and callbacks (at any bytecode), profile/trace functions, and on the main thread
+signal handlers. If that code calls a manager, ``_section()`` refuses with RuntimeError
+(``_reentered``) instead of deadlocking on the mutex its own thread holds; such errors are
+unraisable in finalizers anyway. Unlike the compiled core, sections post wakeup locks
+themselves: ``Lock.release`` runs no Python code, and posting together with the state
+change keeps the semaphore rule below simple.
 
-The mutex is the single slot ``_mutex[0]``, claimed with ``dict.setdefault`` (test-and-set in
-one C call, which also records *which* thread holds it) and freed by ``del`` (no call at all).
-That is why an asynchronous exception (a signal handler raising KeyboardInterrupt, which runs
-on the main thread after a call returns or a loop jumps back) can never leak it: the claim
-happens inside the ``try`` whose ``finally`` frees it, and that ``finally`` runs no call that
-could raise before the ``del``. Such an exception can still land *inside* a section's
-bookkeeping (pure Python cannot defer a handler); see the README's "When things go wrong".
+Asynchronous exceptions. A signal handler's exception (KeyboardInterrupt) lands on the main
+thread at a *check point*: the start of a function, the return of a call, a loop's jump
+back. Pure Python cannot defer it, and blocking signals on the main thread does not help:
+CPython runs the handler on the main thread whichever thread the signal was delivered to
+(measured on 3.11-3.13: with SIGINT blocked on the main thread and sent to another thread,
+the main thread raises within a millisecond), and the block/unblock pair alone costs more
+than a whole acquisition. So the twin makes the damage impossible where it can and small
+where it cannot:
+- the mutex is the single slot ``_mutex[0]``, claimed with ``dict.setdefault`` (test-and-set
+  and "who holds it" in one C call) inside the ``try`` whose ``finally`` frees it with
+  ``del`` (no call, so no check point, before it): it is never leaked;
+- ``_acquire`` wraps everything from the section that may queue a request to the outcome:
+  an exception anywhere in there (the sleep included) takes the request out of the queues
+  again, or gives back what it was granted (``_abandon_section``, idempotent, retried if
+  another handler raises meanwhile): nothing stays queued or held that the caller does not
+  know of;
+- what remains is an exception at a check point inside a section (a few microseconds per
+  call, main thread only): that section's changes stop where they got to. The README's
+  "When things go wrong" states this limit.
 
 Lock ordering: there is one mutex, and nothing that blocks is ever called while it is held
-(posting a wakeup lock does not block). A thread contending for it yields the GIL and tries
-again; sections are short and never wait.
+(posting a wakeup lock does not block). A thread that finds it taken yields the GIL and
+tries again; sections are short and never wait.
 
 Invariants (each kept by the sections named):
 - an entry is in its manager's table iff it has a holder or a queued request (``_pass_on``
-  drops it when the last one leaves; ``_new_entry`` only creates one that is taken or
-  queued on in the same section);
+  drops it when the last one leaves; an entry is only created to be taken or queued on in
+  the same section);
 - ``entry.count > 0`` iff ``entry.owner is not None``; every read count is > 0; no count
   exceeds ``MAX_COUNT`` (every section that adds levels checks first);
 - in fair mode an entry whose head request could be granted has no queue: ``_pass_on``
   runs whenever a holder or a request leaves;
 - with ``fair=False``, an entry without holders but with a queue has a WOKEN head, on its
   way to take the key;
-- a token has at most one request (``token.request``); a thread that already waits gets
-  NestedWaitError instead of queueing a second one (``_nested`` verdict);
-- a waiting multi-key request holds the levels of its re-entered keys already (``pinned``:
-  taken when it queued, given back if it leaves); releases never take pinned levels;
+- a token has at most one request, ``token.request``, from the section that queues it until
+  its acquiring call has the outcome (``_acquire`` clears it); a call that would queue
+  another one gets NestedWaitError (``_NESTED`` verdict);
+- a waiting multi-key request holds the levels of its re-entered keys already (*pinned*:
+  taken when it queues, given back if it leaves, ordinary levels once it is granted);
+  releases never take pinned levels (``_pinned``);
 - a token's ``wakeup`` lock is released (posted) only on a request's WAITING -> WOKEN or
   WAITING -> GRANTED transition, inside the section that makes it (WOKEN -> GRANTED reuses
-  the post already made), and the waiter consumes that post (``_consume_post``) in the
-  section where it sees the new state, before its request goes back to WAITING or ends, so
-  the lock acts as a binary semaphore whatever exceptions interrupt the wait.
+  the post already made), and the waiter consumes that post (``token.consume_post``) in the
+  section where it sees the new state, before its request goes back to WAITING or ends;
+  consuming twice is harmless (the lock is then simply held), so the lock acts as a binary
+  semaphore whatever exceptions interrupt the wait.
 """
 
 from __future__ import annotations
@@ -445,7 +468,8 @@ class _Engine:
     def _run_on_key(self, run: Callable[..., Any], key: Hashable, *args: Any) -> Any:
         """``run(entry, *args)`` in a section, with ``key``'s entry (or None) found for it."""
         key_hash = hash(key)
-        plain = _is_plain(key)
+        kind = type(key)
+        plain = kind is str or kind is int or kind is bytes or _is_plain(key)
         known = None
         while True:
             verdict = _section(self._on_key_section, run, key, key_hash, plain, known, args)
@@ -457,9 +481,11 @@ class _Engine:
         self, run: Callable[..., Any], key: Hashable, key_hash: int, plain: bool,
         known: tuple[_Entry, _Entry | None] | None, args: tuple[Any, ...],
     ) -> Any:
-        entry = self._find(key, key_hash, plain, known)
-        if type(entry) is _Unsure:
-            return entry
+        entry: _Entry | _Unsure | None = self._table.get(key_hash)
+        if entry is not None and entry.key is not key:  # type: ignore[union-attr]
+            entry = self._find(key, key_hash, plain, known)  # else: the common cases, at once
+            if isinstance(entry, _Unsure):
+                return entry
         return run(entry, key, key_hash, plain, *args)
 
     # -- acquiring ---------------------------------------------------------------------------
@@ -873,7 +899,7 @@ class _Engine:
     ) -> str | None:
         if entry is None or token is None or entry.owner is not token:
             return _NOT_OWNED
-        if entry.count <= self._pinned(token, entry, _WRITE):
+        if token.request is not None and entry.count <= self._pinned(token, entry, _WRITE):
             return _PINNED
         entry.count -= 1
         if entry.count == 0:
@@ -893,7 +919,7 @@ class _Engine:
         if entry is None or token is None or token not in entry.readers:
             return _NOT_OWNED
         level = entry.readers[token]
-        if level <= self._pinned(token, entry, _READ):
+        if token.request is not None and level <= self._pinned(token, entry, _READ):
             return _PINNED
         if level > 1:
             entry.readers[token] = level - 1
@@ -1086,7 +1112,11 @@ class _Engine:
 
     def _own(self, entry: _Entry, token: _Token, count: int) -> None:
         """An immediate write acquisition."""
-        self._own_levels(entry, token, count)
+        if not entry.readers:
+            self._held += 1
+        entry.owner = token
+        entry.count = count
+        token.held[entry] = self._ref
         self._acquisitions += 1
 
     def _own_levels(self, entry: _Entry, token: _Token, count: int) -> None:
