@@ -151,10 +151,10 @@ def _failure(verdict: object, key: object) -> BaseException:
     return not_owned(key)
 
 
-_ABANDON_ATTEMPTS = 5  # see _Engine._wait
+_ABANDON_ATTEMPTS = 5  # see _Engine._acquire
 
 _mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
-_retired: list[_Entry] = []  # entries dropped by a section, released once it has ended
+_retired: list[_Entry] = []  # entries dropped by the running section (see _section)
 _get_ident = threading.get_ident
 _yield_gil = time.sleep  # time.sleep(0): let the section's holder run
 
@@ -176,11 +176,13 @@ def _section(run: Callable[..., Any], *args: Any) -> Any:
             _yield_gil(0)
         return run(*args)
     finally:
-        # No call before the ``del``: an asynchronous exception cannot skip it.
+        # No call before ``del _mutex[0]``: an asynchronous exception cannot skip it. The
+        # entries the section dropped are freed with this frame, once the mutex is free.
         if 0 in _mutex and _mutex[0] == ident:
+            if _retired:
+                dropped = _retired[:]  # unused: it only keeps them alive until then
+                del _retired[:]
             del _mutex[0]
-        if _retired:
-            _retired.clear()  # the dropped entries' keys go now, outside the section
 
 
 def _is_plain(key: object) -> bool:
