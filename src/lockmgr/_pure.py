@@ -83,6 +83,7 @@ Invariants (each kept by the sections named):
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -158,6 +159,20 @@ _retired: list[_Entry] = []  # entries dropped by the running section (see _sect
 _get_ident = threading.get_ident
 _yield_gil = time.sleep  # time.sleep(0): let the section's holder run
 
+# Python runs signal handlers on the main thread only; there sections run with every signal
+# blocked that may have one (all but those a fault raises synchronously, which cannot wait).
+_signal: Any = sys.modules.get("_signal", signal)  # its C functions take and return ints
+_set_signal_mask = getattr(_signal, "pthread_sigmask", None)  # None: Windows
+_SIG_BLOCK = getattr(_signal, "SIG_BLOCK", 0)
+_SIG_SETMASK = getattr(_signal, "SIG_SETMASK", 0)
+_BLOCKABLE = frozenset(map(int, _signal.valid_signals())) - {
+    getattr(_signal, name) for name in
+    ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+    if hasattr(_signal, name)
+}
+_main_thread = [threading.main_thread().ident]  # a forked child's is the forking thread
+_main_thread_mask: list[Iterable[int]] = [()]  # the main thread's mask outside sections
+
 
 def _reentered() -> RuntimeError:
     return RuntimeError(
@@ -167,10 +182,26 @@ def _reentered() -> RuntimeError:
 
 
 def _section(run: Callable[..., Any], *args: Any) -> Any:
-    """``run(*args)`` under the engine mutex; returns its verdict."""
+    """``run(*args)`` under the engine mutex; returns its verdict. On the main thread, with
+    the signals that may have Python handlers blocked: see the module docstring."""
     ident = _get_ident()
     if _mutex.get(0) == ident:
         raise _reentered()
+    if ident != _main_thread[0] or _set_signal_mask is None:
+        return _run_section(ident, run, args)
+    mask = _main_thread_mask[0]  # the main thread's own mask, as last seen
+    try:
+        # Blocking runs the handlers of signals already pending, after the mask changed:
+        # one that raises leaves nothing changed but the mask, which the finally restores.
+        mask = _main_thread_mask[0] = _set_signal_mask(_SIG_BLOCK, _BLOCKABLE)
+        return _run_section(ident, run, args)
+    finally:
+        # Handlers of signals that arrived meanwhile run here, after the section: one that
+        # raises reaches the acquiring call, which gives back what it got (_acquire).
+        _set_signal_mask(_SIG_SETMASK, mask)
+
+
+def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     try:
         while _mutex.setdefault(0, ident) != ident:
             _yield_gil(0)
@@ -233,11 +264,14 @@ class _ThreadExit:
             # can take the keys any more), a daemon thread gone mid-wait, or a forked child,
             # where only the forking thread lives on and _after_fork_in_child frees the rest.
             return
-        abandoned: list[Hashable] = []
-        for manager_ref in {*token.held.values(), *token.reads.values()}:
+        managers: dict[int, _Engine] = {}  # not a set of the references: a dead one's hash
+        for manager_ref in [*token.held.values(), *token.reads.values()]:  # may be unknown
             manager = manager_ref()
-            if manager is not None:
-                abandoned += _section(manager._release_held_section, token)
+            if manager is not None:  # else it is being torn down: it unlinks its entries
+                managers[id(manager)] = manager
+        abandoned: list[Hashable] = []
+        for manager in managers.values():
+            abandoned += _section(manager._release_held_section, token)
         if abandoned:
             warn_abandoned(token.ident, abandoned)
 
@@ -504,7 +538,7 @@ class _Engine:
             verdict = take(*args)
             if type(verdict) is _Request:
                 verdict = self._wait(verdict, seconds)
-                token.request = None
+            token.request = outer  # the outcome is the caller's now
         except BaseException:
             # No call before the ``try`` below, so no asynchronous exception can skip it;
             # _abandon_section is idempotent, and tried again if another handler raises
@@ -535,14 +569,15 @@ class _Engine:
         seconds: float, count: int,
     ) -> object:
         if entry is None:
-            self._own(self._new_entry(key, key_hash, plain), token, count)
-            return True
+            entry = self._new_entry(key, key_hash, plain)
+            self._own(entry, token, count)
+            return self._granted_at_once(entry, token, _WRITE, count)
         if entry.owner is token:
             if entry.count > MAX_COUNT - count:
                 return key, _OVERFLOW
             entry.count += count
             self._acquisitions += 1
-            return True
+            return self._granted_at_once(entry, token, _WRITE, count)
         upgrade = token in entry.readers
         if entry.owner is None and (
             (not entry.readers and (not entry.queue or entry.queue[0].state == _WOKEN))
@@ -551,7 +586,7 @@ class _Engine:
             # Free and nobody queued (with fair=False, a woken head that has not run yet
             # may be overtaken), or the caller is the only reader: an upgrade goes at once.
             self._own(entry, token, count)
-            return True
+            return self._granted_at_once(entry, token, _WRITE, count)
         return self._single(key, entry, token, seconds, count, _WRITE, upgrade)
 
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
@@ -564,21 +599,31 @@ class _Engine:
         seconds: float,
     ) -> object:
         if entry is None:
-            self._add_read(self._new_entry(key, key_hash, plain), token, 1)
+            entry = self._new_entry(key, key_hash, plain)
+            self._add_read(entry, token, 1)
             self._acquisitions += 1
-            return True
+            return self._granted_at_once(entry, token, _READ, 1)
         level = entry.readers.get(token)
         if level is not None:  # reentrant, even past queued writers
             if level >= MAX_COUNT:
                 return key, _OVERFLOW
             entry.readers[token] = level + 1
             self._acquisitions += 1
-            return True
+            return self._granted_at_once(entry, token, _READ, 1)
         if entry.owner is token or (entry.owner is None and not entry.queue):
             self._add_read(entry, token, 1)
             self._acquisitions += 1
-            return True
+            return self._granted_at_once(entry, token, _READ, 1)
         return self._single(key, entry, token, seconds, 1, _READ, False)
+
+    def _granted_at_once(self, entry: _Entry, token: _Token, mode: int, count: int) -> bool:
+        """On the main thread, record an immediate grant as ``token.request`` (GRANTED) for
+        its acquiring call: a signal handler that raises when the call unblocks signals
+        after this section makes that call give the grant back (see _section)."""
+        if token.is_main and token.request is None:
+            request = token.request = _Request(token, self, entry, mode, count)
+            request.state = _GRANTED
+        return True
 
     def _single(
         self, key: Hashable, entry: _Entry, token: _Token, seconds: float, count: int,
@@ -675,6 +720,8 @@ class _Engine:
         if blocked is None:
             self._grant_nodes(lead, enqueued=False)
             self._acquisitions += len(nodes)
+            if token.is_main and token.request is None:
+                token.request = lead  # see _granted_at_once
             return True
         verdict = self._queue(lead)
         if verdict is not lead:
@@ -1172,8 +1219,8 @@ class _Engine:
                 self._disown(entry)
             for reader in [reader for reader in entry.readers if reader is not survivor]:
                 self._drop_read(entry, reader)
-        if survivor is not None and survivor.request is not None \
-                and survivor.request.manager is self:
+        kept = None if survivor is None else survivor.request
+        if kept is not None and kept.manager is self and kept.state in (_WAITING, _WOKEN):
             self._waiting = 1
         for entry in entries:
             self._pass_on(entry)
@@ -1540,9 +1587,10 @@ def _after_fork_in_child() -> None:
     global _fork_parent_pid
     _mutex.clear()
     _fork_parent_pid = os.getpid()
+    _main_thread[0] = _get_ident()  # the forking thread is the child's main thread
     survivor = _existing_token()
     if survivor is not None:
-        survivor.is_main = True  # the forking thread is the child's main thread
+        survivor.is_main = True
     for manager in list(_managers):
         _section(manager._keep_only, survivor)
 
