@@ -8,6 +8,7 @@ parent asserts the exit status and what the child reports.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -273,3 +274,71 @@ def test_keyboard_interrupt_at_any_check_point_of_a_wait_never_leaks_or_hangs() 
     report = run_child(EXCEPTION_AT_EVERY_CHECK_POINT.format())
     assert report["bad"] == []
     assert report["inside"] > 10 and report["outside"] > 10
+
+
+SIGNALS_AT_THE_MAIN_THREAD = """
+import json, random, signal, threading, time
+import lockmgr._pure as pure
+from lockmgr import DeadlockError, LockTimeout
+MAIN = threading.get_ident()
+locks, rw = pure.LockManager(), pure.RWLockManager()
+seen = {{"handled": 0, "inside": 0, "raised": 0}}
+stop, armed = threading.Event(), [False]
+
+def handler(signum, frame):
+    seen["handled"] += 1
+    if pure._mutex.get(0) == MAIN:
+        seen["inside"] += 1
+    if armed[0] and random.random() < 0.5:
+        seen["raised"] += 1
+        raise KeyboardInterrupt
+
+def signaller():
+    while not stop.is_set():
+        signal.pthread_kill(MAIN, signal.SIGUSR1)
+        time.sleep(random.random() * 0.0005)
+
+def contender():
+    while not stop.is_set():
+        for key in "ab":
+            if locks.acquire(key, timeout=0.002):
+                locks.release(key)
+
+signal.signal(signal.SIGUSR1, handler)
+others = [threading.Thread(target=signaller), threading.Thread(target=contender)]
+for thread in others:
+    thread.start()
+end = time.monotonic() + 2
+while time.monotonic() < end:
+    try:
+        try:
+            armed[0] = True
+            with locks.hold("a", timeout=0.002), rw.read("a"):
+                locks.acquire_many(["a", "b"], timeout=0.002) and locks.release_many(["a", "b"])
+                locks.locked("b")
+        except (LockTimeout, DeadlockError):
+            pass
+        finally:
+            armed[0] = False
+    except KeyboardInterrupt:
+        pass
+stop.set()
+for thread in others:
+    thread.join()
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+print(json.dumps({{"seen": seen, "mutex_free": not pure._mutex,
+                  "state": [len(locks), locks.stats().waiting, len(rw), rw.stats().waiting],
+                  "mask": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
+def test_signals_sent_to_the_main_thread_are_handled_between_sections() -> None:
+    """Handlers of signals aimed at the main thread run before or after a section, never
+    inside one; those that raise leave nothing held or queued, and the mask as it was."""
+    report = run_child(SIGNALS_AT_THE_MAIN_THREAD.format())
+    seen = report["seen"]
+    assert seen["handled"] >= 50 and seen["raised"] > 0, seen
+    assert seen["inside"] == 0, seen
+    assert report["mutex_free"] and report["state"] == [0, 0, 0, 0]
+    assert report["mask"] == []

@@ -25,32 +25,37 @@ and is run again with the outcome, which it trusts only if no entry joined that 
 chain meanwhile); errors and warnings are built after it (a section returns a *verdict*);
 entries it drops wait in ``_retired`` until it has ended, so no key's ``__del__`` runs
 inside. Python code can still run inside a section uninvited: the garbage collector's
-finalizers and callbacks (at any bytecode), profile/trace functions, and on the main thread
-signal handlers. If that code calls a manager, ``_section()`` refuses with RuntimeError
+finalizers and callbacks (at any bytecode), profile/trace functions, and (see below) a
+signal handler. If that code calls a manager, ``_section()`` refuses with RuntimeError
 (``_reentered``) instead of deadlocking on the mutex its own thread holds; such errors are
 unraisable in finalizers anyway. Unlike the compiled core, sections post wakeup locks
 themselves: ``Lock.release`` runs no Python code, and posting together with the state
 change keeps the semaphore rule below simple.
 
-Asynchronous exceptions. A signal handler's exception (KeyboardInterrupt) lands on the main
-thread at a *check point*: the start of a function, the return of a call, a loop's jump
-back. Pure Python cannot defer it, and blocking signals on the main thread does not help:
-CPython runs the handler on the main thread whichever thread the signal was delivered to
-(measured on 3.11-3.13: with SIGINT blocked on the main thread and sent to another thread,
-the main thread raises within a millisecond), and the block/unblock pair alone costs more
-than a whole acquisition. So the twin makes the damage impossible where it can and small
-where it cannot:
+Asynchronous exceptions. Python runs signal handlers on the main thread only, at *check
+points* (a function's start, a call's return, a loop's jump back); a handler that raises
+(KeyboardInterrupt) can interrupt whatever runs there. So:
+- on the main thread, ``_section()`` blocks every signal that may have a Python handler
+  (``_BLOCKABLE``: all but SIGKILL, SIGSTOP and those a fault raises synchronously) before
+  it takes the mutex and restores the thread's mask after it has freed it. Blocking runs
+  the handlers of signals already pending (after the mask changed, before anything else);
+  restoring runs those that arrived meanwhile, after the section. Worker threads run no
+  handlers and skip this (it costs two system calls per section);
 - the mutex is the single slot ``_mutex[0]``, claimed with ``dict.setdefault`` (test-and-set
   and "who holds it" in one C call) inside the ``try`` whose ``finally`` frees it with
-  ``del`` (no call, so no check point, before it): it is never leaked;
-- ``_acquire`` wraps everything from the section that may queue a request to the outcome:
-  an exception anywhere in there (the sleep included) takes the request out of the queues
-  again, or gives back what it was granted (``_abandon_section``, idempotent, retried if
-  another handler raises meanwhile): nothing stays queued or held that the caller does not
-  know of;
-- what remains is an exception at a check point inside a section (a few microseconds per
-  call, main thread only): that section's changes stop where they got to. The README's
-  "When things go wrong" states this limit.
+  ``del`` (no call, so no check point, before it): nothing can leak it;
+- ``_acquire`` wraps everything from the section that decides to the outcome: an exception
+  anywhere in there (the sleep between sections included, and a handler raising when a
+  section restores the mask) takes the request out of the queues again or gives back what
+  it was granted (``_abandon_section``, idempotent, retried if another handler raises
+  meanwhile); on the main thread an immediate grant is recorded as a GRANTED request for
+  that (``_granted_at_once``). Nothing stays queued or held that the caller does not know of.
+The limits: a signal blocked on the main thread but delivered to another thread (a
+process-directed one, such as a terminal's Ctrl-C, while the main thread is in a section)
+still has its handler run on the main thread at its next check point, inside the section
+(measured: within a millisecond on 3.11-3.13), and where ``pthread_sigmask`` does not exist
+(Windows) nothing is blocked; an exception there stops that section's changes where they
+got to. The README's "When things go wrong" states this.
 
 Lock ordering: there is one mutex, and nothing that blocks is ever called while it is held
 (posting a wakeup lock does not block). A thread that finds it taken yields the GIL and
@@ -66,9 +71,10 @@ Invariants (each kept by the sections named):
   runs whenever a holder or a request leaves;
 - with ``fair=False``, an entry without holders but with a queue has a WOKEN head, on its
   way to take the key;
-- a token has at most one request, ``token.request``, from the section that queues it until
-  its acquiring call has the outcome (``_acquire`` clears it); a call that would queue
-  another one gets NestedWaitError (``_NESTED`` verdict);
+- a token has at most one request, ``token.request``, from the section that queues it (or,
+  on the main thread, grants it at once) until its acquiring call has the outcome
+  (``_acquire`` clears it); a call that would queue another one gets NestedWaitError
+  (``_NESTED`` verdict);
 - a waiting multi-key request holds the levels of its re-entered keys already (*pinned*:
   taken when it queues, given back if it leaves, ordinary levels once it is granted);
   releases never take pinned levels (``_pinned``);
@@ -1351,7 +1357,8 @@ class LockManager(_Engine, Generic[K]):
         return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
 
     def _owner_and_count(self, key: K) -> tuple[int | None, int]:
-        return self._run_on_key(_owner_and_count, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _owner_and_count, self._table_key(key))
 
     def _release_save(self, key: K) -> tuple[int, int]:
         verdict = self._run_on_key(self._release_save_on, self._table_key(key), _existing_token())
