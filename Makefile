@@ -1,5 +1,5 @@
 # Shortcuts; the README's commands are the reference.
-.PHONY: test bench wheel memcheck
+.PHONY: test bench wheel memcheck free-threaded-python
 
 test:
 	python3 -m pip install -e '.[test]' && python3 -m pytest
@@ -15,3 +15,8 @@ wheel:
 # fails on any invalid access or "definitely lost" block in lockmgr code
 memcheck:
 	python3 -m pip install -e '.[test]' && PYTHON=python3 bash scripts/memcheck.sh
+
+# Free-threaded CPython 3.13t (--disable-gil) built from Debian trixie's python3.13 source,
+# cached outside the work tree; prints its path last (scripts/free-threaded-python.sh)
+free-threaded-python:
+	bash scripts/free-threaded-python.sh

@@ -19,6 +19,9 @@ mkdir -p "$out"
 
 command -v valgrind >/dev/null || { echo "memcheck: valgrind is not installed" >&2; exit 2; }
 "$python" -c 'import lockmgr._core' || { echo "memcheck: no compiled core for $python" >&2; exit 2; }
+# The interpreter itself, not a launcher script (pyenv's shims are shell scripts valgrind
+# would trace instead).
+python=$("$python" -c 'import sys; print(sys.executable)')
 
 echo "memcheck: running the fault-injection mix under valgrind (ops=$ops); logs in $out" >&2
 PYTHONMALLOC=malloc valgrind --tool=memcheck --trace-children=no \

@@ -1,6 +1,7 @@
 """A real PostgreSQL server for the tests: Debian's binaries, a temporary data directory,
 127.0.0.1 and a free port, started as the ``postgres`` user when running as root (initdb
-refuses root), stopped afterwards. A missing server is an error, never a skip."""
+refuses root), stopped afterwards; ``restart(dsn)`` restarts it in between, as an
+administrator or a failover would. A missing server is an error, never a skip."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def _bindir() -> str:
     raise RuntimeError("no PostgreSQL server binaries: install Debian's postgresql (.ci/run does)")
 
 
+# DSN -> the command line that runs pg_ctl on that server's data directory
+_CONTROLS: dict[str, list[str]] = {}
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -45,13 +50,22 @@ def running_server() -> Iterator[str]:
         subprocess.run([*as_owner, f"{bindir}/initdb", "-D", datadir, "-U", "postgres",
                         "--auth=trust", "--no-sync"], check=True, capture_output=True,
                        timeout=120)
-        subprocess.run([*as_owner, f"{bindir}/pg_ctl", "-D", datadir, "-w", "-t", "60",
-                        "-l", os.path.join(workdir, "server.log"), "-o",
-                        f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1 -c fsync=off "
-                        "-c max_connections=200",
-                        "start"], check=True, capture_output=True, timeout=120)
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        control = [*as_owner, f"{bindir}/pg_ctl", "-D", datadir, "-w", "-t", "60",
+                   "-l", os.path.join(workdir, "server.log"), "-o",
+                   f"-p {port} -k {workdir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   "-c max_connections=200"]
+        subprocess.run([*control, "start"], check=True, capture_output=True, timeout=120)
+        dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        _CONTROLS[dsn] = control
+        yield dsn
     finally:
+        _CONTROLS.pop(f"postgresql://postgres@127.0.0.1:{port}/postgres", None)
         subprocess.run([*as_owner, f"{bindir}/pg_ctl", "-D", datadir, "-m", "immediate",
                         "stop"], capture_output=True, timeout=60)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def restart(dsn: str) -> None:
+    """Stop the server (ending every session at once) and start it again on the same port."""
+    subprocess.run([*_CONTROLS[dsn], "-m", "immediate", "restart"], check=True,
+                   capture_output=True, timeout=120)

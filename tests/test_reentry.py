@@ -769,7 +769,7 @@ def test_7_unfair_waiter_woken_past_its_deadline(impl, overtake) -> None:
 
 WOKEN_IN_HANDLER = """
 sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
-TIMEOUT = 0.05
+TIMEOUT = 0.5
 locks = impl.LockManager(fair=False)
 holder = Worker("holder")
 go, release_now, released = threading.Event(), threading.Event(), threading.Event()
@@ -786,8 +786,11 @@ def handler(signum, frame):
 def signal_then_release():
     go.wait()  # the main thread is queued and asleep
     queued = locks.stats().waiting
+    # A signal that lands after the main thread let go of the GIL but before its sleep
+    # began is only seen when the sleep ends: signal again until the handler runs.
     signal.pthread_kill(MAIN, signal.SIGUSR1)
-    release_now.wait(PATIENCE)
+    while not release_now.wait(0.005):
+        signal.pthread_kill(MAIN, signal.SIGUSR1)
     locks.release("k")
     released.set()
     return queued

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
 import importlib.util
 import itertools
@@ -15,6 +16,9 @@ import json
 import os
 import platform
 import random
+import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -147,6 +151,111 @@ def postgres_processes(dsn: str, scenario: str, settings: Settings, results: Res
         worker.stdin.flush()
     total = sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers)
     results.add(scenario, "postgres-processes", "throughput", total / seconds, "acq/s")
+
+
+SERVER_WORKER = """
+import sys, time
+backend, address, namespace, index, seconds = sys.argv[1:6]
+keys = [f"{namespace}:{index}:{n}" for n in range(16)]  # this process's own keys
+if backend == "postgres":
+    from lockmgr.postgres import PgLockManager
+    locks = PgLockManager(address, namespace=namespace)
+    acquire, release = locks.acquire, locks.release
+else:
+    import redis
+    client = redis.Redis.from_url(address)
+    handles = {key: client.lock(key) for key in keys}  # redis-py's Lock: SET NX, Lua release
+    acquire = lambda key: handles[key].acquire()
+    release = lambda key: handles[key].release()
+for key in keys:  # connected, scripts loaded: the clock starts warm
+    acquire(key)
+    release(key)
+print("ready", flush=True)
+sys.stdin.readline()
+deadline, done = time.monotonic() + float(seconds), 0
+while time.monotonic() < deadline:
+    for key in keys:
+        acquire(key)
+        release(key)
+    done += len(keys)
+print(done, flush=True)
+"""
+
+
+def server_pairs(servers: dict[str, str], settings: Settings, results: Results) -> None:
+    """Acquire+release pairs per second through each lock server, side by side: one
+    process, then ``--threads`` processes each on its own keys; runs alternate between the
+    servers (the median of three, one with ``--quick``) so that both see the same machine."""
+    seconds = settings.scaled(0.5, 2.0)
+    rounds = 1 if settings.quick else 3
+    counts = sorted({1, settings.threads})
+    for count in counts:
+        measured: dict[str, list[float]] = {name: [] for name in servers}
+        for _ in range(rounds):
+            for name, address in servers.items():
+                progress(f"server-pairs: {name}, {count} process(es)")
+                measured[name].append(_pairs_per_second(name, address, count, seconds))
+        metric = f"{count}-process" + ("es" if count > 1 else "")
+        for name, values in measured.items():
+            results.add("server-pairs", name, metric, statistics.median(values), "pairs/s")
+        if "postgres" in measured and "redis-py" in measured:
+            ratio = statistics.median(measured["postgres"]) / statistics.median(measured["redis-py"])
+            results.add("server-pairs", "postgres", f"{metric} vs redis-py", ratio, "x")
+
+
+def _pairs_per_second(backend: str, address: str, count: int, seconds: float) -> float:
+    namespace = f"lockmgr-bench-{os.getpid()}-{time.time()}"
+    workers = [subprocess.Popen([sys.executable, "-c", SERVER_WORKER, backend, address,
+                                 namespace, str(index), str(seconds)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for index in range(count)]
+    try:
+        for worker in workers:  # all connected and warm before any starts
+            assert worker.stdout is not None
+            if worker.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a {backend} benchmark worker failed to start")
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        return sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers) / seconds
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+@contextlib.contextmanager
+def redis_server(option: str) -> Iterator[str]:
+    """``--redis URL`` takes that server; ``--redis start`` starts Debian's redis-server on
+    127.0.0.1 and a free port (no persistence) for the run and stops it afterwards."""
+    if option != "start":
+        yield option
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("lockmgr-bench: --redis start needs redis-server (Debian: apt-get install redis-server)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as probe:
+                    probe.sendall(b"PING\r\n")
+                    if probe.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def implementations(pg_dsn: str | None = None) -> dict[str, Callable[[], Subject]]:
@@ -505,7 +614,7 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
         description="Compare lockmgr with threading.Lock and friends on this machine.",
     )
     parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in under a minute")
-    parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
+    parser.add_argument("--scenario", action="append", choices=[*SCENARIOS, "server-pairs"],
                         help="run only this scenario (repeatable; default: all)")
     parser.add_argument("--impl", action="append", choices=impl_names,
                         help="run only this implementation (repeatable; default: all)")
@@ -515,7 +624,11 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
     parser.add_argument("--pg-dsn", metavar="DSN",
                         help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
-                             "threads of one process, and one process per thread")
+                             "threads of one process, and one process per thread; and to "
+                             "server-pairs")
+    parser.add_argument("--redis", metavar="URL|start",
+                        help="server-pairs beside redis-py's Lock on this Redis server "
+                             "('start': a throwaway redis-server on 127.0.0.1)")
     return parser.parse_args(argv)
 
 
@@ -544,10 +657,26 @@ def main(argv: list[str] | None = None) -> int:
         print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
               file=sys.stderr)
         return 2
+    if args.redis and importlib.util.find_spec("redis") is None:
+        print("lockmgr-bench: --redis needs redis-py: pip install 'lockmgr[bench]'",
+              file=sys.stderr)
+        return 2
     impls = args.impl or list(available)
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
     results = Results()
-    for scenario in args.scenario or list(SCENARIOS):
+    servers = args.pg_dsn or args.redis
+    for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else [])]:
+        if scenario == "server-pairs":
+            with contextlib.ExitStack() as stack:
+                named = {"postgres": args.pg_dsn} if args.pg_dsn else {}
+                if args.redis:
+                    named["redis-py"] = stack.enter_context(redis_server(args.redis))
+                if not named:
+                    print("lockmgr-bench: server-pairs needs --pg-dsn or --redis (or both)",
+                          file=sys.stderr)
+                    return 2
+                server_pairs(named, settings, results)
+            continue
         for name in impls:
             subject = available[name]()
             if subject.scenarios is not None and scenario not in subject.scenarios:
@@ -557,8 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pg_dsn and scenario in PG_SCENARIOS:
             progress(f"{scenario}: postgres-processes")
             postgres_processes(args.pg_dsn, scenario, settings, results)
-    if args.pg_dsn:
-        impls = [*impls, "postgres-processes"]
+    measured = {row["impl"] for row in results.rows}  # with postgres-processes, redis-py
+    impls = [name for name in dict.fromkeys([*impls, *(row["impl"] for row in results.rows)])
+             if name in measured]
     print("\n".join(table(results, impls)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:

@@ -1,0 +1,510 @@
+# lockmgr._core: operations (prepare, section, finish) and the engine every manager shares.
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
+
+cdef enum Kind:  # which section an Op runs
+    ACQUIRE_WRITE
+    ACQUIRE_READ
+    ACQUIRE_MANY
+    RELEASE_WRITE
+    RELEASE_READ
+    RELEASE_MANY
+    PEEK
+
+
+cdef struct Op:
+    # One operation on a table: its arguments, the memory prepare took for it, its result.
+    Kind kind
+    Table *table
+    Token *token
+    Lookup *lookups         # the keys (one, or a set's)
+    Py_ssize_t n            # how many keys
+    Py_ssize_t count        # ACQUIRE_WRITE: levels to take
+    bint try_only           # acquisitions: give up rather than queue
+    bint fully              # RELEASE_WRITE: every level
+    Request *request        # acquisitions: the request (a set's nodes) to queue
+    Entry **fresh           # ACQUIRE_MANY: memory for entries
+    Entry **entries         # RELEASE_MANY: room for the entries found
+    Mode *modes             # RELEASE_MANY: each key's mode
+    Peek *seen              # PEEK: where the view goes
+    Py_ssize_t result       # RELEASE_WRITE: levels released; RELEASE_MANY: the failing key
+    After after             # what the section left for finish
+
+
+cdef Outcome run(Op *op) noexcept nogil:
+    """The section of ``op`` (the mutex is held)."""
+    if op.kind == ACQUIRE_WRITE:
+        return acquire_write(op.table, op.lookups, op.token, op.count, op.try_only, op.request,
+                             &op.after)
+    if op.kind == RELEASE_WRITE:
+        return release_write(op.table, op.lookups, op.token, op.fully, &op.result, &op.after)
+    if op.kind == ACQUIRE_READ:
+        return acquire_read(op.table, op.lookups, op.token, op.try_only, op.request, &op.after)
+    if op.kind == RELEASE_READ:
+        return release_read(op.table, op.lookups, op.token, &op.after)
+    if op.kind == ACQUIRE_MANY:
+        return acquire_many(op.table, op.lookups, op.request, op.n, op.fresh, op.try_only,
+                            &op.after)
+    if op.kind == RELEASE_MANY:
+        return release_many(op.table, op.lookups, op.modes, op.entries, op.n, op.token,
+                            &op.result, &op.after)
+    return peek(op.table, op.lookups, op.token, op.seen)
+
+
+cdef inline void op_init(Op *op, Kind kind, Table *table, Token *token, Lookup *lookups,
+                         Py_ssize_t n) noexcept:
+    op.kind = kind
+    op.table = table
+    op.token = token
+    op.lookups = lookups
+    op.n = n
+    op.result = 0
+    # No room for a cycle: a section that finds one answers LONG_CYCLE and prepare makes
+    # room (deadlocks are rare; the fast path stays small).
+    after_init(&op.after, NULL, 0)
+
+
+cdef inline int execute(Op *op) except -1:
+    """Run ``op``'s section until it decides (returns the Outcome): after comparing keys in
+    Python when it asks, with room for a cycle when it found one."""
+    cdef Outcome outcome
+    lock()
+    outcome = run(op)
+    unlock()
+    if outcome == COMPARE or outcome == LONG_CYCLE:
+        return execute_again(op, outcome)
+    return outcome
+
+
+cdef int execute_again(Op *op, Outcome outcome) except -1:
+    cdef Py_ssize_t i
+    try:
+        while True:
+            if outcome == COMPARE:
+                for i in range(op.n):
+                    if op.lookups[i].candidate is not NULL:
+                        compare_candidate(op.lookups + i)
+            elif outcome == LONG_CYCLE:
+                make_cycle_room(op)
+            else:
+                return outcome
+            lock()
+            outcome = run(op)
+            unlock()
+    finally:
+        for i in range(op.n):  # the answers hold only for this operation
+            lookup_clear(op.lookups + i)
+
+
+cdef int make_cycle_room(Op *op) except -1:
+    cdef Py_ssize_t i
+    PyMem_RawFree(op.after.cycle)
+    op.after.cycle_room = 0
+    op.after.cycle = <CycleStep*>PyMem_RawMalloc(op.after.cycle_length * 2 * sizeof(CycleStep))
+    if op.after.cycle is NULL:
+        raise MemoryError()
+    op.after.cycle_room = op.after.cycle_length * 2
+    if op.kind == ACQUIRE_MANY:  # the entries it made went back: make them again
+        finish(&op.after, NULL)
+        for i in range(op.n):
+            if op.fresh[i] is NULL:
+                op.fresh[i] = <Entry*>PyMem_RawMalloc(sizeof(Entry))
+                if op.fresh[i] is NULL:
+                    raise MemoryError()
+    return 0
+
+
+cdef inline int finish_if_needed(After *after, Token *keeper) except -1:
+    cdef Entry *entry = after.retired
+    if after.woken is NULL and after.resize is NULL and (entry is NULL or (
+            entry.bucket_next is NULL and keeper is not NULL and keeper.spare_entry is NULL)):
+        if entry is not NULL:  # the common release: one key given up, its memory kept
+            after.retired = NULL
+            keeper.spare_entry = entry
+            Py_XDECREF(entry.key)
+        return 0
+    return finish(after, keeper)
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+cdef class _Engine:
+    """The table, holds, queues, grants and waits that every manager shares."""
+    cdef Table table                      # this manager's lock table (see struct Table)
+    cdef tuple stripe_keys                # striped: one Stripe key per stripe; None: exact keys
+    cdef size_t stripe_mask               # striped: stripe count - 1 (the count is a power of two)
+    cdef object __weakref__
+
+    def __cinit__(self, *args, **kwargs):
+        global tables
+        cdef Entry **buckets = <Entry**>PyMem_RawCalloc(MIN_BUCKETS, sizeof(Entry*))
+        if buckets is NULL:
+            raise MemoryError()
+        self.table.buckets = buckets
+        self.table.mask = MIN_BUCKETS - 1
+        self.table.fair = True
+        lock()
+        self.table.next_table = tables
+        if tables is not NULL:
+            tables.previous_table = &self.table
+        tables = &self.table
+        unlock()
+
+    def __dealloc__(self):
+        cdef After after
+        if self.table.buckets is NULL:  # __cinit__ failed before allocating anything
+            return
+        after_init(&after, NULL, 0)
+        lock()
+        tear_down(&self.table, &after)
+        unlock()
+        finish(&after, NULL)
+        PyMem_RawFree(self.table.buckets)
+        self.table.buckets = NULL
+
+    __class_getitem__ = classmethod(GenericAlias)
+
+    def __repr__(self):
+        stats = self.stats()
+        return manager_repr(self, self.table.fair, stats.held, stats.waiting)
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+    def __sizeof__(self):
+        cdef size_t buckets, entries
+        lock()
+        buckets = self.table.mask + 1
+        entries = self.table.entries
+        unlock()
+        return sizeof(LockManager) + buckets * sizeof(Entry*) + entries * sizeof(Entry)
+
+    def __len__(self):
+        """Keys currently held (with stripes: stripes)."""
+        cdef Py_ssize_t held
+        lock()
+        held = held_count(&self.table)
+        unlock()
+        return held
+
+    @property
+    def stripes(self):
+        """How many stripes keys map onto, or None: one lock per key."""
+        return None if self.stripe_keys is None else len(self.stripe_keys)
+
+    def stripe_of(self, key):
+        """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
+        if self.stripe_keys is None:
+            return None
+        return spread(hash(key)) & self.stripe_mask
+
+    cdef int _use_stripes(self, stripes) except -1:
+        count = stripe_count(stripes)
+        if count is not None:
+            self.stripe_keys = tuple([Stripe(index) for index in range(count)])
+            self.stripe_mask = count - 1
+        return 0
+
+    cdef inline object _lock_key(self, object key, Py_hash_t *h):
+        """The key the table uses for ``key`` (hashed to ``h[0]``): the key itself, or its
+        stripe; ``h[0]`` becomes that key's hash."""
+        cdef size_t index
+        if self.stripe_keys is None:
+            return key
+        index = spread(h[0]) & self.stripe_mask
+        h[0] = <Py_hash_t>index
+        return self.stripe_keys[index]
+
+    def _table_key(self, key):
+        """``_lock_key`` for Python callers (the multi-key argument normalisers)."""
+        cdef Py_hash_t h = hash(key)
+        return self._lock_key(key, &h)
+
+    cdef int _peek(self, object key, Peek *seen) except -1:
+        cdef Py_hash_t h = hash(key)
+        cdef Lookup lookup
+        cdef Op op
+        key = self._lock_key(key, &h)
+        lookup_init(&lookup, key, h)
+        op_init(&op, PEEK, &self.table, existing_token(), &lookup, 1)
+        op.seen = seen
+        execute(&op)
+        return 0
+
+    def stats(self):
+        """A snapshot of this manager's counters (read at one instant)."""
+        cdef unsigned long long counters[6]
+        lock()
+        read_stats(&self.table, counters)
+        unlock()
+        return LockStats(
+            held=counters[0],
+            waiting=counters[1],
+            acquisitions=counters[2],
+            contended=counters[3],
+            timeouts=counters[4],
+            deadlocks=counters[5],
+        )
+
+    def release_all(self):
+        """Release every key of this manager the calling thread holds, all levels; returns how many.
+
+        Levels that a waiting ``acquire_many`` of this thread took (only code running inside
+        that wait can see them) stay until that call ends.
+        """
+        cdef Token *token = existing_token()
+        cdef After after
+        cdef Py_ssize_t released
+        if token is NULL:
+            return 0
+        after_init(&after, NULL, 0)
+        lock()
+        released = release_token(token, &self.table, NULL, 0, &after)
+        unlock()
+        finish(&after, token)
+        return released
+
+    # -- acquiring ------------------------------------------------------------------------
+
+    cdef bint _acquire_write(self, object key, Py_hash_t h, double seconds,
+                             Py_ssize_t count) except -1:
+        """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
+        cdef Token *token = current_token()
+        cdef Lookup lookup
+        cdef Request request
+        cdef Op op
+        cdef Outcome outcome
+        if token.spare_entry is NULL:
+            ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
+        if token.wakeup is NULL and seconds != 0:
+            wakeup_lock(token)
+        lookup_init(&lookup, key, h)
+        op_init(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
+        op.count = count
+        op.try_only = seconds == 0
+        op.request = &request
+        outcome = <Outcome>execute(&op)
+        if outcome == DONE and op.after.resize is NULL:
+            return True
+        return self._resolve(&op, outcome, key, seconds)
+
+    cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
+        cdef Token *token = current_token()
+        cdef Lookup lookup
+        cdef Request request
+        cdef Op op
+        cdef Outcome outcome
+        ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
+        ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
+        if seconds != 0:
+            wakeup_lock(token)
+        lookup_init(&lookup, key, h)
+        op_init(&op, ACQUIRE_READ, &self.table, token, &lookup, 1)
+        op.try_only = seconds == 0
+        op.request = &request
+        request.hold = NULL
+        outcome = <Outcome>execute(&op)
+        try:
+            return self._resolve(&op, outcome, key, seconds)
+        finally:
+            if outcome == QUEUED and request.hold is not NULL:  # the grant did not need it
+                if token.spare_hold is NULL:
+                    token.spare_hold = request.hold
+                else:
+                    PyMem_RawFree(request.hold)
+
+    cdef bint _acquire_many(self, list items, double seconds) except -1:
+        """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
+        cdef Py_ssize_t n = len(items), i
+        cdef Token *token
+        cdef Lookup *lookups = NULL
+        cdef Request *nodes = NULL
+        cdef Entry **fresh = NULL
+        cdef Op op
+        cdef Outcome outcome
+        if n == 0:
+            return True
+        token = current_token()
+        if seconds != 0:
+            wakeup_lock(token)
+        try:
+            lookups = <Lookup*>PyMem_RawCalloc(n, sizeof(Lookup))
+            nodes = <Request*>PyMem_RawCalloc(n, sizeof(Request))
+            fresh = <Entry**>PyMem_RawCalloc(n, sizeof(Entry*))
+            if lookups is NULL or nodes is NULL or fresh is NULL:
+                raise MemoryError()
+            op_init(&op, ACQUIRE_MANY, &self.table, token, lookups, n)
+            op.try_only = seconds == 0
+            op.request = nodes
+            op.fresh = fresh
+            for i in range(n):
+                key, mode = items[i]  # ``items`` keeps the keys alive
+                lookup_init(lookups + i, key, hash(key))
+                nodes[i].token = token
+                nodes[i].lead = nodes
+                nodes[i].count = 1
+                nodes[i].mode = READ if mode == READ else WRITE
+                fresh[i] = <Entry*>PyMem_RawMalloc(sizeof(Entry))
+                if fresh[i] is NULL:
+                    raise MemoryError()
+                if nodes[i].mode == READ:
+                    nodes[i].hold = <Hold*>PyMem_RawMalloc(sizeof(Hold))
+                    if nodes[i].hold is NULL:
+                        raise MemoryError()
+            nodes.nodes = n
+            outcome = <Outcome>execute(&op)
+            keys = tuple([key for key, _ in items]) if outcome in (NESTED, OVERFLOW) else None
+            return self._resolve(&op, outcome, keys, seconds)
+        finally:
+            if nodes is not NULL:
+                for i in range(n):
+                    PyMem_RawFree(nodes[i].hold)
+            if fresh is not NULL:
+                for i in range(n):
+                    PyMem_RawFree(fresh[i])
+            PyMem_RawFree(lookups)
+            PyMem_RawFree(nodes)
+            PyMem_RawFree(fresh)
+
+    cdef bint _resolve(self, Op *op, Outcome outcome, object key, double seconds) except -1:
+        """Act on what an acquiring section decided (off the fast path)."""
+        try:
+            finish(&op.after, op.token)
+            if outcome == DONE:
+                return True
+            if outcome == BUSY:
+                return False
+            if outcome == QUEUED:
+                return self._wait(op.request, seconds)
+            if outcome == NESTED:
+                raise nested_wait(key)
+            if outcome == OVERFLOW:
+                raise count_overflow(key)
+            raise deadlock(cycle_list(&op.after))
+        finally:
+            PyMem_RawFree(op.after.cycle)
+
+    cdef bint _wait(self, Request *request, double seconds) except -1:
+        """Sleep until the queued ``request`` is granted or its time runs out."""
+        cdef Token *token = request.token
+        cdef double deadline = -1.0
+        cdef bint posted = False
+        cdef PY_TIMEOUT_T microseconds
+        cdef PyLockStatus status
+        cdef Outcome outcome
+        if seconds > 0:
+            deadline = request.since + seconds
+        try:
+            while True:
+                microseconds = sleep_microseconds(deadline, token.is_main)
+                with nogil:
+                    status = PyThread_acquire_lock_timed(token.wakeup, microseconds, 1)
+                if status == PY_LOCK_ACQUIRED:
+                    posted = True
+                outcome = self._settle(request, &posted, deadline, False)
+                if outcome == TIMED_OUT:
+                    return False
+                if outcome == STILL:
+                    posted = False  # any post was consumed
+                # Handlers (and on 3.12+ the GC) run here; one that raises ends the wait,
+                # and a grant that raced it is passed on.
+                PyErr_CheckSignals()
+                if outcome == DONE:
+                    self._complete(request)
+                    return True
+        except BaseException:
+            self._settle(request, &posted, deadline, True)
+            raise
+
+    cdef Outcome _settle(self, Request *request, bint *posted, double deadline,
+                         bint abandoning) except *:
+        """One section after a wake-up (or, ``abandoning``, after an exception), after
+        consuming a post that is due but was not seen yet."""
+        cdef After after
+        cdef Outcome outcome
+        after_init(&after, NULL, 0)
+        while True:
+            lock()
+            if abandoning:
+                outcome = abandon(&self.table, request, posted[0], &after)
+            else:
+                outcome = settle(&self.table, request, posted[0], deadline, &after)
+            unlock()
+            if outcome != NEED_POST:
+                break
+            with nogil:  # the post is at most one finish away
+                PyThread_acquire_lock(request.token.wakeup, WAIT_LOCK)
+            posted[0] = True
+        finish(&after, request.token)
+        return outcome
+
+    cdef int _complete(self, Request *request) except -1:
+        cdef After after
+        after_init(&after, NULL, 0)
+        lock()
+        complete(&self.table, request, &after)
+        unlock()
+        finish(&after, request.token)
+        return 0
+
+    # -- releasing ------------------------------------------------------------------------
+
+    cdef Py_ssize_t _release_write(self, object key, Py_hash_t h, bint fully) except -1:
+        """Undo one write level of ``key`` (``fully``: all of them; returns how many)."""
+        cdef Token *token = existing_token()
+        cdef Lookup lookup
+        cdef Op op
+        cdef Outcome outcome
+        lookup_init(&lookup, key, h)
+        op_init(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
+        op.fully = fully
+        outcome = <Outcome>execute(&op)
+        finish_if_needed(&op.after, token)
+        if outcome == DONE:
+            return op.result
+        raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
+
+    cdef int _release_read(self, object key, Py_hash_t h) except -1:
+        cdef Token *token = existing_token()
+        cdef Lookup lookup
+        cdef Op op
+        cdef Outcome outcome
+        lookup_init(&lookup, key, h)
+        op_init(&op, RELEASE_READ, &self.table, token, &lookup, 1)
+        outcome = <Outcome>execute(&op)
+        finish_if_needed(&op.after, token)
+        if outcome == DONE:
+            return 0
+        raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
+
+    cdef int _release_many(self, list items) except -1:
+        """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
+        asked) none, with NotOwnedError."""
+        cdef Py_ssize_t n = len(items), i
+        cdef Token *token = existing_token()
+        cdef Lookup *lookups = <Lookup*>PyMem_RawCalloc(n + 1, sizeof(Lookup))
+        cdef Mode *modes = <Mode*>PyMem_RawCalloc(n + 1, sizeof(Mode))
+        cdef Entry **entries = <Entry**>PyMem_RawCalloc(n + 1, sizeof(Entry*))
+        cdef Op op
+        cdef Outcome outcome = DONE
+        try:
+            if lookups is NULL or modes is NULL or entries is NULL:
+                raise MemoryError()
+            op_init(&op, RELEASE_MANY, &self.table, token, lookups, n)
+            op.modes = modes
+            op.entries = entries
+            for i in range(n):
+                key, mode = items[i]
+                lookup_init(lookups + i, key, hash(key))
+                modes[i] = READ if mode == READ else WRITE
+            if n:
+                outcome = <Outcome>execute(&op)
+                finish_if_needed(&op.after, token)
+        finally:
+            PyMem_RawFree(lookups)
+            PyMem_RawFree(modes)
+            PyMem_RawFree(entries)
+        if outcome == NOT_OWNED:
+            raise not_owned(items[op.result][0])
+        if outcome == PINNED:
+            raise pinned(items[op.result][0])
+        return 0

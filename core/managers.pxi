@@ -1,0 +1,351 @@
+# lockmgr._core: the public managers and their per-key views.
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
+
+# -- the managers -------------------------------------------------------------------------
+
+@cython.final
+cdef class LockManager(_Engine):
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    def __cinit__(self, *, fair=True, stripes=None):
+        self.table.fair = bool(fair)
+        self._use_stripes(stripes)
+
+    @property
+    def fair(self):
+        """True for strict FIFO hand-off, False for eventual fairness."""
+        return self.table.fair
+
+    def acquire(self, key, blocking=True, timeout=FOREVER):
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_write(key, h, seconds, 1)
+
+    def release(self, key):
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_write(key, h, False)
+
+    def hold(self, key, timeout=None):
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        cdef double seconds = hold_seconds(timeout)
+        cdef KeyLock view = self._view(key)
+        view.seconds = seconds
+        return view
+
+    def __getitem__(self, key):
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return self._view(key)
+
+    def synchronized(self, key_func):
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        return synchronized(self, key_func)
+
+    def acquire_many(self, keys, blocking=True, timeout=FOREVER):
+        """Lock every key of ``keys`` at once, or none: True, or False on timeout.
+
+        Duplicates count once; keys the caller holds are re-entered. The request queues
+        FIFO on every key it needs and keeps its place there, so it cannot starve, and it
+        never deadlocks against other multi-key calls, whatever the order of the keys.
+        """
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(many_items(keys, self._table_key), seconds)
+
+    def release_many(self, keys):
+        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        self._release_many(many_items(keys, self._table_key))
+
+    def hold_many(self, keys, timeout=None):
+        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
+
+    def locked(self, key):
+        """Whether any thread holds ``key``."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.owner != 0
+
+    def owned(self, key):
+        """Whether the calling thread holds ``key``."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.mine
+
+    def owner(self, key):
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def recursion_count(self, key):
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.count if seen.mine else 0
+
+    def __contains__(self, key):
+        """Whether ``key`` is currently held (by any thread)."""
+        return self.locked(key)
+
+    def _owner_and_count(self, key):
+        cdef Peek seen
+        self._peek(key, &seen)
+        if seen.owner == 0:
+            return None, 0
+        return seen.owner, seen.count
+
+    def _release_save(self, key):
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._release_fully(key, h)
+
+    def _acquire_restore(self, key, state):
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._acquire_write(key, h, -1.0, restored_count(state))
+
+    cdef KeyLock _view(self, key):
+        cdef KeyLock view = KeyLock.__new__(KeyLock)
+        cdef Py_hash_t h = hash(key)
+        view.key = key
+        view.lock_key = self._lock_key(key, &h)
+        view.hash = h
+        view.manager = self
+        view.seconds = -1.0
+        return view
+
+    cdef tuple _release_fully(self, object key, Py_hash_t h):
+        cdef Py_ssize_t levels = self._release_write(key, h, True)
+        return levels, existing_token().ident
+
+
+@cython.final
+cdef class RWLockManager(_Engine):
+    """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
+    writer starvation, upgrades and downgrades within a thread."""
+
+    def __cinit__(self, *, stripes=None):
+        self._use_stripes(stripes)
+
+    def acquire_read(self, key, blocking=True, timeout=FOREVER):
+        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_read(key, h, seconds)
+
+    def acquire_write(self, key, blocking=True, timeout=FOREVER):
+        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        return self._acquire_write(key, h, seconds, 1)
+
+    def release_read(self, key):
+        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_read(key, h)
+
+    def release_write(self, key):
+        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        cdef Py_hash_t h = hash(key)
+        key = self._lock_key(key, &h)
+        self._release_write(key, h, False)
+
+    def read(self, key, timeout=None):
+        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        return self._holding(key, timeout, READ)
+
+    def write(self, key, timeout=None):
+        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        return self._holding(key, timeout, WRITE)
+
+    def acquire_many(self, reads=(), writes=(), blocking=True, timeout=FOREVER):
+        """Read every key of ``reads`` and write every key of ``writes`` at once, or none
+        (a key in both is written); see ``LockManager.acquire_many``."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
+
+    def release_many(self, reads=(), writes=()):
+        """Undo one ``acquire_many`` with the same arguments."""
+        self._release_many(rw_items(reads, writes, self._table_key))
+
+    def hold_many(self, reads=(), writes=(), timeout=None):
+        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
+
+    def readers(self, key):
+        """How many threads hold ``key`` for reading."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.readers
+
+    def write_locked(self, key):
+        """Whether a thread holds ``key`` for writing."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.owner != 0
+
+    def __contains__(self, key):
+        """Whether ``key`` has any holder."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.owner != 0 or seen.readers > 0
+
+    def _read_count(self, key):
+        """How many times the calling thread reads ``key``."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.my_reads
+
+    cdef _Holding _holding(self, key, timeout, Mode mode):
+        cdef _Holding holding = _Holding.__new__(_Holding)
+        cdef Py_hash_t h = hash(key)
+        holding.seconds = hold_seconds(timeout)
+        holding.key = self._lock_key(key, &h)
+        holding.hash = h
+        holding.manager = self
+        holding.mode = mode
+        return holding
+
+
+@cython.final
+@cython.freelist(16)
+cdef class _Holding:
+    """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
+    cdef RWLockManager manager  # whose key
+    cdef object key             # the key
+    cdef Py_hash_t hash         # hash(key)
+    cdef double seconds         # how long ``with`` waits: -1 forever
+    cdef Mode mode              # READ or WRITE
+
+    def __enter__(self):
+        if self.mode == READ:
+            acquired = self.manager._acquire_read(self.key, self.hash, self.seconds)
+        else:
+            acquired = self.manager._acquire_write(self.key, self.hash, self.seconds, 1)
+        if not acquired:
+            raise timed_out(self.key, self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        if self.mode == READ:
+            self.manager._release_read(self.key, self.hash)
+        else:
+            self.manager._release_write(self.key, self.hash, False)
+
+
+@cython.final
+cdef class _HoldingMany:
+    """What ``hold_many()`` returns: holds a set of keys for a block."""
+    cdef _Engine manager  # whose keys
+    cdef list items       # the distinct (key, mode) pairs
+    cdef double seconds   # how long ``with`` waits: -1 forever
+
+    def __cinit__(self, _Engine manager, list items, double seconds):
+        self.manager = manager
+        self.items = items
+        self.seconds = seconds
+
+    def __enter__(self):
+        if not self.manager._acquire_many(self.items, self.seconds):
+            raise timed_out(tuple(key for key, _ in self.items), self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.manager._release_many(self.items)
+
+
+@cython.final
+@cython.freelist(16)
+cdef class KeyLock:
+    """One key of a manager seen as a ``threading.RLock``.
+
+    Views are cheap and not cached: two views of one key of one manager are the same lock
+    (and compare equal). A view keeps its manager alive; the manager does not keep views.
+    """
+    cdef readonly LockManager manager  # the manager whose key this is
+    cdef readonly object key           # the key
+    cdef object lock_key               # the key the table uses: ``key``, or its stripe
+    cdef Py_hash_t hash                # hash(lock_key), computed when the view was made
+    cdef double seconds                # how long ``with`` waits: -1 forever (hold() sets it)
+    cdef object __weakref__
+
+    def __init__(self, LockManager manager not None, key):
+        cdef Py_hash_t h = hash(key)
+        self.key = key
+        self.lock_key = manager._lock_key(key, &h)
+        self.hash = h
+        self.manager = manager
+        self.seconds = -1.0
+
+    __class_getitem__ = classmethod(GenericAlias)
+
+    def acquire(self, blocking=True, timeout=FOREVER):
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self.manager._acquire_write(self.lock_key, self.hash, seconds, 1)
+
+    def release(self):
+        self.manager._release_write(self.lock_key, self.hash, False)
+
+    def locked(self):
+        return self.manager.locked(self.key)
+
+    def __enter__(self):
+        if not self.manager._acquire_write(self.lock_key, self.hash, self.seconds, 1):
+            raise timed_out(self.key, self.seconds)
+        return True
+
+    def __exit__(self, exc_type, exc, traceback):
+        self.manager._release_write(self.lock_key, self.hash, False)
+
+    def _is_owned(self):
+        return self.manager.owned(self.key)
+
+    def _release_save(self):
+        return self.manager._release_fully(self.lock_key, self.hash)
+
+    def _acquire_restore(self, state):
+        self.manager._acquire_write(self.lock_key, self.hash, -1.0, restored_count(state))
+
+    def _recursion_count(self):
+        return self.manager.recursion_count(self.key)
+
+    def __eq__(self, other):
+        if not isinstance(other, KeyLock):
+            return NotImplemented
+        return self.manager is (<KeyLock>other).manager and bool(self.key == (<KeyLock>other).key)
+
+    def __hash__(self):
+        return hash((id(self.manager), self.key))
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self):
+        owner, count = self.manager._owner_and_count(self.key)
+        return key_lock_repr(self, self.key, owner, count)

@@ -1,0 +1,650 @@
+# lockmgr._core sections, part 2: the wait-for graph and every operation on a table.
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
+
+# -- the wait-for graph -------------------------------------------------------------------
+
+cdef struct Search:
+    unsigned long long number  # this search's number, marked on each token it reaches
+    Token *me                  # the thread about to wait: reaching it again closes a cycle
+    Token *stack               # reached threads whose own waits are still to be followed
+
+
+cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_for) noexcept nogil:
+    """``thread`` waits for ``successor`` in ``waits_for``; True if that closes the cycle."""
+    if successor is NULL or successor == thread:
+        return False
+    if successor == search.me:
+        successor.reached_from = thread
+        successor.reached_via = waits_for
+        return True
+    if successor.visit == search.number:
+        return False
+    successor.visit = search.number
+    successor.reached_from = thread
+    successor.reached_via = waits_for
+    successor.search_next = search.stack
+    search.stack = successor
+    return False
+
+
+cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint enqueued) noexcept nogil:
+    """Reach every thread a request (node) of ``thread`` waits for: the holders it conflicts
+    with (hard edges), then the conflicting requests queued ahead of it (soft edges)."""
+    cdef Entry *waits_for = node.entry
+    cdef Hold *hold = waits_for.readers
+    cdef Request *ahead = waits_for.head
+    cdef Request *own_place = node if enqueued else NULL
+    if reach(search, thread, waits_for.owner, waits_for):
+        return True
+    if node.mode == WRITE:
+        while hold is not NULL:
+            if reach(search, thread, hold.token, waits_for):
+                return True
+            hold = hold.entry_next
+    if node.at_head:
+        return False
+    while ahead is not NULL and ahead != own_place:
+        if (node.mode == WRITE or ahead.mode == WRITE) and reach(search, thread, ahead.token, waits_for):
+            return True
+        ahead = ahead.next
+    return False
+
+
+cdef bint reach_request(Search *search, Token *thread, Request *request, bint enqueued) noexcept nogil:
+    """Reach every thread ``request`` (single, or a set's lead) waits for."""
+    cdef Py_ssize_t i
+    for i in range(request.nodes):
+        if request[i].queued and reach_waited_for(search, thread, request + i, enqueued):
+            return True
+    return False
+
+
+cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept nogil:
+    """DEADLOCK (the cycle in ``after``) if queueing ``request`` would close a cycle of waits,
+    else QUEUED. The graph spans every manager: a request waits for the holders it conflicts
+    with and the conflicting requests ahead of it (PostgreSQL's hard and soft edges); with
+    soft edges a hand-off never adds an edge, so checking each new wait finds every cycle."""
+    global searches
+    cdef Search search
+    cdef Token *thread
+    cdef Request *own
+    cdef bint closed
+    cdef Py_ssize_t length = 0, i
+    searches += 1
+    search.number = searches
+    search.me = me
+    search.stack = NULL
+    me.visit = searches
+    closed = reach_request(&search, me, request, False)
+    while not closed and search.stack is not NULL:
+        thread = search.stack
+        search.stack = thread.search_next
+        own = thread.request
+        if own is not NULL and (own.state == WAITING or own.state == WOKEN):
+            closed = reach_request(&search, thread, own, True)
+    if not closed:
+        return QUEUED
+    thread = me
+    while True:  # whoever reached ``thread`` waits for it in ``reached_via``
+        length += 1
+        thread = thread.reached_from
+        if thread == me:
+            break
+    after.cycle_length = length
+    if length > after.cycle_room:
+        return LONG_CYCLE
+    i = length
+    thread = me
+    while i:  # walk back, filling the cycle from its end: it starts with the refused request
+        i -= 1
+        after.cycle[i].ident = thread.reached_from.ident
+        after.cycle[i].key = thread.reached_via.key
+        lockmgr_incref(thread.reached_via.key)
+        thread = thread.reached_from
+    return DEADLOCK
+
+
+# -- acquiring ----------------------------------------------------------------------------
+
+cdef Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py_ssize_t count,
+                           bint try_only, Request *request, After *after) noexcept nogil:
+    cdef Entry *entry = find(table, lookup)
+    cdef bint upgrade
+    if lookup.candidate is not NULL:
+        return COMPARE
+    if entry is NULL:
+        entry = insert(table, lookup, token.spare_entry, after)
+        token.spare_entry = NULL
+        own(table, entry, token, count)
+        return DONE
+    if entry.owner == token:
+        if not room_for(entry.count, count):
+            return OVERFLOW
+        entry.count += count
+        table.acquisitions += 1
+        return DONE
+    upgrade = entry.nreaders and read_hold(entry, token) is not NULL
+    if entry.owner is NULL and (
+            (entry.nreaders == 0 and (entry.head is NULL or entry.head.state == WOKEN))
+            or (upgrade and entry.nreaders == 1)):
+        # Free and nobody queued (with fair=False, a woken head that has not run yet may be
+        # overtaken), or the caller is the only reader: an upgrade goes at once.
+        own(table, entry, token, count)
+        return DONE
+    return queue_single(table, entry, token, WRITE, count, upgrade, try_only, request, after)
+
+
+cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_only,
+                          Request *request, After *after) noexcept nogil:
+    cdef Entry *entry = find(table, lookup)
+    cdef Hold *hold
+    if lookup.candidate is not NULL:
+        return COMPARE
+    if entry is not NULL:
+        hold = read_hold(entry, token)
+        if hold is not NULL:  # reentrant, even past queued writers (else it self-deadlocks)
+            if not room_for(hold.count, 1):
+                return OVERFLOW
+            hold.count += 1
+            table.acquisitions += 1
+            return DONE
+    if entry is NULL:
+        entry = insert(table, lookup, token.spare_entry, after)
+        token.spare_entry = NULL
+    if entry.owner == token or (entry.owner is NULL and entry.head is NULL):
+        add_read(table, entry, token, token.spare_hold, 1)
+        token.spare_hold = NULL
+        return DONE
+    return queue_single(table, entry, token, READ, 1, False, try_only, request, after)
+
+
+cdef Outcome queue_single(Table *table, Entry *entry, Token *token, Mode mode, Py_ssize_t count,
+                          bint upgrade, bint try_only, Request *request,
+                          After *after) noexcept nogil:
+    """The key is taken: give up (try-lock), refuse, or queue ``request``."""
+    if try_only:
+        table.timeouts += 1
+        return BUSY
+    if token.request is not NULL:
+        return NESTED
+    memset(request, 0, sizeof(Request))
+    request.token = token
+    request.entry = entry
+    request.mode = mode
+    request.count = count
+    request.at_head = upgrade
+    request.nodes = 1
+    request.queued = True
+    return queue(table, request, after)
+
+
+cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
+    """Queue ``request`` (single, or a set's lead) unless that would close a cycle."""
+    cdef Outcome outcome = refuse_if_cycle(request.token, request, after)
+    cdef Py_ssize_t i
+    cdef Request *node
+    if outcome != QUEUED:
+        if outcome == DEADLOCK:
+            table.deadlocks += 1
+        return outcome
+    if request.mode == READ and request.lead is NULL:
+        request.hold = request.token.spare_hold  # the grant links it in
+        request.token.spare_hold = NULL
+    request.since = lockmgr_monotonic()
+    for i in range(request.nodes):
+        node = request + i
+        node.state = WAITING
+        node.entry.inflight += 1
+        if node.queued:
+            enqueue(node.entry, node)
+        else:
+            pin(table, node)
+    table.waiting += 1
+    request.token.request = request
+    return QUEUED
+
+
+cdef void pin(Table *table, Request *node) noexcept nogil:
+    """A set re-enters a key its thread holds: take that level now, pinned while it waits."""
+    cdef Hold *hold
+    if node.mode == WRITE:
+        node.entry.count += 1
+        node.entry.pinned += 1
+        return
+    hold = read_hold(node.entry, node.token)
+    if hold is NULL:  # reads a key it writes
+        add_read(table, node.entry, node.token, node.hold, 0)
+        table.acquisitions -= 1  # counted when the set is granted
+        node.hold = NULL
+        hold = node.entry.readers
+    hold.count += 1
+    hold.pinned += 1
+
+
+cdef void unpin_and_give_back(Table *table, Request *node) noexcept nogil:
+    """A waiting set leaves: give back a level it pinned."""
+    cdef Entry *entry = node.entry
+    cdef Hold *hold
+    if node.mode == WRITE:
+        entry.pinned -= 1
+        entry.count -= 1
+        if entry.count == 0:
+            disown(table, entry)
+        return
+    hold = read_hold(entry, node.token)
+    hold.pinned -= 1
+    hold.count -= 1
+    if hold.count == 0:
+        drop_read(table, entry, hold)
+
+
+cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssize_t n,
+                          Entry **fresh, bint try_only, After *after) noexcept nogil:
+    """Take every node's key at once, or queue the set, or refuse it. ``fresh``: memory
+    for entries (a slot is set to NULL when used)."""
+    cdef Token *token = nodes.token
+    cdef Py_ssize_t i
+    cdef Request *node
+    cdef Entry *entry
+    cdef Hold *hold
+    cdef bint ready = True
+    cdef Outcome outcome
+    for i in range(n):
+        nodes[i].entry = find(table, lookups + i)
+        if lookups[i].candidate is not NULL:
+            return COMPARE
+    for i in range(n):  # nothing changes unless every level fits
+        entry = nodes[i].entry
+        if entry is NULL:
+            continue
+        if nodes[i].mode == WRITE and entry.owner == token and not room_for(entry.count, 1):
+            return OVERFLOW
+        hold = read_hold(entry, token)
+        if nodes[i].mode == READ and hold is not NULL and not room_for(hold.count, 1):
+            return OVERFLOW
+    for i in range(n):
+        node = nodes + i
+        if node.entry is NULL:
+            node.entry = insert(table, lookups + i, fresh[i], after)
+            fresh[i] = NULL
+        entry = node.entry
+        node.queued = True
+        node.at_head = False
+        if node.mode == WRITE:
+            if entry.owner == token:
+                node.queued = False
+            else:
+                node.at_head = entry.nreaders and read_hold(entry, token) is not NULL
+                ready = ready and entry.owner is NULL and (
+                    (entry.nreaders == 0 and entry.head is NULL)
+                    or (node.at_head and entry.nreaders == 1))
+        elif entry.owner == token or read_hold(entry, token) is not NULL:
+            node.queued = False
+        else:
+            ready = ready and entry.owner is NULL and entry.head is NULL
+    if ready:
+        grant_nodes(table, nodes, False)
+        return DONE
+    if try_only:
+        table.timeouts += 1
+        outcome = BUSY
+    elif token.request is not NULL:
+        outcome = NESTED
+    else:
+        outcome = queue(table, nodes, after)
+        if outcome == QUEUED:
+            return QUEUED
+    for i in range(n):  # nothing was queued: drop the entries it made
+        if unused(nodes[i].entry):
+            remove(table, nodes[i].entry, after)
+    return outcome
+
+
+# -- waiting ------------------------------------------------------------------------------
+
+cdef void end_request(Table *table, Request *request, After *after) noexcept nogil:
+    """The waiter's call is about to return: the request stops pointing at its entries."""
+    cdef Py_ssize_t i
+    request.token.request = NULL
+    for i in range(request.nodes):
+        request[i].entry.inflight -= 1
+    for i in range(request.nodes):
+        pass_on(table, request[i].entry, after)  # only drops an entry nobody uses now
+
+
+cdef void leave(Table *table, Request *request, After *after) noexcept nogil:
+    """A waiting (or woken) request gives up: out of every queue, pinned levels given back."""
+    cdef Py_ssize_t i
+    for i in range(request.nodes):
+        if request[i].queued:
+            dequeue(request[i].entry, request + i)
+        else:
+            unpin_and_give_back(table, request + i)
+    table.waiting -= 1
+    request.state = LEFT
+    end_request(table, request, after)
+
+
+cdef void undo_grant(Table *table, Request *request, After *after) noexcept nogil:
+    """An exception ends a granted wait: give back what the grant gave, as far as the thread
+    still holds it (code that ran inside the wait may have released some of it)."""
+    cdef Py_ssize_t i, levels
+    cdef Request *node
+    cdef Entry *entry
+    cdef Hold *hold
+    for i in range(request.nodes):
+        node = request + i
+        entry = node.entry
+        if node.mode == WRITE:
+            if entry.owner != node.token:
+                continue
+            levels = min(node.count, entry.count - entry.pinned)
+            entry.count -= levels
+            if entry.count == 0:
+                disown(table, entry)
+        else:
+            hold = read_hold(entry, node.token)
+            if hold is NULL:
+                continue
+            levels = min(node.count, hold.count - hold.pinned)
+            hold.count -= levels
+            if hold.count == 0:
+                drop_read(table, entry, hold)
+        if levels:
+            table.acquisitions -= 1
+    end_request(table, request, after)
+
+
+cdef Outcome settle(Table *table, Request *request, bint posted, double deadline,
+                    After *after) noexcept nogil:
+    """The waiter woke (posted: it consumed a wake-up post): decide what its wait became."""
+    cdef Entry *entry = request.entry
+    if request.state != WAITING and not posted:
+        return NEED_POST
+    if request.state == WOKEN:  # single requests only
+        if grantable(entry, request):
+            grant(table, entry, request)
+        else:
+            request.state = WAITING  # overtaken: sleep again at the head
+    elif request.state == WAITING:  # its own thread may have made it grantable (re-entry)
+        if request.lead is NULL:
+            if grantable(entry, request) and (entry.owner == request.token or entry.head == request):
+                grant(table, entry, request)
+        elif group_grantable(request):
+            grant_nodes(table, request, True)
+            table.waiting -= 1
+    if request.state == GRANTED:  # the waiter runs handlers, then completes or undoes it
+        return DONE
+    if deadline >= 0 and lockmgr_monotonic() >= deadline:
+        leave(table, request, after)
+        table.timeouts += 1
+        return TIMED_OUT
+    return STILL
+
+
+cdef void complete(Table *table, Request *request, After *after) noexcept nogil:
+    """A granted wait returns."""
+    table.contended += 1
+    end_request(table, request, after)
+
+
+cdef Outcome abandon(Table *table, Request *request, bint posted, After *after) noexcept nogil:
+    """An exception ends the wait: leave, or undo a grant that raced it."""
+    if request.state != WAITING and not posted:
+        return NEED_POST
+    if request.state == GRANTED:
+        undo_grant(table, request, after)
+    else:
+        leave(table, request, after)
+    return DONE
+
+
+# -- releasing ----------------------------------------------------------------------------
+
+cdef Outcome release_write(Table *table, Lookup *lookup, Token *token, bint fully,
+                           Py_ssize_t *released, After *after) noexcept nogil:
+    """Undo one write level (``fully``: every level; ``released[0]`` gets how many)."""
+    cdef Entry *entry = find(table, lookup)
+    if lookup.candidate is not NULL:
+        return COMPARE
+    if entry is NULL or token is NULL or entry.owner != token:
+        return NOT_OWNED
+    if entry.pinned and (fully or entry.count == entry.pinned):
+        return PINNED
+    released[0] = entry.count if fully else 1
+    entry.count -= released[0]
+    if entry.count == 0:
+        disown(table, entry)
+        pass_on(table, entry, after)
+    return DONE
+
+
+cdef Outcome release_read(Table *table, Lookup *lookup, Token *token, After *after) noexcept nogil:
+    cdef Entry *entry = find(table, lookup)
+    cdef Hold *hold = NULL
+    if lookup.candidate is not NULL:
+        return COMPARE
+    if entry is not NULL and token is not NULL:
+        hold = read_hold(entry, token)
+    if hold is NULL:
+        return NOT_OWNED
+    if hold.count == hold.pinned:
+        return PINNED
+    hold.count -= 1
+    if hold.count == 0:
+        drop_read(table, entry, hold)
+        pass_on(table, entry, after)
+    return DONE
+
+
+cdef Outcome release_many(Table *table, Lookup *lookups, Mode *modes, Entry **entries,
+                          Py_ssize_t n, Token *token, Py_ssize_t *failed,
+                          After *after) noexcept nogil:
+    """Undo one acquire_many: every level, or (``failed[0]``: the key that is not held as
+    asked) none. ``entries``: room for n entry pointers."""
+    cdef Py_ssize_t i
+    cdef Entry *entry
+    cdef Hold *hold
+    for i in range(n):
+        entries[i] = find(table, lookups + i)
+        if lookups[i].candidate is not NULL:
+            return COMPARE
+    for i in range(n):
+        entry = entries[i]
+        failed[0] = i
+        if entry is NULL or token is NULL:
+            return NOT_OWNED
+        if modes[i] == WRITE:
+            if entry.owner != token:
+                return NOT_OWNED
+            if entry.count == entry.pinned:
+                return PINNED
+        else:
+            hold = read_hold(entry, token)
+            if hold is NULL:
+                return NOT_OWNED
+            if hold.count == hold.pinned:
+                return PINNED
+    for i in range(n):
+        entry = entries[i]
+        if modes[i] == WRITE:
+            entry.count -= 1
+            if entry.count == 0:
+                disown(table, entry)
+        else:
+            hold = read_hold(entry, token)
+            hold.count -= 1
+            if hold.count == 0:
+                drop_read(table, entry, hold)
+        pass_on(table, entry, after)
+    return DONE
+
+
+cdef Py_ssize_t release_token(Token *token, Table *only, PyObject **keys, Py_ssize_t room,
+                              After *after) noexcept nogil:
+    """Release every level ``token`` holds (in ``only``'s entries, unless it is NULL) except
+    levels pinned by a waiting set; returns how many keys it stopped holding (a key read and
+    written counts once). The first ``room`` of those keys go to ``keys`` (strong refs)."""
+    cdef Py_ssize_t released = 0
+    cdef Entry *entry
+    cdef Entry *following
+    cdef Hold *hold = token.reads
+    cdef Hold *next_hold
+    while hold is not NULL:  # reads first, so a write-held key is counted with its write
+        next_hold = hold.token_next  # survives: it is another entry's hold
+        entry = hold.entry
+        if only is NULL or entry.table == only:
+            if hold.pinned:
+                hold.count = hold.pinned
+            else:
+                if entry.owner != token:
+                    released += keep_key(entry, released, keys, room)
+                drop_read(entry.table, entry, hold)
+                pass_on(entry.table, entry, after)
+        hold = next_hold
+    entry = token.held
+    while entry is not NULL:
+        following = entry.held_next  # survives: only ``entry`` is unlinked or removed below
+        if only is NULL or entry.table == only:
+            if entry.pinned:
+                entry.count = entry.pinned
+            else:
+                if read_hold(entry, token) is NULL:  # else a pinned read keeps it held
+                    released += keep_key(entry, released, keys, room)
+                disown(entry.table, entry)
+                pass_on(entry.table, entry, after)
+        entry = following
+    return released
+
+
+cdef inline Py_ssize_t keep_key(Entry *entry, Py_ssize_t index, PyObject **keys,
+                                Py_ssize_t room) noexcept nogil:
+    if index < room:
+        lockmgr_incref(entry.key)
+        keys[index] = entry.key
+    return 1
+
+
+cdef Py_ssize_t count_holds(Token *token) noexcept nogil:
+    """Entries ``token`` holds in any manager, read and write counted apart (an upper bound
+    of release_token's result)."""
+    cdef Py_ssize_t count = 0
+    cdef Entry *entry = token.held
+    cdef Hold *hold = token.reads
+    while entry is not NULL:
+        count += 1
+        entry = entry.held_next
+    while hold is not NULL:
+        count += 1
+        hold = hold.token_next
+    return count
+
+
+cdef void tear_down(Table *table, After *after) noexcept nogil:
+    """A manager is being freed (nobody waits in it: a waiter's call keeps it alive): unlink
+    its holds from their threads' lists, hand every entry to the After, leave the live list."""
+    cdef size_t i
+    cdef Entry *entry
+    cdef Entry *following
+    global tables
+    if table.previous_table is not NULL:
+        table.previous_table.next_table = table.next_table
+    else:
+        tables = table.next_table
+    if table.next_table is not NULL:
+        table.next_table.previous_table = table.previous_table
+    for i in range(table.mask + 1):
+        entry = table.buckets[i]
+        while entry is not NULL:
+            following = entry.bucket_next
+            if entry.owner is not NULL:
+                disown(table, entry)
+            while entry.readers is not NULL:
+                drop_read(table, entry, entry.readers)
+            entry.bucket_next = after.retired
+            after.retired = entry
+            entry = following
+        table.buckets[i] = NULL
+    table.entries = 0
+
+
+cdef void keep_only(Table *table, Token *survivor, After *after) noexcept nogil:
+    """In a forked child: keep what ``survivor`` (the forking thread) holds and its waiting
+    request, if it forked from inside a wait; every other thread is gone."""
+    cdef size_t i
+    cdef Entry *entry
+    cdef Entry *following
+    cdef Request *request
+    cdef Request *next_request
+    cdef Hold *hold
+    cdef Hold *next_hold
+    cdef Request *kept = survivor.request if survivor is not NULL else NULL
+    table.waiting = 0
+    for i in range(table.mask + 1):
+        entry = table.buckets[i]
+        while entry is not NULL:
+            entry.inflight = 0
+            request = entry.head
+            while request is not NULL:
+                next_request = request.next
+                if request.token != survivor:
+                    request.token.request = NULL  # its thread is gone
+                    dequeue(entry, request)
+                request = next_request
+            if entry.owner is not NULL and entry.owner != survivor:
+                disown(table, entry)
+            hold = entry.readers
+            while hold is not NULL:
+                next_hold = hold.entry_next
+                if hold.token != survivor:
+                    drop_read(table, entry, hold)
+                hold = next_hold
+            entry = entry.bucket_next
+    if kept is not NULL:
+        for i in range(kept.nodes):
+            if kept[i].entry.table == table:
+                kept[i].entry.inflight += 1
+        if kept.entry.table == table:
+            table.waiting = 1
+    for i in range(table.mask + 1):
+        entry = table.buckets[i]
+        while entry is not NULL:
+            following = entry.bucket_next
+            if unused(entry):
+                remove(table, entry, after)
+            entry = following
+
+
+cdef void read_stats(Table *table, unsigned long long *counters) noexcept nogil:
+    counters[0] = table.held
+    counters[1] = table.waiting
+    counters[2] = table.acquisitions
+    counters[3] = table.contended
+    counters[4] = table.timeouts
+    counters[5] = table.deadlocks
+
+
+cdef Outcome peek(Table *table, Lookup *lookup, Token *token, Peek *seen) noexcept nogil:
+    """Copy out what ``lookup``'s key looks like now (one section: a consistent view)."""
+    cdef Entry *entry = find(table, lookup)
+    cdef Hold *hold
+    if lookup.candidate is not NULL:
+        return COMPARE
+    memset(seen, 0, sizeof(Peek))
+    if entry is NULL:
+        return DONE
+    seen.found = True
+    if entry.owner is not NULL:
+        seen.owner = entry.owner.ident
+        seen.count = entry.count
+        seen.mine = entry.owner == token
+    seen.readers = entry.nreaders
+    if token is not NULL:
+        hold = read_hold(entry, token)
+        if hold is not NULL:
+            seen.my_reads = hold.count
+    return DONE
+
+
+cdef inline Py_ssize_t held_count(Table *table) noexcept nogil:
+    return table.held

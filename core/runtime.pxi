@@ -1,0 +1,291 @@
+# lockmgr._core outside sections: the mutex, finish, lookups, tokens, thread exit, fork, sleeping.
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
+
+cdef inline void lock() noexcept:
+    lockmgr_mutex_lock(&engine_mutex)
+
+
+cdef inline void unlock() noexcept:
+    lockmgr_mutex_unlock(&engine_mutex)
+
+
+# -- finish -------------------------------------------------------------------------------
+
+cdef inline void after_init(After *after, CycleStep *cycle, Py_ssize_t room) noexcept:
+    after.retired = NULL
+    after.woken = NULL
+    after.cycle = cycle
+    after.cycle_length = 0
+    after.cycle_room = room
+    after.resize = NULL
+
+
+cdef int finish(After *after, Token *keeper) except -1:
+    """Do what a section left: wake, then drop retired keys (which may run ``__del__``),
+    keeping one retired entry's memory as ``keeper``'s spare, then resize a table."""
+    cdef Request *request = after.woken
+    cdef Request *following
+    cdef Entry *entry
+    cdef PyThread_type_lock wakeup
+    after.woken = NULL
+    while request is not NULL:
+        following = request.wake_next  # read first: once posted, the request may be gone
+        wakeup = request.token.wakeup
+        PyThread_release_lock(wakeup)
+        request = following
+    if after.resize is not NULL:
+        resize(after.resize)
+        after.resize = NULL
+    while after.retired is not NULL:
+        entry = after.retired
+        after.retired = entry.bucket_next
+        Py_XDECREF(entry.key)
+        if keeper is not NULL and keeper.spare_entry is NULL:
+            keeper.spare_entry = entry
+        else:
+            PyMem_RawFree(entry)
+    return 0
+
+
+cdef void resize(Table *table) noexcept:
+    """Give ``table`` the bucket count its size wants (memory is taken outside the section,
+    and the size is checked again inside it); if memory is short, keep the current one."""
+    cdef size_t buckets
+    cdef Entry **fresh
+    cdef Entry **unneeded
+    lock()
+    buckets = wanted_buckets(table)
+    unlock()
+    if buckets == 0:
+        return
+    fresh = <Entry**>PyMem_RawCalloc(buckets, sizeof(Entry*))
+    if fresh is NULL:
+        return
+    lock()
+    if wanted_buckets(table) == buckets:
+        unneeded = rehash(table, fresh, buckets)
+    else:
+        unneeded = fresh
+    unlock()
+    PyMem_RawFree(unneeded)
+
+
+cdef list cycle_list(After *after):
+    """The DEADLOCK cycle as ``[(thread ident, key), ...]``; drops the After's key refs."""
+    cdef Py_ssize_t i
+    cycle = []
+    for i in range(after.cycle_length):
+        cycle.append((after.cycle[i].ident, <object>after.cycle[i].key))
+        Py_XDECREF(after.cycle[i].key)
+    return cycle
+
+
+# -- prepare: lookups ---------------------------------------------------------------------
+
+cdef inline void lookup_init(Lookup *lookup, object key, Py_hash_t h) noexcept:
+    lookup.key = <PyObject*>key
+    lookup.hash = h
+    lookup.candidate = NULL
+    lookup.compared = NULL
+    lookup.ncompared = 0
+    lookup.room = 0
+
+
+cdef int compare_candidate(Lookup *lookup) except -1:
+    """A section asked for ``lookup.candidate`` to be compared with the key in Python."""
+    cdef PyObject *candidate = lookup.candidate
+    cdef Compared *grown
+    cdef int equal
+    lookup.candidate = NULL
+    try:
+        equal = PyObject_RichCompareBool(<object>candidate, <object>lookup.key, Py_EQ)
+        if lookup.ncompared == lookup.room:
+            grown = <Compared*>PyMem_RawMalloc((lookup.room * 2 + 4) * sizeof(Compared))
+            if grown is NULL:
+                raise MemoryError()
+            if lookup.ncompared:
+                memcpy(grown, lookup.compared, lookup.ncompared * sizeof(Compared))
+            PyMem_RawFree(lookup.compared)
+            lookup.compared = grown
+            lookup.room = lookup.room * 2 + 4
+    except BaseException:
+        Py_XDECREF(candidate)
+        raise
+    lookup.compared[lookup.ncompared].key = candidate  # keeps the reference
+    lookup.compared[lookup.ncompared].equal = equal
+    lookup.ncompared += 1
+    return 0
+
+
+cdef inline void lookup_clear(Lookup *lookup) noexcept:
+    cdef Py_ssize_t i
+    if lookup.compared is NULL:
+        return
+    for i in range(lookup.ncompared):
+        Py_XDECREF(lookup.compared[i].key)
+    PyMem_RawFree(lookup.compared)
+    lookup.compared = NULL
+    lookup.ncompared = 0
+
+
+# -- tokens -------------------------------------------------------------------------------
+
+cdef inline Token* current_token() except NULL:
+    cdef Token *token = <Token*>PyThread_tss_get(&token_key)
+    if token is NULL:
+        token = new_token()
+    return token
+
+
+cdef inline Token* existing_token() noexcept:
+    return <Token*>PyThread_tss_get(&token_key)
+
+
+cdef Token* new_token() except NULL:
+    cdef PyObject *state = PyThreadState_GetDict()
+    if state is NULL:
+        raise RuntimeError("lockmgr needs a Python thread state in the calling thread")
+    cdef Token *token = <Token*>PyMem_RawCalloc(1, sizeof(Token))
+    if token is NULL:
+        raise MemoryError()
+    token.ident = PyThread_get_thread_ident()
+    token.is_main = token.ident == main_ident
+    cdef _ThreadExit guard = _ThreadExit.__new__(_ThreadExit)
+    guard.token = token  # from here on the guard frees the token
+    (<object>state)[_ThreadExit] = guard
+    PyThread_tss_set(&token_key, token)
+    return token
+
+
+cdef int ensure_memory(void **slot, size_t size) except -1:
+    """Fill an empty spare slot of a token (memory a section may take)."""
+    if slot[0] is NULL:
+        slot[0] = PyMem_RawMalloc(size)
+        if slot[0] is NULL:
+            raise MemoryError()
+    return 0
+
+
+cdef int wakeup_lock(Token *token) except -1:
+    if token.wakeup is NULL:
+        token.wakeup = PyThread_allocate_lock()
+        if token.wakeup is NULL:
+            raise MemoryError("cannot allocate a wakeup lock")
+        PyThread_acquire_lock(token.wakeup, NOWAIT_LOCK)  # locked = nothing posted
+    return 0
+
+
+cdef void free_token(Token *token) noexcept:
+    if token.wakeup is not NULL:
+        PyThread_free_lock(token.wakeup)
+    PyMem_RawFree(token.spare_entry)
+    PyMem_RawFree(token.spare_hold)
+    PyMem_RawFree(token)
+
+
+@cython.final
+cdef class _ThreadExit:
+    """Sits in its thread's state dict, so CPython destroys it when the thread ends.
+
+    It then releases whatever the thread still holds (waiters are handed those keys as
+    usual) and frees the thread's token. Ownership is the token, so a new thread that is
+    given a recycled ident starts with a new token and never inherits anything. It touches
+    only C structures under the mutex, never a manager object, so a manager being torn
+    down at the same moment is never resurrected.
+    """
+    cdef Token *token  # the token of the thread whose state dict holds this guard
+
+    def __dealloc__(self):
+        cdef Token *token = self.token
+        cdef After after
+        cdef PyObject **keys = NULL
+        cdef Py_ssize_t room, released, i
+        if token is NULL:
+            return
+        if PyThread_tss_get(&token_key) == token:
+            PyThread_tss_set(&token_key, NULL)
+        if token.request is not NULL:
+            # Only at interpreter shutdown or in a forked child, which clear the states of
+            # threads still blocked in a wait: their stacks still use the token, so keep it.
+            return
+        if forking_pid and forking_pid != os.getpid():
+            return  # a forked child's dead thread: the after-fork hook frees its keys
+        after_init(&after, NULL, 0)
+        lock()
+        room = count_holds(token)
+        unlock()
+        if room:
+            keys = <PyObject**>PyMem_RawMalloc(room * sizeof(PyObject*))
+            if keys is NULL:
+                room = 0  # release all the same; only the warning loses its keys
+        lock()
+        released = release_token(token, NULL, keys, room, &after)
+        unlock()
+        ident = token.ident
+        free_token(token)
+        finish(&after, NULL)
+        abandoned = []
+        for i in range(min(released, room)):
+            abandoned.append(<object>keys[i])
+            Py_XDECREF(keys[i])
+        PyMem_RawFree(keys)
+        if abandoned and not lockmgr_is_finalizing():
+            warn_abandoned(ident, abandoned)
+
+
+# -- fork ---------------------------------------------------------------------------------
+
+def _before_fork():
+    global forking_pid
+    forking_pid = os.getpid()
+    if LOCKMGR_FREE_THREADED:  # with a GIL, the forking thread's GIL already excludes sections
+        lock()
+
+
+def _after_fork_in_parent():
+    global forking_pid
+    if LOCKMGR_FREE_THREADED:
+        unlock()
+    forking_pid = 0
+
+
+def _after_fork_in_child():
+    """The child holds only what the forking thread held; the rest is free, queues are empty."""
+    global forking_pid, main_ident
+    cdef Token *survivor = existing_token()
+    cdef Table *table
+    cdef After after
+    lockmgr_mutex_forget(&engine_mutex)  # held by the forking thread, which is this one
+    main_ident = PyThread_get_thread_ident()
+    if survivor is not NULL:
+        survivor.is_main = True  # the forking thread is the child's main thread
+    after_init(&after, NULL, 0)
+    lock()
+    table = tables
+    while table is not NULL:
+        keep_only(table, survivor, &after)
+        table = table.next_table
+    unlock()
+    forking_pid = 0
+    finish(&after, survivor)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
+
+
+cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline, bint is_main) noexcept:
+    """How long the next sleep may last: until ``deadline`` (-1: none), in slices on the main thread."""
+    cdef double seconds = -1.0
+    if deadline >= 0:
+        seconds = deadline - lockmgr_monotonic()
+        if seconds < 0:
+            seconds = 0
+    if is_main and (seconds < 0 or seconds > main_thread_slice):
+        seconds = main_thread_slice
+    if seconds < 0:
+        return -1
+    if seconds * 1e6 >= <double>PY_TIMEOUT_MAX:
+        return PY_TIMEOUT_MAX
+    return <PY_TIMEOUT_T>(seconds * 1e6)
