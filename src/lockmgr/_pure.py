@@ -11,45 +11,110 @@ which sleeps on its token's ``wakeup`` lock. When a holder or a request leaves, 
 grants what the head of the queue allows: a run of readers together, or one writer (strict
 FIFO: the head becomes the holder before ``release`` returns; with ``fair=False`` and a head
 that has waited less than ``HANDOFF_AFTER``, the key is freed and the head woken to race for
-it). Every table, entry, request and token field is guarded by the manager's ``_mutex``.
+it).
 
-Invariants (kept under ``_mutex``):
-- an entry is in the table iff it has a holder or a queued request;
-- ``entry.count > 0`` iff ``entry.owner is not None``; every read count is > 0;
+Sections. Every read or write of a table, entry, request, hold or token happens in a
+*section*: a function run by ``_section()`` (directly, or by ``_run_on_key``, which finds
+the key's entry for it) under the one engine-wide mutex that every manager of this module
+shares. Outside any section run only the public methods, ``_run_on_key``, ``_acquire`` and
+the ``_acquire_*``/``_take_many``/``_release_write``/``_release_read``/``_release_many``
+wrappers, ``_wait`` and ``_Unsure.settle``; every other method of ``_Engine`` runs inside
+one. A section runs only the engine's own code: keys are hashed before it; a key whose
+``__eq__`` could run Python code is compared after it (the section returns ``_Unsure``,
+and is run again with the outcome, which it trusts only if no entry joined that hash's
+chain meanwhile); errors and warnings are built after it (a section returns a *verdict*);
+entries it drops wait in ``_retired`` until it has ended, so no key's ``__del__`` runs
+inside. Python code can still run inside a section uninvited: the garbage collector's
+finalizers and callbacks (at any bytecode), profile/trace functions, and (see below) a
+signal handler. If that code calls a manager, ``_section()`` refuses with RuntimeError
+(``_reentered``) instead of deadlocking on the mutex its own thread holds; such errors are
+unraisable in finalizers anyway. Unlike the compiled core, sections post wakeup locks
+themselves: ``Lock.release`` runs no Python code, and posting together with the state
+change keeps the semaphore rule below simple.
+
+Asynchronous exceptions. Python runs signal handlers on the main thread only, at *check
+points* (a function's start, a call's return, a loop's jump back); a handler that raises
+(KeyboardInterrupt) can interrupt whatever runs there. So:
+- on the main thread, ``_section()`` blocks every signal that may have a Python handler
+  (``_BLOCKABLE``: all but SIGKILL, SIGSTOP and those a fault raises synchronously) before
+  it takes the mutex and restores the thread's mask after it has freed it. Blocking runs
+  the handlers of signals already pending (after the mask changed, before anything else);
+  restoring runs those that arrived meanwhile, after the section. Worker threads run no
+  handlers and skip this (it costs two system calls per section);
+- the mutex is the single slot ``_mutex[0]``, claimed with ``dict.setdefault`` (test-and-set
+  and "who holds it" in one C call) inside the ``try`` whose ``finally`` frees it with
+  ``del`` (no call, so no check point, before it): nothing can leak it;
+- ``_acquire`` wraps everything from the section that decides to the outcome: an exception
+  anywhere in there (the sleep between sections included, and a handler raising when a
+  section restores the mask) takes the request out of the queues again or gives back what
+  it was granted (``_abandon_section``, idempotent, retried if another handler raises
+  meanwhile); on the main thread an immediate grant is recorded as a GRANTED request for
+  that (``_granted_at_once``). Nothing stays queued or held that the caller does not know of.
+The limits: a signal blocked on the main thread but delivered to another thread (a
+process-directed one, such as a terminal's Ctrl-C, while the main thread is in a section)
+still has its handler run on the main thread at its next check point, inside the section
+(measured: within a millisecond on 3.11-3.13), and where ``pthread_sigmask`` does not exist
+(Windows) nothing is blocked; an exception there stops that section's changes where they
+got to. The README's "When things go wrong" states this.
+
+Lock ordering: there is one mutex, and nothing that blocks is ever called while it is held
+(posting a wakeup lock does not block). A thread that finds it taken yields the GIL and
+tries again; sections are short and never wait.
+
+Invariants (each kept by the sections named):
+- an entry is in its manager's table iff it has a holder or a queued request (``_pass_on``
+  drops it when the last one leaves; an entry is only created to be taken or queued on in
+  the same section);
+- ``entry.count > 0`` iff ``entry.owner is not None``; every read count is > 0; no count
+  exceeds ``MAX_COUNT`` (every section that adds levels checks first);
 - in fair mode an entry whose head request could be granted has no queue: ``_pass_on``
   runs whenever a holder or a request leaves;
 - with ``fair=False``, an entry without holders but with a queue has a WOKEN head, on its
   way to take the key;
+- a token has at most one request, ``token.request``, from the section that queues it (or,
+  on the main thread, grants it at once) until its acquiring call has the outcome
+  (``_acquire`` clears it); a call that would queue another one gets NestedWaitError
+  (``_NESTED`` verdict);
+- a waiting multi-key request holds the levels of its re-entered keys already (*pinned*:
+  taken when it queues, given back if it leaves, ordinary levels once it is granted);
+  releases never take pinned levels (``_pinned``);
 - a token's ``wakeup`` lock is released (posted) only on a request's WAITING -> WOKEN or
-  WAITING -> GRANTED transition (WOKEN -> GRANTED reuses the post already made), and the
-  waiter consumes that post before its request goes back to WAITING or leaves the queue,
-  so the lock acts as a binary semaphore.
+  WAITING -> GRANTED transition, inside the section that makes it (WOKEN -> GRANTED reuses
+  the post already made), and the waiter consumes that post (``token.consume_post``) in the
+  section where it sees the new state, before its request goes back to WAITING or ends;
+  consuming twice is harmless (the lock is then simply held), so the lock acts as a binary
+  semaphore whatever exceptions interrupt the wait.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, final
 
 from ._common import (
     HANDOFF_AFTER,
     MAIN_THREAD_SLICE,
+    MAX_COUNT,
     PICKLE_ERROR,
     READ,
     WRITE,
     LockStats,
+    count_overflow,
     deadlock,
     hold_seconds,
     key_lock_repr,
     manager_repr,
     many_items,
+    nested_wait,
     not_owned,
+    pinned,
     restored_count,
     rw_items,
     Stripe,
@@ -73,6 +138,97 @@ _LEFT = 3  # timed out or cancelled: out of the queue, its thread about to retur
 _READ = READ  # shared: any number of threads at once (RWLockManager)
 _WRITE = WRITE  # exclusive (every LockManager request)
 
+# Verdicts a section returns when the caller must raise (built after the section ends).
+_NOT_OWNED = "not owned"
+_PINNED = "pinned"
+_NESTED = "nested"
+_OVERFLOW = "overflow"
+
+
+def _failure(verdict: object, key: object) -> BaseException:
+    """The error for a section's verdict about ``key``; a list verdict is a deadlock cycle."""
+    if type(verdict) is list:
+        return deadlock(verdict)
+    if verdict is _PINNED:
+        return pinned(key)
+    if verdict is _NESTED:
+        return nested_wait(key)
+    if verdict is _OVERFLOW:
+        return count_overflow(key)
+    return not_owned(key)
+
+
+_ABANDON_ATTEMPTS = 5  # see _Engine._acquire
+
+_mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
+_retired: list[_Entry] = []  # entries dropped by the running section (see _section)
+_get_ident = threading.get_ident
+_yield_gil = time.sleep  # time.sleep(0): let the section's holder run
+
+# Python runs signal handlers on the main thread only; there sections run with every signal
+# blocked that may have one (all but those a fault raises synchronously, which cannot wait).
+_signal: Any = sys.modules.get("_signal", signal)  # its C functions take and return ints
+_set_signal_mask = getattr(_signal, "pthread_sigmask", None)  # None: Windows
+_SIG_BLOCK = getattr(_signal, "SIG_BLOCK", 0)
+_SIG_SETMASK = getattr(_signal, "SIG_SETMASK", 0)
+_BLOCKABLE = frozenset(map(int, _signal.valid_signals())) - {
+    getattr(_signal, name) for name in
+    ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+    if hasattr(_signal, name)
+}
+_main_thread = [threading.main_thread().ident]  # a forked child's is the forking thread
+_main_thread_mask: list[Iterable[int]] = [()]  # the main thread's mask outside sections
+
+
+def _reentered() -> RuntimeError:
+    return RuntimeError(
+        "lockmgr: a finalizer or signal handler called a lock manager while its thread was "
+        "inside the manager's own bookkeeping; the call was refused (it cannot wait for itself)"
+    )
+
+
+def _section(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` under the engine mutex; returns its verdict. On the main thread, with
+    the signals that may have Python handlers blocked: see the module docstring."""
+    ident = _get_ident()
+    if _mutex.get(0) == ident:
+        raise _reentered()
+    if ident != _main_thread[0] or _set_signal_mask is None:
+        return _run_section(ident, run, args)
+    mask = _main_thread_mask[0]  # the main thread's own mask, as last seen
+    try:
+        # Blocking runs the handlers of signals already pending, after the mask changed:
+        # one that raises leaves nothing changed but the mask, which the finally restores.
+        mask = _main_thread_mask[0] = _set_signal_mask(_SIG_BLOCK, _BLOCKABLE)
+        return _run_section(ident, run, args)
+    finally:
+        # Handlers of signals that arrived meanwhile run here, after the section: one that
+        # raises reaches the acquiring call, which gives back what it got (_acquire).
+        _set_signal_mask(_SIG_SETMASK, mask)
+
+
+def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    try:
+        while _mutex.setdefault(0, ident) != ident:
+            _yield_gil(0)
+        return run(*args)
+    finally:
+        # No call before ``del _mutex[0]``: an asynchronous exception cannot skip it. The
+        # entries the section dropped are freed with this frame, once the mutex is free.
+        if 0 in _mutex and _mutex[0] == ident:
+            if _retired:
+                dropped = _retired[:]  # unused: it only keeps them alive until then
+                del _retired[:]
+            del _mutex[0]
+
+
+def _is_plain(key: object) -> bool:
+    """Whether comparing ``key`` with another plain key runs no Python code."""
+    kind = type(key)
+    if kind is str or kind is int or kind is bytes:
+        return True
+    return kind is tuple and all(map(_is_plain, key))  # type: ignore[call-overload]
+
 
 class _Token:
     """The identity of one thread towards every manager; ownership means this object."""
@@ -88,6 +244,10 @@ class _Token:
         self.wakeup.acquire()
         self.request: _Request | None = None  # the request its thread is waiting in
 
+    def consume_post(self) -> None:
+        """The post of a transition seen in this section, unless a sleep consumed it."""
+        self.wakeup.acquire(False)
+
 
 class _ThreadExit:
     """Held only by its thread's local storage, so it is finalized when the thread ends.
@@ -102,22 +262,29 @@ class _ThreadExit:
         self.token = token
 
     def __del__(self) -> None:
-        token = self.token
-        if token.request is not None or _forking:
-            return  # shutdown or a forked child: the thread is gone mid-wait or fork cleans up
-        abandoned = [entry.key for entry in token.held]
-        abandoned += [entry.key for entry in token.reads if entry.owner is not token]
-        for manager_ref in {*token.held.values(), *token.reads.values()}:
+        token: _Token | None = getattr(self, "token", None)  # a handler may cut __init__ short
+        if token is None:
+            return
+        if sys.is_finalizing() or token.request is not None or os.getpid() != _fork_parent_pid:
+            # Interpreter teardown (this module's globals may be gone already, and nobody
+            # can take the keys any more), a daemon thread gone mid-wait, or a forked child,
+            # where only the forking thread lives on and _after_fork_in_child frees the rest.
+            return
+        managers: dict[int, _Engine] = {}  # not a set of the references: a dead one's hash
+        for manager_ref in [*token.held.values(), *token.reads.values()]:  # may be unknown
             manager = manager_ref()
-            if manager is not None:
-                manager._release_held(token)
-        if abandoned and not sys.is_finalizing():
+            if manager is not None:  # else it is being torn down: it unlinks its entries
+                managers[id(manager)] = manager
+        abandoned: list[Hashable] = []
+        for manager in managers.values():
+            abandoned += _section(manager._release_held_section, token)
+        if abandoned:
             warn_abandoned(token.ident, abandoned)
 
 
 _local = threading.local()
 _managers: weakref.WeakSet[_Engine] = weakref.WeakSet()  # every live manager (for fork)
-_forking = False  # between os.fork()'s before hook and its after hook
+_fork_parent_pid = os.getpid()  # the process whose threads' exits release their keys
 
 
 def _current_token() -> _Token:
@@ -145,13 +312,15 @@ class _Request:
         self.manager = manager  # whose queue it is (or would be) in
         self.entry = entry  # the entry whose queue it is (or would be) in
         self.mode = mode  # _READ or _WRITE
-        self.count = count  # recursion level to install when granted
+        self.count = count  # recursion levels it takes (installed when granted)
         self.state = _WAITING
         self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
         self.at_head = False  # an upgrade: queued before every other request
         self.lead: _Request | None = None  # multi-key: the first node, which speaks for all
         self.nodes: list[_Request] | None = None  # multi-key, on the lead: every node
-        self.queued = True  # multi-key: it waits in its entry's queue (else it re-enters)
+        # multi-key: it waits in its entry's queue; else it re-enters a held key, and its
+        # level is taken (pinned) when the request queues
+        self.queued = True
 
     def members(self) -> Sequence[_Request]:
         """The nodes of a multi-key lead, or the single request itself."""
@@ -159,14 +328,36 @@ class _Request:
 
 
 class _Entry:
-    __slots__ = ("count", "key", "owner", "queue", "readers")
+    __slots__ = ("count", "hash", "key", "owner", "plain", "queue", "readers", "same_hash")
 
-    def __init__(self, key: Hashable) -> None:
+    def __init__(self, key: Hashable, key_hash: int, plain: bool) -> None:
         self.key = key  # the key as first given
+        self.hash = key_hash
+        self.plain = plain  # _is_plain(key): comparable inside a section
+        self.same_hash: _Entry | None = None  # the next entry of the table's chain for hash
         self.owner: _Token | None = None  # the write holder
         self.count = 0  # the write holder's recursion level
         self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
+
+
+class _Unsure:
+    """A section's verdict: these entries' keys hash like the caller's and must be compared
+    with it outside the section. ``first`` was their chain's first entry then: entries join
+    a chain at its front, so while it still is, no entry joined since the comparison."""
+
+    __slots__ = ("entries", "first")
+
+    def __init__(self, first: _Entry, entries: list[_Entry]) -> None:
+        self.first = first
+        self.entries = entries
+
+    def settle(self, key: Hashable) -> tuple[_Entry, _Entry | None]:
+        """Compare (may run the keys' ``__eq__``): what the next section may trust."""
+        for entry in self.entries:
+            if entry.key == key:  # the stored key first, as a dict compares
+                return self.first, entry
+        return self.first, None
 
 
 class _Engine:
@@ -178,7 +369,6 @@ class _Engine:
         "_deadlocks",
         "_fair",
         "_held",
-        "_mutex",
         "_ref",
         "_stripe_keys",
         "_table",
@@ -192,8 +382,7 @@ class _Engine:
         # striped: one Stripe key per stripe; None: exact keys
         self._stripe_keys = None if count is None else tuple(map(Stripe, range(count)))
         self._fair = True
-        self._mutex = threading.Lock()  # guards everything below and every entry and request
-        self._table: dict[Hashable, _Entry] = {}
+        self._table: dict[int, _Entry] = {}  # key hash -> first entry of its chain
         self._held = 0  # entries with a write or read holder
         self._waiting = 0
         self._acquisitions = 0
@@ -205,11 +394,23 @@ class _Engine:
 
     def __del__(self) -> None:
         # Nobody waits here (a waiter's call keeps the manager alive), but keys may be held.
-        for entry in getattr(self, "_table", {}).values():  # __init__ may have failed
-            if entry.owner is not None:
-                entry.owner.held.pop(entry, None)
-            for reader in entry.readers:
-                reader.reads.pop(entry, None)
+        # __init__ may have failed. A collection that runs inside a section of this thread
+        # cannot take the mutex: the tokens then keep dead references until their thread
+        # ends (they skip managers that are gone).
+        if getattr(self, "_table", None) and _mutex.get(0) != _get_ident():
+            _section(self._unlink_section)
+
+    def _unlink_section(self) -> None:
+        for first in self._table.values():
+            entry: _Entry | None = first
+            while entry is not None:
+                if entry.owner is not None:
+                    entry.owner.held.pop(entry, None)
+                for reader in entry.readers:
+                    reader.reads.pop(entry, None)
+                _retired.append(entry)
+                entry = entry.same_hash
+        self._table.clear()
 
     def __repr__(self) -> str:
         return manager_repr(self, self._fair, self._held, self._waiting)
@@ -241,124 +442,309 @@ class _Engine:
 
     def stats(self) -> LockStats:
         """A snapshot of this manager's counters."""
-        with self._mutex:
-            return LockStats(
-                held=self._held,
-                waiting=self._waiting,
-                acquisitions=self._acquisitions,
-                contended=self._contended,
-                timeouts=self._timeouts,
-                deadlocks=self._deadlocks,
-            )
+        return LockStats(*_section(self._stats_section))
+
+    def _stats_section(self) -> tuple[int, ...]:
+        return (self._held, self._waiting, self._acquisitions, self._contended,
+                self._timeouts, self._deadlocks)
 
     def release_all(self) -> int:
-        """Release every key of this manager the calling thread holds, all levels; returns how many."""
-        token = _existing_token()
-        return 0 if token is None else self._release_held(token)
+        """Release every key of this manager the calling thread holds, all levels; returns how many.
 
-    # -- acquiring (everything below runs under _mutex unless it says otherwise) ------------
+        Levels a waiting ``acquire_many`` of this thread has pinned stay held."""
+        token = _existing_token()
+        return 0 if token is None else len(_section(self._release_held_section, token))
+
+    # -- finding entries ---------------------------------------------------------------------
+
+    def _find(
+        self, key: Hashable, key_hash: int, plain: bool, known: tuple[_Entry, _Entry | None] | None
+    ) -> _Entry | _Unsure | None:
+        """In a section: the entry of ``key``, None, or the entries to compare it with
+        (``known``: the outcome of that comparison, trusted if it is still current)."""
+        first = self._table.get(key_hash)
+        trusted = known is not None and known[0] is first
+        unsure = None
+        entry = first
+        while entry is not None:
+            stored = entry.key
+            if stored is key or (plain and entry.plain and stored == key):
+                return entry
+            if not (plain and entry.plain):
+                if trusted:
+                    if entry is known[1]:  # type: ignore[index]
+                        return entry
+                elif unsure is None:
+                    unsure = [entry]
+                else:
+                    unsure.append(entry)
+            entry = entry.same_hash
+        return None if unsure is None else _Unsure(first, unsure)  # type: ignore[arg-type]
+
+    def _new_entry(self, key: Hashable, key_hash: int, plain: bool) -> _Entry:
+        entry = _Entry(key, key_hash, plain)
+        entry.same_hash = self._table.get(key_hash)
+        self._table[key_hash] = entry
+        return entry
+
+    def _drop_entry(self, entry: _Entry) -> None:
+        """Unlink ``entry`` from its chain, unless it is gone already (a request whose grant
+        is undone may find its entry released and dropped by a handler meanwhile)."""
+        table = self._table
+        first = table.get(entry.hash)
+        if first is entry:
+            if entry.same_hash is None:
+                del table[entry.hash]
+                if not table:
+                    table.clear()  # dicts never shrink on delete; this frees a grown one
+            else:
+                table[entry.hash] = entry.same_hash
+        else:
+            while first is not None and first.same_hash is not entry:
+                first = first.same_hash
+            if first is None:
+                return
+            first.same_hash = entry.same_hash
+        _retired.append(entry)
+
+    def _run_on_key(self, run: Callable[..., Any], key: Hashable, *args: Any) -> Any:
+        """``run(entry, *args)`` in a section, with ``key``'s entry (or None) found for it."""
+        key_hash = hash(key)
+        kind = type(key)
+        plain = kind is str or kind is int or kind is bytes or _is_plain(key)
+        known = None
+        while True:
+            verdict = _section(self._on_key_section, run, key, key_hash, plain, known, args)
+            if type(verdict) is not _Unsure:
+                return verdict
+            known = verdict.settle(key)
+
+    def _on_key_section(
+        self, run: Callable[..., Any], key: Hashable, key_hash: int, plain: bool,
+        known: tuple[_Entry, _Entry | None] | None, args: tuple[Any, ...],
+    ) -> Any:
+        entry: _Entry | _Unsure | None = self._table.get(key_hash)
+        if entry is not None and entry.key is not key:  # type: ignore[union-attr]
+            entry = self._find(key, key_hash, plain, known)  # else: the common cases, at once
+            if isinstance(entry, _Unsure):
+                return entry
+        return run(entry, key, key_hash, plain, *args)
+
+    # -- acquiring ---------------------------------------------------------------------------
+
+    def _acquire(self, token: _Token, seconds: float, take: Callable[..., Any],
+                 *args: Any) -> bool:
+        """One acquisition: ``take(*args)`` decides in a section and may queue a request,
+        which ``_wait`` then waits for. An exception anywhere from the queueing on (a
+        handler's, a finalizer's) takes the request out of the queues again or gives back
+        what it was granted: nothing stays queued or held that the caller does not know of.
+        Verdicts to raise come as ``(key, verdict)``."""
+        outer = token.request  # not None: a handler or finalizer runs inside this wait
+        try:
+            verdict = take(*args)
+            if type(verdict) is _Request:
+                verdict = self._wait(verdict, seconds)
+            token.request = outer  # the outcome is the caller's now
+        except BaseException:
+            # No call before the ``try`` below, so no asynchronous exception can skip it;
+            # _abandon_section is idempotent, and tried again if another handler raises
+            # meanwhile (a few times only, so that an engine bug cannot become a hang).
+            attempts = 0
+            while True:
+                try:
+                    _section(self._abandon_section, token, outer)
+                    break
+                except BaseException:
+                    attempts += 1
+                    if attempts == _ABANDON_ATTEMPTS:
+                        raise
+            raise
+        if type(verdict) is bool:
+            return verdict
+        key, failure = verdict
+        raise _failure(failure, key)
 
     def _acquire_write(self, key: Hashable, seconds: float, count: int) -> bool:
         """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         token = _current_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None:
-                entry = self._table[key] = _Entry(key)
-                self._own(entry, token, count)
-                return True
-            if entry.owner is token:
-                entry.count += count
-                self._acquisitions += 1
-                return True
-            upgrade = token in entry.readers
-            if entry.owner is None and (
-                (not entry.readers and (not entry.queue or entry.queue[0].state == _WOKEN))
-                or (upgrade and len(entry.readers) == 1)
-            ):
-                # Free and nobody queued (with fair=False, a woken head that has not run yet
-                # may be overtaken), or the caller is the only reader: an upgrade goes at once.
-                self._own(entry, token, count)
-                return True
-            request = self._single(entry, token, seconds, count, _WRITE, upgrade)
-        return request is not None and self._wait(request, seconds)
+        return self._acquire(token, seconds, self._run_on_key, self._take_write, key, token,
+                             seconds, count)
+
+    def _take_write(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
+        seconds: float, count: int,
+    ) -> object:
+        if entry is None:
+            entry = self._new_entry(key, key_hash, plain)
+            self._own(entry, token, count)
+            return self._granted_at_once(entry, token, _WRITE, count)
+        if entry.owner is token:
+            if entry.count > MAX_COUNT - count:
+                return key, _OVERFLOW
+            entry.count += count
+            self._acquisitions += 1
+            return self._granted_at_once(entry, token, _WRITE, count)
+        upgrade = token in entry.readers
+        if entry.owner is None and (
+            (not entry.readers and (not entry.queue or entry.queue[0].state == _WOKEN))
+            or (upgrade and len(entry.readers) == 1)
+        ):
+            # Free and nobody queued (with fair=False, a woken head that has not run yet
+            # may be overtaken), or the caller is the only reader: an upgrade goes at once.
+            self._own(entry, token, count)
+            return self._granted_at_once(entry, token, _WRITE, count)
+        return self._single(key, entry, token, seconds, count, _WRITE, upgrade)
 
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
         token = _current_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is not None and token in entry.readers:
-                entry.readers[token] += 1  # reentrant, even past queued writers
-                self._acquisitions += 1
-                return True
-            if entry is None:
-                entry = self._table[key] = _Entry(key)
-            if entry.owner is token or (entry.owner is None and not entry.queue):
-                self._add_read(entry, token, 1)
-                return True
-            request = self._single(entry, token, seconds, 1, _READ, False)
-        return request is not None and self._wait(request, seconds)
+        return self._acquire(token, seconds, self._run_on_key, self._take_read, key, token,
+                             seconds)
+
+    def _take_read(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
+        seconds: float,
+    ) -> object:
+        if entry is None:
+            entry = self._new_entry(key, key_hash, plain)
+            self._add_read(entry, token, 1)
+            self._acquisitions += 1
+            return self._granted_at_once(entry, token, _READ, 1)
+        level = entry.readers.get(token)
+        if level is not None:  # reentrant, even past queued writers
+            if level >= MAX_COUNT:
+                return key, _OVERFLOW
+            entry.readers[token] = level + 1
+            self._acquisitions += 1
+            return self._granted_at_once(entry, token, _READ, 1)
+        if entry.owner is token or (entry.owner is None and not entry.queue):
+            self._add_read(entry, token, 1)
+            self._acquisitions += 1
+            return self._granted_at_once(entry, token, _READ, 1)
+        return self._single(key, entry, token, seconds, 1, _READ, False)
+
+    def _granted_at_once(self, entry: _Entry, token: _Token, mode: int, count: int) -> bool:
+        """On the main thread, record an immediate grant as ``token.request`` (GRANTED) for
+        its acquiring call: a signal handler that raises when the call unblocks signals
+        after this section makes that call give the grant back (see _section)."""
+        if token.is_main and token.request is None:
+            request = token.request = _Request(token, self, entry, mode, count)
+            request.state = _GRANTED
+        return True
 
     def _single(
-        self, entry: _Entry, token: _Token, seconds: float, count: int, mode: int, upgrade: bool
-    ) -> _Request | None:
-        """The key is taken: give up (try-lock, None) or queue a request."""
+        self, key: Hashable, entry: _Entry, token: _Token, seconds: float, count: int,
+        mode: int, upgrade: bool,
+    ) -> object:
+        """The key is taken: give up (try-lock), refuse (nested wait, deadlock) or queue."""
         if seconds == 0:
             self._timeouts += 1
-            return None
+            return False
+        if token.request is not None:
+            return key, _NESTED
         request = _Request(token, self, entry, mode, count)
         request.at_head = upgrade
-        self._queue(request)
-        return request
+        verdict = self._queue(request)
+        return verdict if verdict is request else (key, verdict)
 
     def _acquire_many(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
         """Take every distinct ``(key, mode)`` of ``items`` at once, or none of them."""
         if not items:
             return True
         token = _current_token()
-        with self._mutex:
-            nodes = []
-            ready = True
-            for key, mode in items:
-                entry = self._table.get(key)
-                if entry is None:
-                    entry = self._table[key] = _Entry(key)
-                node = _Request(token, self, entry, mode, 1)
-                nodes.append(node)
-                if mode == _WRITE:
-                    if entry.owner is token:
-                        node.queued = False
-                    else:
-                        node.at_head = token in entry.readers
-                        ready = ready and entry.owner is None and (
-                            (not entry.readers and not entry.queue)
-                            or (node.at_head and len(entry.readers) == 1))
-                elif token in entry.readers or entry.owner is token:
-                    node.queued = False
-                else:
-                    ready = ready and entry.owner is None and not entry.queue
-            lead = nodes[0]
-            lead.nodes = nodes
-            for node in nodes:
-                node.lead = lead
-            if ready:
-                self._grant_nodes(lead, enqueued=False)
-                return True
+        return self._acquire(token, seconds, self._take_many, items, token, seconds)
+
+    def _take_many(self, items: list[tuple[Hashable, int]], token: _Token,
+                   seconds: float) -> object:
+        hashes = [hash(key) for key, _ in items]
+        plains = [_is_plain(key) for key, _ in items]
+        known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
+        while True:
+            verdict = _section(self._take_many_section, items, hashes, plains, known, token,
+                               seconds)
+            if type(verdict) is not tuple:
+                return verdict
+            index, what = verdict
+            if type(what) is not _Unsure:
+                return items[index][0], what
+            known[index] = what.settle(items[index][0])
+
+    def _take_many_section(
+        self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
+        known: list[tuple[_Entry, _Entry | None] | None], token: _Token, seconds: float,
+    ) -> object:
+        """A request, True, False, or ``(index of a key, what about it)``: an _Unsure or
+        the verdict to raise for it."""
+        entries: list[_Entry | None] = []
+        for index, (key, _) in enumerate(items):
+            entry = self._find(key, hashes[index], plains[index], known[index])
+            if type(entry) is _Unsure:
+                return index, entry
+            entries.append(entry)  # type: ignore[arg-type]
+        blocked = None  # the first key that is not free for this set
+        for index, ((_, mode), entry) in enumerate(zip(items, entries, strict=True)):
+            if entry is None:
+                continue
+            if mode == _WRITE:
+                if entry.owner is token:
+                    if entry.count >= MAX_COUNT:
+                        return index, _OVERFLOW
+                    continue
+                free = entry.owner is None and (
+                    (not entry.readers and not entry.queue)
+                    or (token in entry.readers and len(entry.readers) == 1))
+            elif token in entry.readers:
+                if entry.readers[token] >= MAX_COUNT:
+                    return index, _OVERFLOW
+                continue
+            else:
+                free = entry.owner is token or (entry.owner is None and not entry.queue)
+            if not free and blocked is None:
+                blocked = index
+        if blocked is not None:
             if seconds == 0:
-                self._discard(lead)
                 self._timeouts += 1
                 return False
-            self._queue(lead)
-        return self._wait(lead, seconds)
+            if token.request is not None:
+                return blocked, _NESTED
+        nodes = []
+        for index, ((key, mode), entry) in enumerate(zip(items, entries, strict=True)):
+            if entry is None:
+                entry = self._new_entry(key, hashes[index], plains[index])
+            node = _Request(token, self, entry, mode, 1)
+            nodes.append(node)
+            if mode == _WRITE:
+                if entry.owner is token:
+                    node.queued = False
+                else:
+                    node.at_head = token in entry.readers
+            elif token in entry.readers or entry.owner is token:
+                node.queued = False
+        lead = nodes[0]
+        lead.nodes = nodes
+        for node in nodes:
+            node.lead = lead
+        if blocked is None:
+            self._grant_nodes(lead, enqueued=False)
+            self._acquisitions += len(nodes)
+            if token.is_main and token.request is None:
+                token.request = lead  # see _granted_at_once
+            return True
+        verdict = self._queue(lead)
+        if verdict is not lead:
+            return blocked, verdict  # the deadlock cycle
+        for node in nodes:  # pin the re-entered levels: this set holds them from now on
+            if not node.queued:
+                self._add_levels(node)
+        return lead
 
-    def _queue(self, request: _Request) -> None:
-        """Refuse ``request`` (single, or a multi-key lead) if waiting would deadlock, else
-        queue every node of it."""
+    def _queue(self, request: _Request) -> object:
+        """Refuse ``request`` (single, or a multi-key lead) if waiting would deadlock (the
+        cycle), else queue every node of it (the request)."""
         cycle = self._find_cycle(request.token, request)
         if cycle is not None:
             self._discard(request)
             self._deadlocks += 1
-            raise deadlock(cycle)
+            return cycle
         for node in request.members():
             if node.queued:
                 if node.at_head:  # no writer behind could get in before it anyway
@@ -367,13 +753,15 @@ class _Engine:
                     node.entry.queue.append(node)
         request.token.request = request
         self._waiting += 1
+        return request
 
     def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[int, Hashable]] | None:
         """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
         A waiting request waits for the holders it conflicts with and for the conflicting
-        requests queued ahead of it (PostgreSQL's hard and soft edges); see the compiled
-        core's ``find_cycle``, which this follows step for step.
+        requests queued ahead of it (PostgreSQL's hard and soft edges), in any manager of
+        this engine; see the compiled core's ``find_cycle``, which this follows step for
+        step.
         """
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
@@ -412,7 +800,7 @@ class _Engine:
         while not closed and stack:
             thread = stack.pop()
             own = thread.request
-            if own is not None and own.state in (_WAITING, _WOKEN) and own.manager is self:
+            if own is not None and own.state in (_WAITING, _WOKEN):
                 closed = reach_request(thread, own, True)
         if not closed:
             return None
@@ -427,54 +815,96 @@ class _Engine:
         cycle.reverse()
         return cycle
 
+    # -- waiting (the only place that sleeps, and the only call that may raise midway) ------
+
     def _wait(self, request: _Request, seconds: float) -> bool:
-        """Sleep until ``request`` (queued) is granted or its time runs out. Called without
-        _mutex."""
+        """Sleep until ``request`` (queued) is granted or its time runs out. The request
+        stays ``token.request`` until the acquiring call has its outcome (see _acquired)."""
         deadline = None if seconds < 0 else request.since + seconds
         wakeup = request.token.wakeup
         slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0
-        try:
-            while True:
-                if deadline is None:
-                    remaining = slice_
+        while True:
+            outcome = _section(self._check_wait_section, request, deadline)
+            if outcome is not None:
+                return outcome  # type: ignore[no-any-return]
+            if deadline is None:
+                remaining = slice_
+            else:
+                remaining = max(0.0, deadline - time.monotonic())
+                if slice_ > 0:
+                    remaining = min(remaining, slice_)
+            # Signal handlers (main thread) and finalizers run around this sleep and may
+            # call the manager, or raise (the acquiring call then abandons the request).
+            wakeup.acquire(timeout=remaining)
+
+    def _check_wait_section(self, request: _Request, deadline: float | None) -> bool | None:
+        """After a wake-up: True (granted), False (timed out) or None (sleep again)."""
+        token = request.token
+        if request.state != _WAITING:
+            token.consume_post()
+            if request.state == _WOKEN:  # single requests only
+                if self._grantable(request.entry, request):
+                    self._grant(request.entry, request)
                 else:
-                    remaining = max(0.0, deadline - time.monotonic())
-                    if slice_ > 0:
-                        remaining = min(remaining, slice_)
-                # Signal handlers run inside this acquire (main thread) and may raise.
-                posted = wakeup.acquire(timeout=remaining)
-                with self._mutex:
-                    if request.state != _WAITING:
-                        if not posted:
-                            wakeup.acquire(blocking=False)  # consume the post
-                        if request.state == _WOKEN:  # single requests only
-                            if self._grantable(request.entry, request):
-                                self._grant(request.entry, request)
-                            else:
-                                request.state = _WAITING  # overtaken: sleep again at the head
-                        if request.state == _GRANTED:
-                            self._contended += 1
-                            return True
-                    if deadline is not None and time.monotonic() >= deadline:
-                        self._leave(request)
-                        self._timeouts += 1
-                        return False
-        except BaseException:
-            with self._mutex:
-                if request.state == _GRANTED:  # only this thread can release what it was granted
-                    self._undo_grant(request)
-                else:
-                    wakeup.acquire(blocking=False)  # consume a post that raced us
-                    self._leave(request)
-            raise
-        finally:
-            request.token.request = None
+                    request.state = _WAITING  # overtaken: sleep again at the head
+        elif self._ready_by_reentry(request):
+            # A handler or finalizer of this thread took what the request waits for.
+            if request.nodes is None:
+                self._grant(request.entry, request)
+            else:
+                self._grant_nodes(request, enqueued=True)
+                self._waiting -= 1
+                self._acquisitions += len(request.nodes)
+                for node in request.nodes:
+                    self._pass_on(node.entry)
+        if request.state == _GRANTED:
+            self._contended += 1
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            self._leave(request)
+            self._timeouts += 1
+            return False
+        return None
+
+    def _abandon_section(self, token: _Token, outer: _Request | None) -> None:
+        """An exception ends an acquisition: if it had queued a request, take it out of the
+        queues, or give back what it was granted, as far as its thread still holds that."""
+        request = token.request
+        if request is None or request is outer:
+            return  # it never queued, or this ran already
+        token.request = None
+        if request.state == _LEFT:
+            return  # it timed out
+        if request.state != _WAITING:
+            token.consume_post()
+        if request.state == _GRANTED:
+            self._undo_grant(request)
+        else:
+            self._leave(request)
+
+    def _ready_by_reentry(self, request: _Request) -> bool:
+        """Whether every queued node of a WAITING ``request`` can be granted now, at least
+        one because its thread meanwhile took the key itself."""
+        reentered = False
+        for node in request.members():
+            if not node.queued:
+                continue
+            entry = node.entry
+            if entry.owner is node.token:
+                reentered = True
+            elif request.nodes is None or entry.queue[0] is not node or not self._grantable(
+                    entry, node):
+                return False
+        return reentered
 
     def _leave(self, request: _Request) -> None:
-        """Take a waiting ``request`` (single, or a multi-key lead) out of every queue."""
+        """Take a waiting ``request`` (single, or a multi-key lead) out of every queue, give
+        back the levels it pinned."""
         for node in request.members():
             if node.queued:
                 node.entry.queue.remove(node)
+            else:
+                self._give_back(node)
         self._waiting -= 1
         request.state = _LEFT
         self._discard(request)
@@ -486,84 +916,153 @@ class _Engine:
             self._pass_on(node.entry)
 
     def _undo_grant(self, request: _Request) -> None:
-        """Give back everything a granted request (single, or multi-key lead) took."""
+        """Give back what a granted request (single, or multi-key lead) took, as far as its
+        thread still holds it (a handler may have released some already)."""
         for node in request.members():
             self._acquisitions -= 1
-            token = node.token
-            if node.mode == _WRITE:
-                if node.queued:
-                    self._disown(node.entry)
-                else:
-                    node.entry.count -= 1
-            elif node.entry.readers[token] == 1:  # the grant made this read hold
-                self._drop_read(node.entry, token)
-            else:
-                node.entry.readers[token] -= 1
+            self._give_back(node)
+        request.state = _LEFT
         for node in request.members():
             self._pass_on(node.entry)
+
+    def _give_back(self, node: _Request) -> None:
+        """Remove the levels ``node`` took, or what is left of them."""
+        entry, token = node.entry, node.token
+        if node.mode == _WRITE:
+            if entry.owner is token:
+                if entry.count > node.count:
+                    entry.count -= node.count
+                else:
+                    self._disown(entry)
+        else:
+            level = entry.readers.get(token, 0)
+            if level > node.count:
+                entry.readers[token] = level - node.count
+            elif level:
+                self._drop_read(entry, token)
 
     # -- releasing ---------------------------------------------------------------------------
 
     def _release_write(self, key: Hashable) -> None:
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or token is None or entry.owner is not token:
-                raise not_owned(key)
-            entry.count -= 1
-            if entry.count == 0:
-                self._disown(entry)
-                self._pass_on(entry)
+        verdict = self._run_on_key(self._release_write_on, key, _existing_token())
+        if verdict is not None:
+            raise _failure(verdict, key)
+
+    def _release_write_on(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
+        token: _Token | None,
+    ) -> str | None:
+        if entry is None or token is None or entry.owner is not token:
+            return _NOT_OWNED
+        if token.request is not None and entry.count <= self._pinned(token, entry, _WRITE):
+            return _PINNED
+        entry.count -= 1
+        if entry.count == 0:
+            self._disown(entry)
+            self._pass_on(entry)
+        return None
 
     def _release_read(self, key: Hashable) -> None:
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(key)
-            if entry is None or token is None or token not in entry.readers:
-                raise not_owned(key)
-            entry.readers[token] -= 1
-            if entry.readers[token] == 0:
-                self._drop_read(entry, token)
-                self._pass_on(entry)
+        verdict = self._run_on_key(self._release_read_on, key, _existing_token())
+        if verdict is not None:
+            raise _failure(verdict, key)
+
+    def _release_read_on(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
+        token: _Token | None,
+    ) -> str | None:
+        if entry is None or token is None or token not in entry.readers:
+            return _NOT_OWNED
+        level = entry.readers[token]
+        if token.request is not None and level <= self._pinned(token, entry, _READ):
+            return _PINNED
+        if level > 1:
+            entry.readers[token] = level - 1
+        else:
+            self._drop_read(entry, token)
+            self._pass_on(entry)
+        return None
 
     def _release_many(self, items: list[tuple[Hashable, int]]) -> None:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
         asked) none, with NotOwnedError."""
         token = _existing_token()
-        with self._mutex:
-            entries = [self._table.get(key) for key, _ in items]
-            for (key, mode), entry in zip(items, entries, strict=True):
-                if entry is None or token is None or (
-                    entry.owner is not token if mode == _WRITE else token not in entry.readers
-                ):
-                    raise not_owned(key)
-            for (_, mode), entry in zip(items, entries, strict=True):
-                assert entry is not None and token is not None
-                if mode == _WRITE:
-                    entry.count -= 1
-                    if entry.count == 0:
-                        self._disown(entry)
-                else:
-                    entry.readers[token] -= 1
-                    if entry.readers[token] == 0:
-                        self._drop_read(entry, token)
-                self._pass_on(entry)
+        hashes = [hash(key) for key, _ in items]
+        plains = [_is_plain(key) for key, _ in items]
+        known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
+        while True:
+            verdict = _section(self._release_many_section, items, hashes, plains, known, token)
+            if verdict is None:
+                return
+            index, what = verdict
+            if type(what) is not _Unsure:
+                raise _failure(what, items[index][0])
+            known[index] = what.settle(items[index][0])
 
-    def _release_held(self, token: _Token) -> int:
-        """Fully release every key of this manager ``token`` holds; returns how many keys."""
-        released = 0
-        with self._mutex:
-            for entry, manager in list(token.reads.items()):  # reads first: see _core
-                if manager is self._ref:
-                    released += entry.owner is not token
-                    self._drop_read(entry, token)
-                    self._pass_on(entry)
-            for entry, manager in list(token.held.items()):
-                if manager is self._ref:
-                    released += 1
+    def _release_many_section(
+        self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
+        known: list[tuple[_Entry, _Entry | None] | None], token: _Token | None,
+    ) -> tuple[int, object] | None:
+        entries = []
+        for index, (key, mode) in enumerate(items):
+            entry = self._find(key, hashes[index], plains[index], known[index])
+            if isinstance(entry, _Unsure):
+                return index, entry
+            if entry is None or token is None or (
+                entry.owner is not token if mode == _WRITE else token not in entry.readers
+            ):
+                return index, _NOT_OWNED
+            level = entry.count if mode == _WRITE else entry.readers[token]
+            if level <= self._pinned(token, entry, mode):
+                return index, _PINNED
+            entries.append(entry)
+        for (_, mode), entry in zip(items, entries, strict=True):
+            assert token is not None
+            if mode == _WRITE:
+                entry.count -= 1
+                if entry.count == 0:
                     self._disown(entry)
-                    self._pass_on(entry)
+            else:
+                entry.readers[token] -= 1
+                if entry.readers[token] == 0:
+                    self._drop_read(entry, token)
+            self._pass_on(entry)
+        return None
+
+    def _release_held_section(self, token: _Token) -> list[Hashable]:
+        """Release every level of this manager's keys ``token`` holds, except pinned ones;
+        returns the keys it stopped holding (for a thread that ended: the abandoned keys)."""
+        released = []
+        entries = [entry for entry, manager in token.reads.items() if manager is self._ref]
+        entries += [entry for entry, manager in token.held.items()
+                    if manager is self._ref and token not in entry.readers]
+        for entry in entries:  # reads first: see _core
+            keep_read = self._pinned(token, entry, _READ)
+            keep_write = self._pinned(token, entry, _WRITE)
+            if token in entry.readers:
+                if keep_read:
+                    entry.readers[token] = keep_read
+                else:
+                    self._drop_read(entry, token)
+            if entry.owner is token:
+                if keep_write:
+                    entry.count = keep_write
+                else:
+                    self._disown(entry)
+            if not (keep_read or keep_write):
+                released.append(entry.key)
+            self._pass_on(entry)
         return released
+
+    def _pinned(self, token: _Token, entry: _Entry, mode: int) -> int:
+        """The levels of ``entry`` in ``mode`` that a waiting set of ``token`` has pinned."""
+        request = token.request
+        if request is None or request.nodes is None or request.state != _WAITING:
+            return 0
+        for node in request.nodes:
+            if node.entry is entry and not node.queued and node.mode == mode:
+                return node.count
+        return 0
 
     def _pass_on(self, entry: _Entry) -> None:
         """A holder or a request left ``entry``: grant what the queue's head allows (a run
@@ -571,9 +1070,7 @@ class _Engine:
         while True:
             if not entry.queue:
                 if entry.owner is None and not entry.readers:
-                    del self._table[entry.key]
-                    if not self._table:
-                        self._table.clear()  # dicts never shrink on delete; this frees a grown one
+                    self._drop_entry(entry)
                 return
             head = entry.queue[0]
             if head.lead is not None:  # a multi-key request: all of its keys or none
@@ -598,8 +1095,9 @@ class _Engine:
                 return
 
     def _grantable(self, entry: _Entry, request: _Request) -> bool:
-        if entry.owner is not None:
-            return False
+        owner = entry.owner
+        if owner is not None:
+            return owner is request.token  # its thread took the key meanwhile: re-entry
         readers = entry.readers
         return request.mode == _READ or not readers or (
             len(readers) == 1 and request.token in readers)
@@ -607,44 +1105,58 @@ class _Engine:
     def _grant(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)
         self._take(entry, request)
+        self._acquisitions += 1
         self._waiting -= 1
         request.state = _GRANTED
 
     def _take(self, entry: _Entry, request: _Request) -> None:
+        """Install a queued request's levels (on top of its thread's own, for a re-entry)."""
+        token = request.token
         if request.mode == _READ:
-            self._add_read(entry, request.token, request.count)
+            if token in entry.readers:
+                entry.readers[token] += request.count
+            else:
+                self._add_read(entry, token, request.count)
+        elif entry.owner is token:
+            entry.count += request.count
         else:
-            self._own(entry, request.token, request.count)
+            self._own_levels(entry, token, request.count)
 
     def _group_grantable(self, lead: _Request) -> bool:
-        """Every node of a multi-key request is at the head of its queue and compatible."""
+        """Every queued node of a multi-key request is at the head of its queue and
+        compatible (or its thread holds that key for writing itself)."""
         return all(
-            node.entry.queue[0] is node and self._grantable(node.entry, node)
+            node.entry.owner is node.token
+            or (node.entry.queue[0] is node and self._grantable(node.entry, node))
             for node in lead.members() if node.queued
         )
 
     def _grant_nodes(self, lead: _Request, enqueued: bool) -> None:
-        """Give a multi-key request every key at once: queued nodes take their entries,
-        the others re-enter keys the caller already holds."""
+        """Give a multi-key request every key at once: queued nodes take their entries; the
+        others re-enter keys the caller holds (their levels were pinned when it queued)."""
         for node in lead.members():
-            entry, token = node.entry, node.token
             if node.queued:
                 if enqueued:
-                    entry.queue.remove(node)
-                self._take(entry, node)
-            elif node.mode == _WRITE:
-                entry.count += 1
-                self._acquisitions += 1
-            elif token not in entry.readers:  # reading a key it writes
-                self._add_read(entry, token, 1)
-            else:
-                entry.readers[token] += 1
-                self._acquisitions += 1
+                    node.entry.queue.remove(node)
+                self._take(node.entry, node)
+            elif not enqueued:
+                self._add_levels(node)
         lead.state = _GRANTED
+
+    def _add_levels(self, node: _Request) -> None:
+        """Re-enter a key the caller holds (checked against MAX_COUNT before)."""
+        entry, token = node.entry, node.token
+        if node.mode == _WRITE:
+            entry.count += 1
+        elif token not in entry.readers:  # reading a key it writes
+            self._add_read(entry, token, 1)
+        else:
+            entry.readers[token] += 1
 
     def _grant_group(self, lead: _Request, passing: _Entry) -> None:
         """_pass_on found ``lead`` grantable at the head of ``passing``."""
         self._grant_nodes(lead, enqueued=True)
+        self._acquisitions += len(lead.members())
         self._waiting -= 1
         lead.token.wakeup.release()
         for node in lead.members():  # readers queued behind its read nodes may follow it in
@@ -654,12 +1166,20 @@ class _Engine:
     # -- holders -----------------------------------------------------------------------------
 
     def _own(self, entry: _Entry, token: _Token, count: int) -> None:
+        """An immediate write acquisition."""
         if not entry.readers:
             self._held += 1
         entry.owner = token
         entry.count = count
         token.held[entry] = self._ref
         self._acquisitions += 1
+
+    def _own_levels(self, entry: _Entry, token: _Token, count: int) -> None:
+        if not entry.readers:
+            self._held += 1
+        entry.owner = token
+        entry.count = count
+        token.held[entry] = self._ref
 
     def _disown(self, entry: _Entry) -> None:
         owner = entry.owner
@@ -673,11 +1193,11 @@ class _Engine:
             self._held -= 1
 
     def _add_read(self, entry: _Entry, token: _Token, count: int) -> None:
+        """A new read hold; the caller counts the acquisition."""
         if entry.owner is None and not entry.readers:
             self._held += 1
         entry.readers[token] = count
         token.reads[entry] = self._ref
-        self._acquisitions += 1
 
     def _drop_read(self, entry: _Entry, token: _Token) -> None:
         del entry.readers[token]
@@ -687,25 +1207,64 @@ class _Engine:
         if entry.owner is None and not entry.readers:
             self._held -= 1
 
-    def _leave_queue(self, entry: _Entry, request: _Request) -> None:
-        entry.queue.remove(request)
-        self._waiting -= 1
-        request.state = _LEFT
-
     def _keep_only(self, survivor: _Token | None) -> None:
-        """In a forked child (see _after_fork_in_child); the mutex was held across fork()."""
-        self._mutex = threading.Lock()
-        for key, entry in list(self._table.items()):
+        """In a forked child (see _after_fork_in_child): only ``survivor`` lives on."""
+        entries = []
+        for first in list(self._table.values()):
+            entry: _Entry | None = first
+            while entry is not None:
+                entries.append(entry)
+                entry = entry.same_hash
+        self._waiting = 0
+        for entry in entries:
             for request in entry.queue:
-                request.token.request = None
-            entry.queue.clear()
+                if request.token is not survivor:
+                    request.token.request = None
+            entry.queue = deque(request for request in entry.queue if request.token is survivor)
             if entry.owner is not None and entry.owner is not survivor:
                 self._disown(entry)
             for reader in [reader for reader in entry.readers if reader is not survivor]:
                 self._drop_read(entry, reader)
-            if entry.owner is None and not entry.readers:
-                del self._table[key]
-        self._waiting = 0
+        kept = None if survivor is None else survivor.request
+        if kept is not None and kept.manager is self and kept.state in (_WAITING, _WOKEN):
+            self._waiting = 1
+        for entry in entries:
+            self._pass_on(entry)
+
+
+# Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.
+
+def _written(entry: _Entry | None, *_: object) -> bool:
+    return entry is not None and entry.owner is not None
+
+
+def _has_holder(entry: _Entry | None, *_: object) -> bool:
+    return entry is not None and (entry.owner is not None or bool(entry.readers))
+
+
+def _written_by(entry: _Entry | None, key: object, key_hash: int, plain: bool,
+                token: _Token | None) -> bool:
+    return entry is not None and token is not None and entry.owner is token
+
+
+def _write_level(entry: _Entry | None, key: object, key_hash: int, plain: bool,
+                 token: _Token | None) -> int:
+    return entry.count if entry is not None and token is not None and entry.owner is token else 0
+
+
+def _read_level(entry: _Entry | None, key: object, key_hash: int, plain: bool,
+                token: _Token | None) -> int:
+    return 0 if entry is None or token is None else entry.readers.get(token, 0)
+
+
+def _reader_count(entry: _Entry | None, *_: object) -> int:
+    return 0 if entry is None else len(entry.readers)
+
+
+def _owner_and_count(entry: _Entry | None, *_: object) -> tuple[int | None, int]:
+    if entry is None or entry.owner is None:
+        return None, 0
+    return entry.owner.ident, entry.count
 
 
 @final
@@ -777,16 +1336,12 @@ class LockManager(_Engine, Generic[K]):
 
     def locked(self, key: K) -> bool:
         """Whether any thread holds ``key``."""
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return entry is not None and entry.owner is not None
+        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds ``key``."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return entry is not None and token is not None and entry.owner is token
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _written_by, self._table_key(key), _existing_token())
 
     def owner(self, key: K) -> int | None:
         """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
@@ -794,36 +1349,35 @@ class LockManager(_Engine, Generic[K]):
 
     def recursion_count(self, key: K) -> int:
         """How many times the calling thread holds ``key`` (0 if it does not)."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            if entry is None or token is None or entry.owner is not token:
-                return 0
-            return entry.count
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _write_level, self._table_key(key), _existing_token())
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is currently held (by any thread)."""
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return entry is not None and entry.owner is not None
+        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
 
     def _owner_and_count(self, key: K) -> tuple[int | None, int]:
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            if entry is None or entry.owner is None:
-                return None, 0
-            return entry.owner.ident, entry.count
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _owner_and_count, self._table_key(key))
 
     def _release_save(self, key: K) -> tuple[int, int]:
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            if entry is None or token is None or entry.owner is not token:
-                raise not_owned(key)
-            saved = (entry.count, token.ident)
-            self._disown(entry)
-            self._pass_on(entry)
-            return saved
+        verdict = self._run_on_key(self._release_save_on, self._table_key(key), _existing_token())
+        if type(verdict) is not tuple:
+            raise _failure(verdict, key)
+        return verdict
+
+    def _release_save_on(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
+        token: _Token | None,
+    ) -> object:
+        if entry is None or token is None or entry.owner is not token:
+            return _NOT_OWNED
+        if self._pinned(token, entry, _WRITE):
+            return _PINNED
+        saved = (entry.count, token.ident)
+        self._disown(entry)
+        self._pass_on(entry)
+        return saved
 
     def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
         self._acquire_write(self._table_key(key), -1.0, restored_count(state))
@@ -888,28 +1442,20 @@ class RWLockManager(_Engine, Generic[K]):
 
     def readers(self, key: K) -> int:
         """How many threads hold ``key`` for reading."""
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return 0 if entry is None else len(entry.readers)
+        return self._run_on_key(_reader_count, self._table_key(key))  # type: ignore[no-any-return]
 
     def write_locked(self, key: K) -> bool:
         """Whether a thread holds ``key`` for writing."""
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return entry is not None and entry.owner is not None
+        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has any holder."""
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return entry is not None and (entry.owner is not None or bool(entry.readers))
+        return self._run_on_key(_has_holder, self._table_key(key))  # type: ignore[no-any-return]
 
     def _read_count(self, key: K) -> int:
         """How many times the calling thread reads ``key``."""
-        token = _existing_token()
-        with self._mutex:
-            entry = self._table.get(self._table_key(key))
-            return 0 if entry is None or token is None else entry.readers.get(token, 0)
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _read_level, self._table_key(key), _existing_token())
 
 
 @final
@@ -1030,29 +1576,30 @@ class KeyLock(Generic[K]):
 
 
 def _before_fork() -> None:
-    """Hold every manager's mutex across fork(), so the child sees whole tables."""
-    global _forking
-    _forking = True
-    for manager in sorted(_managers, key=id):
-        manager._mutex.acquire()
+    """Hold the engine mutex across fork(), so the child sees whole tables."""
+    ident = _get_ident()
+    while _mutex.setdefault(0, ident) != ident:
+        _yield_gil(0)
 
 
 def _after_fork_in_parent() -> None:
-    global _forking
-    for manager in sorted(_managers, key=id):
-        manager._mutex.release()
-    _forking = False
+    ident = _get_ident()
+    if 0 in _mutex and _mutex[0] == ident:
+        del _mutex[0]
 
 
 def _after_fork_in_child() -> None:
-    """The child holds only what the forking thread held; the rest is free, queues are empty."""
-    global _forking
+    """The child holds only what the forking thread held (and keeps its request, if it forked
+    from inside a wait); the rest is free, the other queued requests are gone."""
+    global _fork_parent_pid
+    _mutex.clear()
+    _fork_parent_pid = os.getpid()
+    _main_thread[0] = _get_ident()  # the forking thread is the child's main thread
     survivor = _existing_token()
     if survivor is not None:
-        survivor.is_main = True  # the forking thread is the child's main thread
+        survivor.is_main = True
     for manager in list(_managers):
-        manager._keep_only(survivor)
-    _forking = False
+        _section(manager._keep_only, survivor)
 
 
 if hasattr(os, "register_at_fork"):
