@@ -98,7 +98,6 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 import os
-import threading
 from types import GenericAlias
 
 from lockmgr._common import (

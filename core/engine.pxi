@@ -83,6 +83,12 @@ cdef int execute_again(Op *op, Outcome outcome) except -1:
                 for i in range(op.n):
                     if op.lookups[i].candidate is not NULL:
                         compare_candidate(op.lookups + i)
+                # A key's __eq__ may itself have used the manager and taken this thread's
+                # spare memory: the section must find it there again.
+                if op.kind == ACQUIRE_WRITE or op.kind == ACQUIRE_READ:
+                    ensure_memory(<void**>&op.token.spare_entry, sizeof(Entry))
+                if op.kind == ACQUIRE_READ:
+                    ensure_memory(<void**>&op.token.spare_hold, sizeof(Hold))
             elif outcome == LONG_CYCLE:
                 make_cycle_room(op)
             else:
@@ -283,7 +289,7 @@ cdef class _Engine:
         op.try_only = seconds == 0
         op.request = &request
         outcome = <Outcome>execute(&op)
-        if outcome == DONE and op.after.resize is NULL:
+        if outcome == DONE and op.after.resize is NULL and op.after.cycle is NULL:
             return True
         return self._resolve(&op, outcome, key, seconds)
 
@@ -387,7 +393,6 @@ cdef class _Engine:
         """Sleep until the queued ``request`` is granted or its time runs out."""
         cdef Token *token = request.token
         cdef double deadline = -1.0
-        cdef bint posted = False
         cdef PY_TIMEOUT_T microseconds
         cdef PyLockStatus status
         cdef Outcome outcome
@@ -395,16 +400,12 @@ cdef class _Engine:
             deadline = request.since + seconds
         try:
             while True:
-                microseconds = sleep_microseconds(deadline, token.is_main)
+                microseconds = sleep_microseconds(deadline)
                 with nogil:
                     status = PyThread_acquire_lock_timed(token.wakeup, microseconds, 1)
-                if status == PY_LOCK_ACQUIRED:
-                    posted = True
-                outcome = self._settle(request, &posted, deadline, False)
+                outcome = self._settle(request, status == PY_LOCK_ACQUIRED, deadline, False)
                 if outcome == TIMED_OUT:
                     return False
-                if outcome == STILL:
-                    posted = False  # any post was consumed
                 # Handlers (and on 3.12+ the GC) run here; one that raises ends the wait,
                 # and a grant that raced it is passed on.
                 PyErr_CheckSignals()
@@ -412,28 +413,28 @@ cdef class _Engine:
                     self._complete(request)
                     return True
         except BaseException:
-            self._settle(request, &posted, deadline, True)
+            self._settle(request, False, deadline, True)
             raise
 
-    cdef Outcome _settle(self, Request *request, bint *posted, double deadline,
+    cdef Outcome _settle(self, Request *request, bint consumed, double deadline,
                          bint abandoning) except *:
         """One section after a wake-up (or, ``abandoning``, after an exception), after
-        consuming a post that is due but was not seen yet."""
+        consuming a post that is due but was not taken yet."""
         cdef After after
         cdef Outcome outcome
         after_init(&after, NULL, 0)
         while True:
             lock()
             if abandoning:
-                outcome = abandon(&self.table, request, posted[0], &after)
+                outcome = abandon(&self.table, request, consumed, &after)
             else:
-                outcome = settle(&self.table, request, posted[0], deadline, &after)
+                outcome = settle(&self.table, request, consumed, deadline, &after)
             unlock()
             if outcome != NEED_POST:
                 break
             with nogil:  # the post is at most one finish away
                 PyThread_acquire_lock(request.token.wakeup, WAIT_LOCK)
-            posted[0] = True
+            consumed = True
         finish(&after, request.token)
         return outcome
 

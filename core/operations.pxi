@@ -355,11 +355,20 @@ cdef void undo_grant(Table *table, Request *request, After *after) noexcept nogi
     end_request(table, request, after)
 
 
-cdef Outcome settle(Table *table, Request *request, bint posted, double deadline,
+cdef inline bint post_still_owed(Request *request, bint consumed) noexcept nogil:
+    """Record a post the waiter consumed; True if one is still on its way (the waiter must
+    take it before its request changes again or ends: one post per transition)."""
+    if consumed:
+        request.post_owed = False
+    return request.post_owed
+
+
+cdef Outcome settle(Table *table, Request *request, bint consumed, double deadline,
                     After *after) noexcept nogil:
-    """The waiter woke (posted: it consumed a wake-up post): decide what its wait became."""
+    """The waiter woke (``consumed``: it took a wake-up post): decide what its wait became.
+    A grant it makes itself (re-entry) owes no post."""
     cdef Entry *entry = request.entry
-    if request.state != WAITING and not posted:
+    if post_still_owed(request, consumed):
         return NEED_POST
     if request.state == WOKEN:  # single requests only
         if grantable(entry, request):
@@ -388,9 +397,9 @@ cdef void complete(Table *table, Request *request, After *after) noexcept nogil:
     end_request(table, request, after)
 
 
-cdef Outcome abandon(Table *table, Request *request, bint posted, After *after) noexcept nogil:
+cdef Outcome abandon(Table *table, Request *request, bint consumed, After *after) noexcept nogil:
     """An exception ends the wait: leave, or undo a grant that raced it."""
-    if request.state != WAITING and not posted:
+    if post_still_owed(request, consumed):
         return NEED_POST
     if request.state == GRANTED:
         undo_grant(table, request, after)
@@ -604,7 +613,7 @@ cdef void keep_only(Table *table, Token *survivor, After *after) noexcept nogil:
         for i in range(kept.nodes):
             if kept[i].entry.table == table:
                 kept[i].entry.inflight += 1
-        if kept.entry.table == table:
+        if kept.entry.table == table and (kept.state == WAITING or kept.state == WOKEN):
             table.waiting = 1
     for i in range(table.mask + 1):
         entry = table.buckets[i]

@@ -149,7 +149,6 @@ cdef Token* new_token() except NULL:
     if token is NULL:
         raise MemoryError()
     token.ident = PyThread_get_thread_ident()
-    token.is_main = token.ident == main_ident
     cdef _ThreadExit guard = _ThreadExit.__new__(_ThreadExit)
     guard.token = token  # from here on the guard frees the token
     (<object>state)[_ThreadExit] = guard
@@ -183,6 +182,39 @@ cdef void free_token(Token *token) noexcept:
     PyMem_RawFree(token)
 
 
+cdef enum:
+    EXIT_ROUNDS = 100  # bounds a finalizer that takes a key again each time it is released
+
+
+cdef bint release_abandoned(Token *token) except -1:
+    """Release every key an ending thread holds, then drop them and warn; False if it held none."""
+    cdef After after
+    cdef PyObject **keys = NULL
+    cdef Py_ssize_t room, released, i
+    after_init(&after, NULL, 0)
+    lock()
+    room = count_holds(token)
+    unlock()
+    if room == 0:
+        return False
+    keys = <PyObject**>PyMem_RawMalloc(room * sizeof(PyObject*))
+    if keys is NULL:
+        room = 0  # release all the same; only the warning loses its keys
+    lock()
+    released = release_token(token, NULL, keys, room, &after)
+    unlock()
+    after.resize = NULL  # no manager is held alive here: tables resize on their next use
+    finish(&after, NULL)
+    abandoned = []
+    for i in range(min(released, room)):
+        abandoned.append(<object>keys[i])
+        Py_XDECREF(keys[i])
+    PyMem_RawFree(keys)
+    if abandoned and not lockmgr_is_finalizing():
+        warn_abandoned(token.ident, abandoned)
+    return True
+
+
 @cython.final
 cdef class _ThreadExit:
     """Sits in its thread's state dict, so CPython destroys it when the thread ends.
@@ -197,40 +229,22 @@ cdef class _ThreadExit:
 
     def __dealloc__(self):
         cdef Token *token = self.token
-        cdef After after
-        cdef PyObject **keys = NULL
-        cdef Py_ssize_t room, released, i
+        cdef int rounds
         if token is NULL:
             return
+        # Only at interpreter shutdown or in a forked child are the states of threads still
+        # blocked in a wait cleared: their stacks still use the token, so keep it. In a
+        # forked child the after-fork hook frees a dead thread's keys.
+        if token.request is NULL and not (forking_pid and forking_pid != os.getpid()):
+            # Dropping the released keys and warning run Python code (finalizers, warning
+            # filters) in this thread, with its token still its own: what that code takes
+            # is released in the next round.
+            for rounds in range(EXIT_ROUNDS):
+                if not release_abandoned(token):
+                    break
+            free_token(token)
         if PyThread_tss_get(&token_key) == token:
             PyThread_tss_set(&token_key, NULL)
-        if token.request is not NULL:
-            # Only at interpreter shutdown or in a forked child, which clear the states of
-            # threads still blocked in a wait: their stacks still use the token, so keep it.
-            return
-        if forking_pid and forking_pid != os.getpid():
-            return  # a forked child's dead thread: the after-fork hook frees its keys
-        after_init(&after, NULL, 0)
-        lock()
-        room = count_holds(token)
-        unlock()
-        if room:
-            keys = <PyObject**>PyMem_RawMalloc(room * sizeof(PyObject*))
-            if keys is NULL:
-                room = 0  # release all the same; only the warning loses its keys
-        lock()
-        released = release_token(token, NULL, keys, room, &after)
-        unlock()
-        ident = token.ident
-        free_token(token)
-        finish(&after, NULL)
-        abandoned = []
-        for i in range(min(released, room)):
-            abandoned.append(<object>keys[i])
-            Py_XDECREF(keys[i])
-        PyMem_RawFree(keys)
-        if abandoned and not lockmgr_is_finalizing():
-            warn_abandoned(ident, abandoned)
 
 
 # -- fork ---------------------------------------------------------------------------------
@@ -251,14 +265,11 @@ def _after_fork_in_parent():
 
 def _after_fork_in_child():
     """The child holds only what the forking thread held; the rest is free, queues are empty."""
-    global forking_pid, main_ident
+    global forking_pid
     cdef Token *survivor = existing_token()
     cdef Table *table
     cdef After after
     lockmgr_mutex_forget(&engine_mutex)  # held by the forking thread, which is this one
-    main_ident = PyThread_get_thread_ident()
-    if survivor is not NULL:
-        survivor.is_main = True  # the forking thread is the child's main thread
     after_init(&after, NULL, 0)
     lock()
     table = tables
@@ -267,6 +278,7 @@ def _after_fork_in_child():
         table = table.next_table
     unlock()
     forking_pid = 0
+    after.resize = NULL  # no manager is held alive here: tables resize on their next use
     finish(&after, survivor)
 
 
@@ -275,17 +287,12 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_after_fork_in_child)
 
 
-cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline, bint is_main) noexcept:
-    """How long the next sleep may last: until ``deadline`` (-1: none), in slices on the main thread."""
-    cdef double seconds = -1.0
+cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline) noexcept:
+    """How long the next sleep may last: until ``deadline`` (-1: none), in slices. On the
+    main thread a slice bounds how late a signal's handler runs; on every thread it bounds
+    how late a waiter sees that code which ran in its own wait (a finalizer) made its
+    request grantable by re-entry, which nobody posts."""
+    cdef double seconds = wait_slice
     if deadline >= 0:
-        seconds = deadline - lockmgr_monotonic()
-        if seconds < 0:
-            seconds = 0
-    if is_main and (seconds < 0 or seconds > main_thread_slice):
-        seconds = main_thread_slice
-    if seconds < 0:
-        return -1
-    if seconds * 1e6 >= <double>PY_TIMEOUT_MAX:
-        return PY_TIMEOUT_MAX
+        seconds = min(max(deadline - lockmgr_monotonic(), 0.0), wait_slice)
     return <PY_TIMEOUT_T>(seconds * 1e6)

@@ -34,8 +34,6 @@ cdef enum Outcome:  # what a section decided; the caller acts on it after the mu
 cdef struct Token:
     # One per thread that used lockmgr; ownership means this object, never the ident.
     unsigned long ident          # threading.get_ident() of its thread; set at creation
-    bint is_main                 # its thread is the main thread (signal handlers run there);
-                                 # set at creation and by the after-fork child hook
     Entry *held                  # mutex: entries it write-holds in any manager (held_next)
     Hold *reads                  # mutex: its read holds in any manager (token_next)
     Request *request             # mutex: the request its thread waits in, or NULL
@@ -80,6 +78,8 @@ cdef struct Request:
     bint queued                  # multi-key: it waits in its entry's queue; else it
                                  # re-enters a key its thread holds (a pinned level)
     Request *wake_next           # mutex: next request in the After that is to wake it
+    bint post_owed               # mutex: set when a section schedules its wake-up post,
+                                 # cleared by its waiter's section once it consumed it
 
 
 cdef struct Entry:
@@ -152,9 +152,8 @@ cdef enum:
     MIN_BUCKETS = 8   # a table never shrinks below this
 
 cdef double handoff_after = HANDOFF_AFTER
-cdef double main_thread_slice = MAIN_THREAD_SLICE
+cdef double wait_slice = MAIN_THREAD_SLICE
 cdef object FOREVER = -1  # the default timeout object, so the fast path can test identity
-cdef unsigned long main_ident = threading.main_thread().ident
 
 cdef lockmgr_mutex engine_mutex           # see the module docstring
 cdef Py_tss_t token_key                   # per thread: its Token*, or NULL before first use

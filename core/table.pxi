@@ -263,6 +263,7 @@ cdef void take(Table *table, Entry *entry, Request *request) noexcept nogil:
 
 
 cdef inline void wake(Request *request, After *after) noexcept nogil:
+    request.post_owed = True
     request.wake_next = after.woken
     after.woken = request
 
