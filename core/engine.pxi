@@ -52,15 +52,21 @@ cdef Outcome run(Op *op) noexcept nogil:
 
 cdef inline void op_init(Op *op, Kind kind, Table *table, Token *token, Lookup *lookups,
                          Py_ssize_t n) noexcept:
+    # No room for a cycle: a section that finds one answers LONG_CYCLE and prepare makes
+    # room (deadlocks are rare; the fast path stays small).
+    after_init(&op.after, NULL, 0)
+    op.result = 0
+    op_fill(op, kind, table, token, lookups, n)
+
+
+cdef inline void op_fill(Op *op, Kind kind, Table *table, Token *token, Lookup *lookups,
+                         Py_ssize_t n) noexcept:
+    """What an Op is about (its After and result are the section's)."""
     op.kind = kind
     op.table = table
     op.token = token
     op.lookups = lookups
     op.n = n
-    op.result = 0
-    # No room for a cycle: a section that finds one answers LONG_CYCLE and prepare makes
-    # room (deadlocks are rare; the fast path stays small).
-    after_init(&op.after, NULL, 0)
 
 
 cdef inline int execute(Op *op) except -1:
@@ -284,13 +290,20 @@ cdef class _Engine:
         if token.wakeup is NULL and seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
-        op_init(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
+        # The hot path runs its section directly; the Op is filled in only off it.
+        after_init(&op.after, NULL, 0)
+        lock()
+        outcome = acquire_write(&self.table, &lookup, token, count, seconds == 0, &request,
+                                &op.after)
+        unlock()
+        if outcome == DONE and op.after.resize is NULL:
+            return True
+        op_fill(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
         op.count = count
         op.try_only = seconds == 0
         op.request = &request
-        outcome = <Outcome>execute(&op)
-        if outcome == DONE and op.after.resize is NULL and op.after.cycle is NULL:
-            return True
+        if outcome == COMPARE or outcome == LONG_CYCLE:
+            outcome = <Outcome>execute_again(&op, outcome)
         return self._resolve(&op, outcome, key, seconds)
 
     cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
@@ -456,9 +469,15 @@ cdef class _Engine:
         cdef Op op
         cdef Outcome outcome
         lookup_init(&lookup, key, h)
-        op_init(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
-        op.fully = fully
-        outcome = <Outcome>execute(&op)
+        # The hot path runs its section directly; the Op is filled in only off it.
+        after_init(&op.after, NULL, 0)
+        lock()
+        outcome = release_write(&self.table, &lookup, token, fully, &op.result, &op.after)
+        unlock()
+        if outcome == COMPARE:
+            op_fill(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
+            op.fully = fully
+            outcome = <Outcome>execute_again(&op, outcome)
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return op.result

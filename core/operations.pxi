@@ -106,7 +106,7 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
 
 # -- acquiring ----------------------------------------------------------------------------
 
-cdef Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py_ssize_t count,
+cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py_ssize_t count,
                            bint try_only, Request *request, After *after) noexcept nogil:
     cdef Entry *entry = find(table, lookup)
     cdef bint upgrade
@@ -410,7 +410,7 @@ cdef Outcome abandon(Table *table, Request *request, bint consumed, After *after
 
 # -- releasing ----------------------------------------------------------------------------
 
-cdef Outcome release_write(Table *table, Lookup *lookup, Token *token, bint fully,
+cdef inline Outcome release_write(Table *table, Lookup *lookup, Token *token, bint fully,
                            Py_ssize_t *released, After *after) noexcept nogil:
     """Undo one write level (``fully``: every level; ``released[0]`` gets how many)."""
     cdef Entry *entry = find(table, lookup)

@@ -19,7 +19,7 @@ cdef int known_answer(Lookup *lookup, PyObject *stored) noexcept nogil:
     return -1
 
 
-cdef Entry* find(Table *table, Lookup *lookup) noexcept nogil:
+cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
     """The entry for ``lookup``'s key, or NULL: absent, or (``lookup.candidate`` set) a
     stored key must be compared in Python first."""
     cdef Entry *entry = table.buckets[bucket_of(table, lookup.hash)]
