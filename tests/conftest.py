@@ -70,9 +70,9 @@ def locks(impl: ModuleType):  # type: ignore[no-untyped-def]
     return impl.LockManager()
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
+def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
     """Poll ``condition`` (a real state: a queue length, an owner) until it holds."""
-    deadline = time.monotonic() + PATIENCE
+    deadline = time.monotonic() + patience
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
@@ -115,12 +115,13 @@ class Worker:
         """Run ``func`` in the worker and return its result (re-raising its exception)."""
         return self.submit(func).result()
 
-    def stop(self) -> None:
+    def stop(self, patience: float = PATIENCE, check: bool = True) -> None:
+        """Stop the worker once its calls are done; ``check=False`` abandons a stuck one."""
         with self._ready:
             self._stopping = True
             self._ready.notify()
-        self.thread.join(PATIENCE)
-        assert not self.thread.is_alive(), "worker did not stop"
+        self.thread.join(patience)
+        assert not check or not self.thread.is_alive(), "worker did not stop"
 
 
 class Call:
@@ -131,8 +132,9 @@ class Call:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def result(self) -> object:
-        assert self._done.wait(PATIENCE), "call did not finish in time"
+    def result(self, patience: float = PATIENCE) -> object:
+        """The call's result (re-raising its exception), waiting at most ``patience`` s."""
+        assert self._done.wait(patience), f"call did not finish within {patience:g} s"
         kind, value = self._box[0]  # type: ignore[misc]
         if kind == "error":
             raise value  # type: ignore[misc]

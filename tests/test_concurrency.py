@@ -12,6 +12,7 @@ import pytest
 
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning
+from lockmgr._common import HANDOFF_AFTER
 
 
 def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-def]
@@ -153,6 +154,41 @@ def test_timeouts_racing_hand_offs_lose_nothing(impl, fair) -> None:
     assert stats.acquisitions == got[0] and stats.acquisitions + stats.timeouts == 6 * rounds
     assert locks.acquire("hot", blocking=False)  # nobody was left owning it
     locks.release("hot")
+
+
+def test_unfair_mode_hands_off_to_a_waiter_aged_past_the_bound(impl, workers) -> None:
+    """fair=False: a waiter that has queued for longer than HANDOFF_AFTER owns the key before
+    ``release`` returns (a younger one may only be woken to race for it)."""
+    locks = impl.LockManager(fair=False)
+    locks.acquire("k")
+    waiter = workers("waiter")
+    got = waiter.submit(lambda: locks.acquire("k"))
+    wait_until(lambda: locks.stats().waiting == 1, "the waiter queued")
+    queued_by = time.monotonic()  # the request's age counts from before this
+    while time.monotonic() - queued_by < 20 * HANDOFF_AFTER:
+        time.sleep(HANDOFF_AFTER)
+    locks.release("k")
+    assert locks.owner("k") == waiter.thread.ident and locks.stats().waiting == 0
+    assert locks.acquire("k", blocking=False) is False  # no barging past the hand-off
+    assert got.result() is True
+    waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().contended == 1
+
+
+def test_fair_mode_hands_off_to_a_waiter_however_young(locks, workers) -> None:
+    """Strict FIFO: even a waiter that queued a moment ago owns the key when release returns."""
+    waiter = workers("waiter")
+    for _ in range(30):
+        locks.acquire("k")
+        got = waiter.submit(lambda: locks.acquire("k"))
+        deadline = time.monotonic() + PATIENCE
+        while locks.stats().waiting != 1:  # no sleep: release as soon as it queued
+            assert time.monotonic() < deadline, "the waiter did not queue"
+        locks.release("k")
+        assert locks.owner("k") == waiter.thread.ident and locks.stats().waiting == 0
+        assert got.result() is True
+        waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().contended == 30
 
 
 def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:

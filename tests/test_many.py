@@ -56,12 +56,38 @@ def test_a_waiting_set_keeps_its_place_on_free_keys(locks, workers) -> None:
     later = single.submit(lambda: locks.acquire("a"))
     wait_until(lambda: locks.stats().waiting == 2, "the later request queued")
     holder.run(lambda: locks.release("b"))
-    assert taking.result() is True and not later.done()
+    assert taking.result() is True
     assert locks.owner("a") == locks.owner("b") == grouped.thread.ident
+    assert locks.stats().waiting == 1  # the later request still waits, behind the set
     grouped.run(lambda: locks.release_many(["a", "b"]))
     assert later.result() is True
     single.run(lambda: locks.release("a"))
     assert len(locks) == 0
+
+
+def test_a_waiting_set_keeps_its_place_against_later_sets(locks, workers) -> None:
+    holder, grouped, later = workers("holder"), workers("grouped"), workers("later")
+    holder.run(lambda: locks.acquire("b"))
+    taking = grouped.submit(lambda: locks.acquire_many(["a", "b"]))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    # "a" and "c" are free, but the first set is queued on "a": a later set fails or waits.
+    assert later.run(lambda: locks.acquire_many(["a", "c"], timeout=0)) is False
+    assert later.run(lambda: locks.acquire_many(["c", "a"], timeout=0.01)) is False
+    stats = locks.stats()
+    assert (stats.waiting, stats.held, stats.timeouts) == (1, 1, 2)
+    assert not locks.locked("a") and not locks.locked("c")
+    waiting = later.submit(lambda: locks.acquire_many(["c", "a"]))
+    wait_until(lambda: locks.stats().waiting == 2, "the later set queued")
+    assert not locks.locked("c")  # it waits for "a" without holding "c"
+    holder.run(lambda: locks.release("b"))
+    assert taking.result() is True
+    assert locks.owner("a") == grouped.thread.ident and not locks.locked("c")
+    assert locks.stats().waiting == 1
+    grouped.run(lambda: locks.release_many(["a", "b"]))
+    assert waiting.result() is True
+    assert locks.owner("a") == locks.owner("c") == later.thread.ident
+    later.run(lambda: locks.release_many(["a", "c"]))
+    assert len(locks) == 0 and locks.stats().waiting == 0
 
 
 def test_release_many_is_all_or_nothing(locks, workers) -> None:
@@ -192,6 +218,42 @@ def test_rw_sets_read_shared_and_write_exclusive(impl, workers) -> None:
     writer.run(lambda: rw.release_many(writes=["a"]))
     with rw.hold_many(reads=["x"], writes=["y"], timeout=1):
         assert rw.readers("x") == 1 and rw.write_locked("y")
+    assert len(rw) == 0 and rw.stats().waiting == 0
+
+
+def test_a_granted_read_set_lets_in_the_readers_queued_behind_it(impl, workers) -> None:
+    rw = impl.RWLockManager()
+    writer, grouped, reader = workers("writer"), workers("grouped"), workers("reader")
+    writer.run(lambda: rw.acquire_write("b"))
+    taking = grouped.submit(lambda: rw.acquire_many(reads=["a", "b"]))
+    wait_until(lambda: rw.stats().waiting == 1, "the read set queued")
+    # "a" is free but the set is queued on it: a new reader queues behind it.
+    assert reader.run(lambda: rw.acquire_read("a", timeout=0)) is False
+    reading = reader.submit(lambda: rw.acquire_read("a"))
+    wait_until(lambda: rw.stats().waiting == 2, "the reader queued behind the set")
+    writer.run(lambda: rw.release_write("b"))  # grants the set, which shares "a"
+    assert rw.stats().waiting == 0 and rw.readers("a") == 2 and rw.readers("b") == 1
+    assert taking.result() is True and reading.result() is True
+    reader.run(lambda: rw.release_read("a"))
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
+    assert len(rw) == 0
+
+
+def test_a_read_set_shares_keys_with_readers_and_waits_for_writers(impl, workers) -> None:
+    rw = impl.RWLockManager()
+    reader, grouped, writer = workers("reader"), workers("grouped"), workers("writer")
+    reader.run(lambda: rw.acquire_read("a"))
+    assert grouped.run(lambda: rw.acquire_many(reads=["a", "b"], timeout=0)) is True
+    assert rw.readers("a") == 2 and rw.readers("b") == 1
+    writing = writer.submit(lambda: rw.acquire_many(writes=["b", "c"]))
+    wait_until(lambda: rw.stats().waiting == 1, "the write set queued")
+    assert not rw.write_locked("c")  # all or nothing: it holds no key while it waits
+    # A new read set waits behind the queued writer on "b" (no starving it).
+    assert reader.run(lambda: rw.acquire_many(reads=["b"], timeout=0)) is False
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
+    assert writing.result() is True and rw.write_locked("b") and rw.write_locked("c")
+    writer.run(lambda: rw.release_many(writes=["b", "c"]))
+    reader.run(lambda: rw.release_read("a"))
     assert len(rw) == 0 and rw.stats().waiting == 0
 
 
