@@ -205,8 +205,14 @@ def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:
     hog_thread.start()
     try:
         wait_until(lambda: hog_rounds[0] > 100, "the hog is running")
-        assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
-        locks.release("hot")
+        for _ in range(5):
+            asked = time.monotonic()
+            assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
+            # Handed off once it has waited HANDOFF_AFTER: milliseconds, not a timeout.
+            assert time.monotonic() - asked < PATIENCE / 4
+            locks.release("hot")
+            rounds = hog_rounds[0]
+            wait_until(lambda rounds=rounds: hog_rounds[0] > rounds, "the hog took it again")
     finally:
         stop.set()
         hog_thread.join(PATIENCE)

@@ -174,7 +174,9 @@ def test_a_set_is_not_starved_by_single_key_traffic(impl, fair) -> None:
     try:
         wait_until(lambda: min(rounds) > 50, "both hogs are running")
         for _ in range(5):
+            asked = time.monotonic()
             assert locks.acquire_many(["a", "b"], timeout=PATIENCE) is True
+            assert time.monotonic() - asked < PATIENCE / 4  # its place in both queues holds
             locks.release_many(["a", "b"])
     finally:
         stop.set()
@@ -254,6 +256,29 @@ def test_a_read_set_shares_keys_with_readers_and_waits_for_writers(impl, workers
     assert writing.result() is True and rw.write_locked("b") and rw.write_locked("c")
     writer.run(lambda: rw.release_many(writes=["b", "c"]))
     reader.run(lambda: rw.release_read("a"))
+    assert len(rw) == 0 and rw.stats().waiting == 0
+
+
+def test_a_read_set_waits_behind_a_writer_queued_on_one_of_its_keys(impl, workers) -> None:
+    """A set is granted only at the head of every queue it is in: its read of "a" waits
+    behind a writer queued there, even when its other key frees up and "a" is only read."""
+    rw = impl.RWLockManager()
+    reader, writer, owner, grouped = (workers(name) for name in ("reader", "writer", "owner",
+                                                                  "grouped"))
+    reader.run(lambda: rw.acquire_read("a"))
+    writing = writer.submit(lambda: rw.acquire_write("a"))
+    wait_until(lambda: rw.stats().waiting == 1, "the writer queued on a")
+    owner.run(lambda: rw.acquire_write("b"))
+    taking = grouped.submit(lambda: rw.acquire_many(reads=["a", "b"]))
+    wait_until(lambda: rw.stats().waiting == 2, "the set queued")
+    owner.run(lambda: rw.release_write("b"))  # "b" is free now; "a" is read, writer ahead
+    assert rw.stats().waiting == 2 and rw.readers("a") == 1 and "b" not in rw
+    reader.run(lambda: rw.release_read("a"))
+    assert rw.write_locked("a") and rw.stats().waiting == 1 and "b" not in rw
+    assert writing.result() is True
+    writer.run(lambda: rw.release_write("a"))
+    assert taking.result() is True and rw.readers("a") == rw.readers("b") == 1
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
     assert len(rw) == 0 and rw.stats().waiting == 0
 
 
