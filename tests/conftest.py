@@ -35,6 +35,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="c_extensions",
         help="test the pure-Python twin only",
     )
+    group.addoption(
+        "--only-c-extensions",
+        action="store_true",
+        default=False,
+        dest="c_only",
+        help="run the engine tests on the compiled core only (scripts/mutants.py uses it)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,7 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" in metafunc.fixturenames:
-        names = ["cython", "python"] if metafunc.config.getoption("c_extensions") else ["python"]
+        if not metafunc.config.getoption("c_extensions"):
+            names = ["python"]
+        elif metafunc.config.getoption("c_only"):
+            names = ["cython"]
+        else:
+            names = ["cython", "python"]
         metafunc.parametrize("impl", names, indirect=True)
 
 
