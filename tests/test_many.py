@@ -90,6 +90,23 @@ def test_a_waiting_set_keeps_its_place_against_later_sets(locks, workers) -> Non
     assert len(locks) == 0 and locks.stats().waiting == 0
 
 
+def test_a_set_that_times_out_lets_the_requests_behind_it_in(locks, workers) -> None:
+    holder, grouped, single = workers("holder"), workers("grouped"), workers("single")
+    holder.run(lambda: locks.acquire("b"))
+    taking = grouped.submit(lambda: locks.acquire_many(["a", "b"], timeout=1.0))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    later = single.submit(lambda: locks.acquire("a"))
+    # Queued behind the set on free "a" (on a stalled machine the set may be gone first:
+    # then "a" is simply free, and the outcome below is the same).
+    wait_until(lambda: locks.stats().waiting == 2 or later.done(), "the single queued")
+    assert taking.result() is False  # timed out: "b" stayed held
+    assert later.result() is True and locks.owner("a") == single.thread.ident
+    assert locks.stats().waiting == 0 and locks.owner("b") == holder.thread.ident
+    single.run(lambda: locks.release("a"))
+    holder.run(lambda: locks.release("b"))
+    assert len(locks) == 0
+
+
 def test_release_many_is_all_or_nothing(locks, workers) -> None:
     locks.acquire_many(["a", "b"])
     with pytest.raises(NotOwnedError, match="'c'"):
