@@ -144,6 +144,10 @@ class Call:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def wait(self, patience: float) -> bool:
+        """Whether the call finished within ``patience`` seconds."""
+        return self._done.wait(patience)
+
     def result(self, patience: float = PATIENCE) -> object:
         """The call's result (re-raising its exception), waiting at most ``patience`` s."""
         assert self._done.wait(patience), f"call did not finish within {patience:g} s"

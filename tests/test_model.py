@@ -49,8 +49,20 @@ class Machine(RuleBasedStateMachine):
     workers: list[Worker]
     broken = False
 
-    def _run(self, thread: int, func: Callable[[], object]) -> object:
-        return self.workers[thread].submit(func).result(STEP)
+    def _stats(self) -> Any:
+        raise NotImplementedError
+
+    def _run(self, thread: int, func: Callable[[], object], may_queue: bool = False) -> object:
+        """Run a call the model expects to return without waiting for another thread (unless
+        ``may_queue``: a short timeout). One that queues instead fails the step at once."""
+        waiting = self._stats().waiting
+        call = self.workers[thread].submit(func)
+        if not may_queue and not call.wait(0.05):
+            wait_until(lambda: call.done() or self._stats().waiting > waiting,
+                       "the call returned or queued", patience=STEP)
+            assert call.done() or self._stats().waiting <= waiting, \
+                "the call queued where the model expects it to return"
+        return call.result(STEP)
 
     def _queued(self, count: Callable[[], int], expected: int) -> None:
         wait_until(lambda: count() == expected, "it queued", patience=STEP)
@@ -75,6 +87,7 @@ class LockModel(Machine):
     def __init__(self) -> None:
         super().__init__()
         self.locks = self.engine.LockManager(fair=self.fair)
+        self._stats = self.locks.stats  # type: ignore[method-assign]
         self.workers = [Worker(f"model-{i}") for i in range(THREADS)]
         self.owner: dict[object, tuple[int, int]] = {}  # key -> (thread, count)
         self.queue: dict[object, list[int]] = {key: [] for key in KEYS}
@@ -176,7 +189,8 @@ class LockModel(Machine):
         if not expected and how.get("timeout", 0) > 0 and self._would_deadlock(thread, key):
             self._expect_deadlock(thread, key, **how)
             return
-        assert self._run(thread, lambda: self.locks.acquire(key, **how)) is expected
+        may_queue = how.get("timeout", 0) > 0
+        assert self._run(thread, lambda: self.locks.acquire(key, **how), may_queue) is expected
         if expected:
             self._take(thread, key)
 
@@ -231,6 +245,12 @@ def _machine(engine: Any, fair: bool) -> Any:
     return case
 
 
+#: Hypothesis stops shrinking after 5 minutes of it; the test must outlive that so a failure
+#: ends with its counterexample, not with pytest-timeout's 300 s.
+SHRINK_ROOM = pytest.mark.timeout(900)
+
+
+@SHRINK_ROOM
 @pytest.mark.parametrize("fair", [True, False], ids=["fair", "unfair"])
 def test_engine_matches_model(impl, fair) -> None:
     _machine(impl, fair)("runTest").runTest()
@@ -245,6 +265,7 @@ class RWModel(Machine):
     def __init__(self) -> None:
         super().__init__()
         self.rw = self.engine.RWLockManager()
+        self._stats = self.rw.stats  # type: ignore[method-assign]
         self.workers = [Worker(f"rw-model-{i}") for i in range(THREADS)]
         self.writer: dict[object, tuple[int, int]] = {}  # key -> (thread, write count)
         self.readers: dict[object, dict[int, int]] = {key: {} for key in KEYS}
@@ -405,6 +426,7 @@ class RWModel(Machine):
         assert (stats.held, stats.waiting, stats.deadlocks) == (held, len(self.blocked), self.deadlocks)
 
 
+@SHRINK_ROOM
 def test_rw_engine_matches_model(impl) -> None:
     machine = type(f"RWModel_{impl.__name__}", (RWModel,), {"engine": impl})
     case = machine.TestCase
