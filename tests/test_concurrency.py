@@ -175,6 +175,29 @@ def test_unfair_mode_hands_off_to_a_waiter_aged_past_the_bound(impl, workers) ->
     assert len(locks) == 0 and locks.stats().contended == 1
 
 
+def test_unfair_mode_a_woken_waiter_that_is_overtaken_waits_on(impl, workers) -> None:
+    """fair=False: a young waiter is only woken to race for the key; if another thread takes
+    it first, the waiter queues on at the head and is handed the key at the next release."""
+    locks = impl.LockManager(fair=False)
+    waiter = workers("waiter")
+    for _ in range(10):
+        locks.acquire("k")
+        got = waiter.submit(lambda: locks.acquire("k", timeout=PATIENCE / 2))
+        deadline = time.monotonic() + PATIENCE
+        while locks.stats().waiting != 1:  # no sleep: release while the waiter is young
+            assert time.monotonic() < deadline, "the waiter did not queue"
+        locks.release("k")
+        if locks.acquire("k", timeout=0):  # overtook the woken waiter (if it was young)
+            time.sleep(0.05)  # let it run, find the key taken and go back to sleep
+            assert locks.stats().waiting == 1
+            locks.release("k")  # it has waited long enough now: handed to it
+            assert locks.owner("k") == waiter.thread.ident
+        # Whether or not it was overtaken, it is woken with the key, not at its timeout.
+        assert got.wait(PATIENCE / 4) and got.result() is True
+        waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
 def test_fair_mode_hands_off_to_a_waiter_however_young(locks, workers) -> None:
     """Strict FIFO: even a waiter that queued a moment ago owns the key when release returns."""
     waiter = workers("waiter")
@@ -203,14 +226,22 @@ def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:
 
     hog_thread = threading.Thread(target=hog)
     hog_thread.start()
+    # The waiter is not the main thread: it sleeps until posted (no 50 ms slices), so a
+    # waiter that is woken, overtaken and never re-queued properly would sleep to its timeout.
+    waiter = workers("waiter")
+
+    def take_and_give_back() -> float:
+        asked = time.monotonic()
+        assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
+        waited = time.monotonic() - asked
+        locks.release("hot")
+        return waited
+
     try:
         wait_until(lambda: hog_rounds[0] > 100, "the hog is running")
         for _ in range(5):
-            asked = time.monotonic()
-            assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
             # Handed off once it has waited HANDOFF_AFTER: milliseconds, not a timeout.
-            assert time.monotonic() - asked < PATIENCE / 4
-            locks.release("hot")
+            assert waiter.run(take_and_give_back) < PATIENCE / 4
             rounds = hog_rounds[0]
             wait_until(lambda rounds=rounds: hog_rounds[0] > rounds, "the hog took it again")
     finally:
