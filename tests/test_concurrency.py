@@ -27,11 +27,13 @@ def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-d
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    # Daemons: a thread stuck in a broken engine must fail the test, not keep pytest alive.
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + PATIENCE * 3
     for thread in threads:
-        thread.join(PATIENCE * 3)
+        thread.join(max(0.0, deadline - time.monotonic()))
         assert not thread.is_alive(), "a thread is stuck"
     if errors:
         raise errors[0]
@@ -224,7 +226,7 @@ def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:
             with locks["hot"]:
                 hog_rounds[0] += 1
 
-    hog_thread = threading.Thread(target=hog)
+    hog_thread = threading.Thread(target=hog, daemon=True)
     hog_thread.start()
     # The waiter is not the main thread: it sleeps until posted (no 50 ms slices), so a
     # waiter that is woken, overtaken and never re-queued properly would sleep to its timeout.

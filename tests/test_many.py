@@ -185,7 +185,7 @@ def test_a_set_is_not_starved_by_single_key_traffic(impl, fair) -> None:
             with locks[key]:
                 rounds[index] += 1
 
-    hogs = [threading.Thread(target=hog, args=(i,)) for i in range(2)]
+    hogs = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(2)]
     for thread in hogs:
         thread.start()
     try:

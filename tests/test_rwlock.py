@@ -188,7 +188,7 @@ def test_writer_is_not_starved_by_a_stream_of_readers(rw) -> None:
                 reads[index] += 1
                 time.sleep(0.001)
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(6)]
     for thread in threads:
         thread.start()
     waits = []
@@ -276,7 +276,8 @@ def test_a_reader_that_ends_is_released(rw) -> None:
     thread = threading.Thread(target=reader)
     thread.start()
     assert took.wait(PATIENCE)
-    writing = threading.Thread(target=lambda: (rw.acquire_write("k"), rw.release_write("k")))
+    writing = threading.Thread(target=lambda: (rw.acquire_write("k"), rw.release_write("k")),
+                               daemon=True)
     writing.start()
     wait_until(lambda: rw.stats().waiting == 1, "the writer queued")
     with pytest.warns(AbandonedLockWarning, match="'k'"):

@@ -139,7 +139,7 @@ def test_everything_at_once_keeps_exclusion_and_leaves_nothing_behind(impl, fair
         except BaseException as exc:
             failures.append(exc)
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(THREADS)]
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(THREADS)]
     with pytest.warns(AbandonedLockWarning):
         for thread in threads:
             thread.start()
