@@ -35,6 +35,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="c_extensions",
         help="test the pure-Python twin only",
     )
+    group.addoption(
+        "--only-c-extensions",
+        action="store_true",
+        default=False,
+        dest="c_only",
+        help="run the engine tests on the compiled core only (scripts/mutants.py uses it)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,7 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" in metafunc.fixturenames:
-        names = ["cython", "python"] if metafunc.config.getoption("c_extensions") else ["python"]
+        if not metafunc.config.getoption("c_extensions"):
+            names = ["python"]
+        elif metafunc.config.getoption("c_only"):
+            names = ["cython"]
+        else:
+            names = ["cython", "python"]
         metafunc.parametrize("impl", names, indirect=True)
 
 
@@ -70,9 +82,9 @@ def locks(impl: ModuleType):  # type: ignore[no-untyped-def]
     return impl.LockManager()
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
+def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
     """Poll ``condition`` (a real state: a queue length, an owner) until it holds."""
-    deadline = time.monotonic() + PATIENCE
+    deadline = time.monotonic() + patience
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
@@ -115,12 +127,13 @@ class Worker:
         """Run ``func`` in the worker and return its result (re-raising its exception)."""
         return self.submit(func).result()
 
-    def stop(self) -> None:
+    def stop(self, patience: float = PATIENCE, check: bool = True) -> None:
+        """Stop the worker once its calls are done; ``check=False`` abandons a stuck one."""
         with self._ready:
             self._stopping = True
             self._ready.notify()
-        self.thread.join(PATIENCE)
-        assert not self.thread.is_alive(), "worker did not stop"
+        self.thread.join(patience)
+        assert not check or not self.thread.is_alive(), "worker did not stop"
 
 
 class Call:
@@ -131,8 +144,13 @@ class Call:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def result(self) -> object:
-        assert self._done.wait(PATIENCE), "call did not finish in time"
+    def wait(self, patience: float) -> bool:
+        """Whether the call finished within ``patience`` seconds."""
+        return self._done.wait(patience)
+
+    def result(self, patience: float = PATIENCE) -> object:
+        """The call's result (re-raising its exception), waiting at most ``patience`` s."""
+        assert self._done.wait(patience), f"call did not finish within {patience:g} s"
         kind, value = self._box[0]  # type: ignore[misc]
         if kind == "error":
             raise value  # type: ignore[misc]

@@ -412,6 +412,19 @@ def test_synchronized_locks_per_argument(locks) -> None:
     assert create_if_missing.__doc__ == "Docstring kept." and create_if_missing.__name__ == "create_if_missing"
 
 
+def test_synchronized_passes_keyword_arguments_to_key_func(locks) -> None:
+    seen: list[bool] = []
+
+    @locks.synchronized(lambda account, *, region: (region, account))
+    def transfer(account: int, *, region: str) -> str:
+        seen.append(locks.owned((region, account)) and not locks.owned(account))
+        return f"{region}/{account}"
+
+    assert transfer(7, region="eu") == "eu/7"
+    assert transfer(account=8, region="us") == "us/8"
+    assert seen == [True, True] and len(locks) == 0
+
+
 def test_synchronized_rejects_bad_use(locks) -> None:
     with pytest.raises(TypeError):
         locks.synchronized("not callable")

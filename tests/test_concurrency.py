@@ -12,6 +12,7 @@ import pytest
 
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning
+from lockmgr._common import HANDOFF_AFTER
 
 
 def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-def]
@@ -26,11 +27,13 @@ def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-d
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    # Daemons: a thread stuck in a broken engine must fail the test, not keep pytest alive.
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + PATIENCE * 3
     for thread in threads:
-        thread.join(PATIENCE * 3)
+        thread.join(max(0.0, deadline - time.monotonic()))
         assert not thread.is_alive(), "a thread is stuck"
     if errors:
         raise errors[0]
@@ -155,6 +158,64 @@ def test_timeouts_racing_hand_offs_lose_nothing(impl, fair) -> None:
     locks.release("hot")
 
 
+def test_unfair_mode_hands_off_to_a_waiter_aged_past_the_bound(impl, workers) -> None:
+    """fair=False: a waiter that has queued for longer than HANDOFF_AFTER owns the key before
+    ``release`` returns (a younger one may only be woken to race for it)."""
+    locks = impl.LockManager(fair=False)
+    locks.acquire("k")
+    waiter = workers("waiter")
+    got = waiter.submit(lambda: locks.acquire("k"))
+    wait_until(lambda: locks.stats().waiting == 1, "the waiter queued")
+    queued_by = time.monotonic()  # the request's age counts from before this
+    while time.monotonic() - queued_by < 20 * HANDOFF_AFTER:
+        time.sleep(HANDOFF_AFTER)
+    locks.release("k")
+    assert locks.owner("k") == waiter.thread.ident and locks.stats().waiting == 0
+    assert locks.acquire("k", blocking=False) is False  # no barging past the hand-off
+    assert got.result() is True
+    waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().contended == 1
+
+
+def test_unfair_mode_a_woken_waiter_that_is_overtaken_waits_on(impl, workers) -> None:
+    """fair=False: a young waiter is only woken to race for the key; if another thread takes
+    it first, the waiter queues on at the head and is handed the key at the next release."""
+    locks = impl.LockManager(fair=False)
+    waiter = workers("waiter")
+    for _ in range(10):
+        locks.acquire("k")
+        got = waiter.submit(lambda: locks.acquire("k", timeout=PATIENCE / 2))
+        deadline = time.monotonic() + PATIENCE
+        while locks.stats().waiting != 1:  # no sleep: release while the waiter is young
+            assert time.monotonic() < deadline, "the waiter did not queue"
+        locks.release("k")
+        if locks.acquire("k", timeout=0):  # overtook the woken waiter (if it was young)
+            time.sleep(0.05)  # let it run, find the key taken and go back to sleep
+            assert locks.stats().waiting == 1
+            locks.release("k")  # it has waited long enough now: handed to it
+            assert locks.owner("k") == waiter.thread.ident
+        # Whether or not it was overtaken, it is woken with the key, not at its timeout.
+        assert got.wait(PATIENCE / 4) and got.result() is True
+        waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_fair_mode_hands_off_to_a_waiter_however_young(locks, workers) -> None:
+    """Strict FIFO: even a waiter that queued a moment ago owns the key when release returns."""
+    waiter = workers("waiter")
+    for _ in range(30):
+        locks.acquire("k")
+        got = waiter.submit(lambda: locks.acquire("k"))
+        deadline = time.monotonic() + PATIENCE
+        while locks.stats().waiting != 1:  # no sleep: release as soon as it queued
+            assert time.monotonic() < deadline, "the waiter did not queue"
+        locks.release("k")
+        assert locks.owner("k") == waiter.thread.ident and locks.stats().waiting == 0
+        assert got.result() is True
+        waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0 and locks.stats().contended == 30
+
+
 def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:
     locks = impl.LockManager(fair=False)
     stop = threading.Event()
@@ -165,12 +226,26 @@ def test_unfair_mode_bounds_the_wait_of_a_queued_thread(impl, workers) -> None:
             with locks["hot"]:
                 hog_rounds[0] += 1
 
-    hog_thread = threading.Thread(target=hog)
+    hog_thread = threading.Thread(target=hog, daemon=True)
     hog_thread.start()
+    # The waiter is not the main thread: it sleeps until posted (no 50 ms slices), so a
+    # waiter that is woken, overtaken and never re-queued properly would sleep to its timeout.
+    waiter = workers("waiter")
+
+    def take_and_give_back() -> float:
+        asked = time.monotonic()
+        assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
+        waited = time.monotonic() - asked
+        locks.release("hot")
+        return waited
+
     try:
         wait_until(lambda: hog_rounds[0] > 100, "the hog is running")
-        assert locks.acquire("hot", timeout=PATIENCE) is True  # it must not starve
-        locks.release("hot")
+        for _ in range(5):
+            # Handed off once it has waited HANDOFF_AFTER: milliseconds, not a timeout.
+            assert waiter.run(take_and_give_back) < PATIENCE / 4
+            rounds = hog_rounds[0]
+            wait_until(lambda rounds=rounds: hog_rounds[0] > rounds, "the hog took it again")
     finally:
         stop.set()
         hog_thread.join(PATIENCE)

@@ -56,11 +56,54 @@ def test_a_waiting_set_keeps_its_place_on_free_keys(locks, workers) -> None:
     later = single.submit(lambda: locks.acquire("a"))
     wait_until(lambda: locks.stats().waiting == 2, "the later request queued")
     holder.run(lambda: locks.release("b"))
-    assert taking.result() is True and not later.done()
+    assert taking.result() is True
     assert locks.owner("a") == locks.owner("b") == grouped.thread.ident
+    assert locks.stats().waiting == 1  # the later request still waits, behind the set
     grouped.run(lambda: locks.release_many(["a", "b"]))
     assert later.result() is True
     single.run(lambda: locks.release("a"))
+    assert len(locks) == 0
+
+
+def test_a_waiting_set_keeps_its_place_against_later_sets(locks, workers) -> None:
+    holder, grouped, later = workers("holder"), workers("grouped"), workers("later")
+    holder.run(lambda: locks.acquire("b"))
+    taking = grouped.submit(lambda: locks.acquire_many(["a", "b"]))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    # "a" and "c" are free, but the first set is queued on "a": a later set fails or waits.
+    assert later.run(lambda: locks.acquire_many(["a", "c"], timeout=0)) is False
+    assert later.run(lambda: locks.acquire_many(["c", "a"], timeout=0.01)) is False
+    stats = locks.stats()
+    assert (stats.waiting, stats.held, stats.timeouts) == (1, 1, 2)
+    assert not locks.locked("a") and not locks.locked("c")
+    waiting = later.submit(lambda: locks.acquire_many(["c", "a"]))
+    wait_until(lambda: locks.stats().waiting == 2, "the later set queued")
+    assert not locks.locked("c")  # it waits for "a" without holding "c"
+    holder.run(lambda: locks.release("b"))
+    assert taking.result() is True
+    assert locks.owner("a") == grouped.thread.ident and not locks.locked("c")
+    assert locks.stats().waiting == 1
+    grouped.run(lambda: locks.release_many(["a", "b"]))
+    assert waiting.result() is True
+    assert locks.owner("a") == locks.owner("c") == later.thread.ident
+    later.run(lambda: locks.release_many(["a", "c"]))
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_a_set_that_times_out_lets_the_requests_behind_it_in(locks, workers) -> None:
+    holder, grouped, single = workers("holder"), workers("grouped"), workers("single")
+    holder.run(lambda: locks.acquire("b"))
+    taking = grouped.submit(lambda: locks.acquire_many(["a", "b"], timeout=1.0))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    later = single.submit(lambda: locks.acquire("a"))
+    # Queued behind the set on free "a" (on a stalled machine the set may be gone first:
+    # then "a" is simply free, and the outcome below is the same).
+    wait_until(lambda: locks.stats().waiting == 2 or later.done(), "the single queued")
+    assert taking.result() is False  # timed out: "b" stayed held
+    assert later.result() is True and locks.owner("a") == single.thread.ident
+    assert locks.stats().waiting == 0 and locks.owner("b") == holder.thread.ident
+    single.run(lambda: locks.release("a"))
+    holder.run(lambda: locks.release("b"))
     assert len(locks) == 0
 
 
@@ -142,13 +185,15 @@ def test_a_set_is_not_starved_by_single_key_traffic(impl, fair) -> None:
             with locks[key]:
                 rounds[index] += 1
 
-    hogs = [threading.Thread(target=hog, args=(i,)) for i in range(2)]
+    hogs = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(2)]
     for thread in hogs:
         thread.start()
     try:
         wait_until(lambda: min(rounds) > 50, "both hogs are running")
         for _ in range(5):
+            asked = time.monotonic()
             assert locks.acquire_many(["a", "b"], timeout=PATIENCE) is True
+            assert time.monotonic() - asked < PATIENCE / 4  # its place in both queues holds
             locks.release_many(["a", "b"])
     finally:
         stop.set()
@@ -192,6 +237,65 @@ def test_rw_sets_read_shared_and_write_exclusive(impl, workers) -> None:
     writer.run(lambda: rw.release_many(writes=["a"]))
     with rw.hold_many(reads=["x"], writes=["y"], timeout=1):
         assert rw.readers("x") == 1 and rw.write_locked("y")
+    assert len(rw) == 0 and rw.stats().waiting == 0
+
+
+def test_a_granted_read_set_lets_in_the_readers_queued_behind_it(impl, workers) -> None:
+    rw = impl.RWLockManager()
+    writer, grouped, reader = workers("writer"), workers("grouped"), workers("reader")
+    writer.run(lambda: rw.acquire_write("b"))
+    taking = grouped.submit(lambda: rw.acquire_many(reads=["a", "b"]))
+    wait_until(lambda: rw.stats().waiting == 1, "the read set queued")
+    # "a" is free but the set is queued on it: a new reader queues behind it.
+    assert reader.run(lambda: rw.acquire_read("a", timeout=0)) is False
+    reading = reader.submit(lambda: rw.acquire_read("a"))
+    wait_until(lambda: rw.stats().waiting == 2, "the reader queued behind the set")
+    writer.run(lambda: rw.release_write("b"))  # grants the set, which shares "a"
+    assert rw.stats().waiting == 0 and rw.readers("a") == 2 and rw.readers("b") == 1
+    assert taking.result() is True and reading.result() is True
+    reader.run(lambda: rw.release_read("a"))
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
+    assert len(rw) == 0
+
+
+def test_a_read_set_shares_keys_with_readers_and_waits_for_writers(impl, workers) -> None:
+    rw = impl.RWLockManager()
+    reader, grouped, writer = workers("reader"), workers("grouped"), workers("writer")
+    reader.run(lambda: rw.acquire_read("a"))
+    assert grouped.run(lambda: rw.acquire_many(reads=["a", "b"], timeout=0)) is True
+    assert rw.readers("a") == 2 and rw.readers("b") == 1
+    writing = writer.submit(lambda: rw.acquire_many(writes=["b", "c"]))
+    wait_until(lambda: rw.stats().waiting == 1, "the write set queued")
+    assert not rw.write_locked("c")  # all or nothing: it holds no key while it waits
+    # A new read set waits behind the queued writer on "b" (no starving it).
+    assert reader.run(lambda: rw.acquire_many(reads=["b"], timeout=0)) is False
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
+    assert writing.result() is True and rw.write_locked("b") and rw.write_locked("c")
+    writer.run(lambda: rw.release_many(writes=["b", "c"]))
+    reader.run(lambda: rw.release_read("a"))
+    assert len(rw) == 0 and rw.stats().waiting == 0
+
+
+def test_a_read_set_waits_behind_a_writer_queued_on_one_of_its_keys(impl, workers) -> None:
+    """A set is granted only at the head of every queue it is in: its read of "a" waits
+    behind a writer queued there, even when its other key frees up and "a" is only read."""
+    rw = impl.RWLockManager()
+    reader, writer, owner, grouped = (workers(name) for name in ("reader", "writer", "owner",
+                                                                  "grouped"))
+    reader.run(lambda: rw.acquire_read("a"))
+    writing = writer.submit(lambda: rw.acquire_write("a"))
+    wait_until(lambda: rw.stats().waiting == 1, "the writer queued on a")
+    owner.run(lambda: rw.acquire_write("b"))
+    taking = grouped.submit(lambda: rw.acquire_many(reads=["a", "b"]))
+    wait_until(lambda: rw.stats().waiting == 2, "the set queued")
+    owner.run(lambda: rw.release_write("b"))  # "b" is free now; "a" is read, writer ahead
+    assert rw.stats().waiting == 2 and rw.readers("a") == 1 and "b" not in rw
+    reader.run(lambda: rw.release_read("a"))
+    assert rw.write_locked("a") and rw.stats().waiting == 1 and "b" not in rw
+    assert writing.result() is True
+    writer.run(lambda: rw.release_write("a"))
+    assert taking.result() is True and rw.readers("a") == rw.readers("b") == 1
+    grouped.run(lambda: rw.release_many(reads=["a", "b"]))
     assert len(rw) == 0 and rw.stats().waiting == 0
 
 

@@ -67,6 +67,26 @@ def test_waiting_and_timeouts_leave_nothing_behind(impl, workers) -> None:
     assert len(locks) == 0
 
 
+def test_sets_that_fail_leave_nothing_behind(impl, workers) -> None:
+    """A set that fails (try, timeout) on fresh keys drops every entry it created."""
+    locks, rw = impl.LockManager(), impl.RWLockManager()
+    holder = workers("holder")
+
+    def contend() -> None:
+        holder.run(lambda: (locks.acquire("held"), rw.acquire_write("held")))
+        for i in range(300):
+            assert not locks.acquire_many([("fresh", i), "held", ("other", i)], timeout=0)
+            assert not rw.acquire_many(reads=[("fresh", i)], writes=["held"], timeout=0)
+        for i in range(10):
+            assert not locks.acquire_many([("fresh", i), "held"], timeout=0.0001)
+            assert not rw.acquire_many(reads=[("fresh", i), "held"], timeout=0.0001)
+        holder.run(locks.release_all)
+        holder.run(rw.release_all)
+
+    assert _traced_growth(locks, contend) < 16 * 1024
+    assert len(locks) == len(rw) == 0
+
+
 @pytest.mark.compiled
 @pytest.mark.parametrize("held", [0, 10_000])
 def test_compiled_size_per_held_key(held: int) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
@@ -88,11 +87,31 @@ def test_upgrade_waits_for_other_readers_and_goes_first(rw, workers) -> None:
     wait_until(lambda: rw.stats().waiting == 2, "the upgrade queued")
     other_reader.run(lambda: rw.release_read("k"))
     # The upgrade was queued last but goes first: it needs only the other reader gone.
-    assert upgrading.result() is True and not writing.done()
-    assert rw.write_locked("k") and rw.readers("k") == 1
+    assert rw.write_locked("k") and rw.readers("k") == 1 and rw.stats().waiting == 1
+    assert upgrading.result() is True
     upgrader.run(rw.release_all)
     assert writing.result() is True
     writer.run(lambda: rw.release_write("k"))
+    assert len(rw) == 0
+
+
+def test_an_upgrade_waits_until_every_other_reader_has_left(rw, workers) -> None:
+    upgrader, first, second = workers("upgrader"), workers("first"), workers("second")
+    for reader in (upgrader, first, second):
+        reader.run(lambda: rw.acquire_read("k"))
+    upgrading = upgrader.submit(lambda: rw.acquire_write("k"))
+    wait_until(lambda: rw.stats().waiting == 1, "the upgrade queued")
+    first.run(lambda: rw.release_read("k"))  # one other reader is still in
+    assert not rw.write_locked("k") and rw.readers("k") == 2 and rw.stats().waiting == 1
+    assert second.run(lambda: rw.acquire_read("k", timeout=0)) is True  # re-reading: at once
+    second.run(lambda: rw.release_read("k"))
+    assert not rw.write_locked("k") and rw.stats().waiting == 1
+    second.run(lambda: rw.release_read("k"))
+    assert rw.write_locked("k") and rw.readers("k") == 1 and rw.stats().waiting == 0
+    assert upgrading.result() is True
+    upgrader.run(lambda: rw.release_write("k"))
+    assert not rw.write_locked("k") and rw.readers("k") == 1  # a downgrade: still reading
+    upgrader.run(lambda: rw.release_read("k"))
     assert len(rw) == 0
 
 
@@ -123,7 +142,8 @@ def test_new_reader_waits_behind_a_queued_writer(rw, workers) -> None:
     assert holder.run(lambda: rw.acquire_read("k", timeout=0)) is True  # re-reading never waits
     holder.run(lambda: rw.release_read("k"))
     holder.run(lambda: rw.release_read("k"))
-    assert writing.result() is True and not reading.done()
+    assert rw.write_locked("k") and rw.readers("k") == 0 and rw.stats().waiting == 1
+    assert writing.result() is True
     writer.run(lambda: rw.release_write("k"))
     assert reading.result() is True
     late.run(lambda: rw.release_read("k"))
@@ -142,10 +162,11 @@ def test_readers_at_the_head_are_granted_together(rw, workers) -> None:
     rw.release_write("k")
     for name in ("r1", "r2", "r3"):
         assert calls[name].result() is True
-    assert rw.readers("k") == 3 and not calls["w"].done() and not calls["r4"].done()
+    assert rw.readers("k") == 3 and not rw.write_locked("k") and rw.stats().waiting == 2
     for name in ("r1", "r2", "r3"):
         threads[name].run(lambda: rw.release_read("k"))
-    assert calls["w"].result() is True and not calls["r4"].done()
+    assert rw.write_locked("k") and rw.readers("k") == 0 and rw.stats().waiting == 1
+    assert calls["w"].result() is True
     threads["w"].run(lambda: rw.release_write("k"))
     assert calls["r4"].result() is True
     threads["r4"].run(lambda: rw.release_read("k"))
@@ -153,7 +174,11 @@ def test_readers_at_the_head_are_granted_together(rw, workers) -> None:
 
 
 def test_writer_is_not_starved_by_a_stream_of_readers(rw) -> None:
-    """6 reader threads loop; a writer gets in soon after the readers present leave."""
+    """6 reader threads loop; a writer gets in once the readers present leave.
+
+    Readers hold for ~1 ms, so a writer that is not starved gets in within milliseconds; the
+    bound below only has to survive a loaded machine (the typical wait is the benchmark's
+    business). A starved writer never gets in: readers keep overlapping."""
     stop = threading.Event()
     reads = [0] * 6
 
@@ -163,7 +188,7 @@ def test_writer_is_not_starved_by_a_stream_of_readers(rw) -> None:
                 reads[index] += 1
                 time.sleep(0.001)
 
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(6)]
     for thread in threads:
         thread.start()
     waits = []
@@ -171,17 +196,16 @@ def test_writer_is_not_starved_by_a_stream_of_readers(rw) -> None:
         wait_until(lambda: all(reads), "every reader is reading")
         for _ in range(10):
             asked = time.monotonic()
-            with rw.write("k", timeout=PATIENCE):
+            with rw.write("k", timeout=PATIENCE / 2):
                 waits.append(time.monotonic() - asked)
                 assert rw.readers("k") == 0
-            time.sleep(0.005)
+            before = sum(reads)
+            wait_until(lambda before=before: sum(reads) > before + 6, "the readers went on")
     finally:
         stop.set()
         for thread in threads:
             thread.join(PATIENCE)
-    # Readers hold for ~1 ms; the writer waits only for those already in.
-    assert statistics.median(waits) < 0.1, waits
-    assert max(waits) < 1.0, waits
+    assert max(waits) < PATIENCE / 4, waits
     assert len(rw) == 0
 
 
@@ -252,7 +276,8 @@ def test_a_reader_that_ends_is_released(rw) -> None:
     thread = threading.Thread(target=reader)
     thread.start()
     assert took.wait(PATIENCE)
-    writing = threading.Thread(target=lambda: (rw.acquire_write("k"), rw.release_write("k")))
+    writing = threading.Thread(target=lambda: (rw.acquire_write("k"), rw.release_write("k")),
+                               daemon=True)
     writing.start()
     wait_until(lambda: rw.stats().waiting == 1, "the writer queued")
     with pytest.warns(AbandonedLockWarning, match="'k'"):

@@ -40,10 +40,51 @@ def test_bad_stripe_counts_are_rejected(impl, stripes, error) -> None:
         impl.RWLockManager(stripes=stripes)
 
 
-def test_both_engines_map_keys_to_the_same_stripes(impl) -> None:
-    locks = impl.LockManager(stripes=64)
-    for key in ["a", "user:42", 7, -7, (1, "x"), 2**70, b"bytes"]:
+#: stripe_index(hash, count) as documented (multiply by 2**64/phi mod 2**64, fold the high half
+#: onto the low half, keep the low bits), worked out once and pinned: both engines must agree
+#: with these, not merely with each other.
+PINNED_STRIPES = {  # hash: (stripe of 2, 8, 64, 1024)
+    0: (0, 0, 0, 0),
+    1: (0, 4, 44, 428),
+    2: (0, 0, 24, 856),
+    7: (1, 1, 1, 129),
+    -2: (1, 3, 27, 859),
+    -7: (0, 0, 0, 128),
+    42: (0, 4, 28, 796),
+    1000003: (1, 5, 5, 197),
+    2**31 - 1: (0, 2, 58, 954),
+    2**32: (1, 5, 21, 21),
+    12345678901234: (0, 2, 50, 498),
+}
+
+
+@pytest.mark.parametrize("key_hash", list(PINNED_STRIPES))
+def test_stripe_index_is_the_documented_function(key_hash) -> None:
+    for count, stripe in zip((2, 8, 64, 1024), PINNED_STRIPES[key_hash], strict=True):
+        assert stripe_index(key_hash, count) == stripe
+    assert stripe_index(key_hash, 1) == 0
+
+
+def test_both_engines_map_keys_to_the_pinned_stripes(impl) -> None:
+    managers = {count: impl.LockManager(stripes=count) for count in (2, 8, 64, 1024)}
+    for key_hash, stripes in PINNED_STRIPES.items():
+        key = -1 if key_hash == -2 else key_hash  # an int is its own hash, except -1 (-2)
+        assert hash(key) == key_hash
+        assert tuple(managers[count].stripe_of(key) for count in (2, 8, 64, 1024)) == stripes
+    locks = managers[64]
+    for key in ["a", "user:42", (1, "x"), 2**70, b"bytes", 1.5]:  # whatever the hash
         assert locks.stripe_of(key) == stripe_index(hash(key), 64)
+
+
+def test_a_key_takes_the_lock_of_its_pinned_stripe(impl, workers) -> None:
+    locks = impl.LockManager(stripes=64)
+    other = workers("other")
+    other.run(lambda: locks.acquire(-7))  # stripe 0 of 64, as 0 (both pinned above)
+    assert locks.acquire(0, timeout=0) is False
+    assert locks.acquire(1, timeout=0) is True  # stripe 44: free
+    locks.release(1)
+    other.run(lambda: locks.release(0))  # the same lock: releasing it releases -7
+    assert len(locks) == 0
 
 
 def test_keys_on_one_stripe_share_its_lock(impl, workers) -> None:

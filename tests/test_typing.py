@@ -1,4 +1,7 @@
-"""The public API type-checks strictly, and a wrong key type is a type error."""
+"""The public API type-checks strictly, and a wrong key type is a type error.
+
+mypy is part of the [test] extra: a missing mypy fails here (never a skip), since CI must
+run these."""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("mypy", reason="mypy is part of the [test] extra")
+import importlib.util
 
 import lockmgr
 
@@ -23,6 +24,10 @@ view: KeyLock[int] = locks[2]
 with locks.hold(3, timeout=None):
     pass
 """
+
+
+def test_mypy_is_installed() -> None:
+    assert importlib.util.find_spec("mypy") is not None, "pip install -e '.[test]' (it has mypy)"
 
 
 def _mypy(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

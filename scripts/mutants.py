@@ -1,0 +1,428 @@
+#!/usr/bin/env python3
+"""Measure the test net: plant one small, realistic bug at a time in an engine, run the suite
+against it, and report which bugs the suite caught.
+
+Each mutant is ``(file, original snippet, mutated snippet, description)``. The original must
+occur exactly once in the file; a mutant whose snippet is missing (the engine was rewritten)
+or ambiguous is reported as such and counts against the run (exit status 1), never skipped
+silently. Each mutant runs in its own temporary copy of the tree:
+
+- pure-twin mutants (``src/lockmgr/_pure.py``, ``src/lockmgr/_common.py``) run the suite with
+  ``--no-c-extensions`` and ``PYTHONPATH`` pointing at the copy's ``src`` (fast);
+- compiled-core mutants (``lockmgr_core.pyx``) are built in place in the copy
+  (``setup.py build_ext --inplace``, needs Cython and setuptools>=77 in the running
+  interpreter: ``pip install -e '.[test]' 'Cython>=3.0.10,<3.4' 'setuptools>=77'``), then the
+  suite runs on the compiled core.
+
+The suite runs as ``python -m pytest -x -q -p no:cacheprovider`` (without the PostgreSQL
+backend's, typing and benchmark-CLI tests, which exercise neither engine; core mutants with
+``--only-c-extensions``) with a time limit per mutant; a mutant that makes the suite hang past
+it counts as caught but is flagged, since a hang is a poor report.
+
+    python scripts/mutants.py                 # every mutant
+    python scripts/mutants.py --engine pure   # or: core
+    python scripts/mutants.py -k handoff -k soft-edge   # only mutants whose id contains these
+    python scripts/mutants.py --list
+    python scripts/mutants.py --source /some/other/tree   # measure another checkout's tests
+
+Exit status: 0 if every mutant applied and at least ``--require`` (default 95%) were caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PURE = "src/lockmgr/_pure.py"
+COMMON = "src/lockmgr/_common.py"
+CORE = "lockmgr_core.pyx"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    original: str
+    mutated: str
+    description: str
+
+    @property
+    def engine(self) -> str:
+        return "core" if self.file == CORE else "pure"
+
+
+def m(id: str, file: str, original: str, mutated: str, description: str) -> Mutant:
+    return Mutant(id, file, original, mutated, description)
+
+
+MUTANTS: list[Mutant] = [
+    # -- the pure twin ----------------------------------------------------------------------
+    m("pure-unfair-never-hands-off", PURE,
+      "if head.mode == _READ or self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:",
+      "if head.mode == _READ or self._fair:",
+      "fair=False never hands the key to an aged waiter (only wakes it to race)"),
+    m("pure-fair-unfair-swapped", PURE,
+      "if head.mode == _READ or self._fair or time.monotonic()",
+      "if head.mode == _READ or not self._fair or time.monotonic()",
+      "fair and unfair hand-off swapped"),
+    m("pure-handoff-bound-ignored", PURE,
+      "time.monotonic() - head.since >= HANDOFF_AFTER",
+      "time.monotonic() - head.since >= HANDOFF_AFTER * 1000",
+      "unfair hand-off bound a thousand times too long"),
+    m("pure-soft-edges-skipped", PURE,
+      "            if not at_head:\n                for ahead in waits_for.queue:",
+      "            if False:\n                for ahead in waits_for.queue:",
+      "deadlock search ignores soft edges (requests queued ahead)"),
+    m("pure-soft-edge-mode", PURE,
+      "if mode == _WRITE or ahead.mode == _WRITE:\n                        successors.append",
+      "if ahead.mode == _WRITE:\n                        successors.append",
+      "soft edges: a write request does not wait for reads queued ahead"),
+    m("pure-hard-edge-readers", PURE,
+      "successors += reversed(waits_for.readers)",
+      "pass",
+      "deadlock search ignores the readers a writer waits for"),
+    m("pure-upgrade-grant-with-other-readers", PURE,
+      "len(readers) == 1 and request.token in readers)",
+      "request.token in readers)",
+      "a queued upgrade is granted while other readers still hold"),
+    m("pure-set-ignores-queue-on-free-key", PURE,
+      "                            (not entry.readers and not entry.queue)\n",
+      "                            (not entry.readers)\n",
+      "a set takes a free key at once although another set waits on it"),
+    m("pure-read-set-no-followers", PURE,
+      "                self._pass_on(node.entry)  # never drops the entry: it has a holder now",
+      "                pass",
+      "a granted read set does not let in the readers queued behind it on its other keys"),
+    m("pure-release-read-no-pass-on", PURE,
+      "                self._drop_read(entry, token)\n                self._pass_on(entry)\n\n    def _release_many",
+      "                self._drop_read(entry, token)\n\n    def _release_many",
+      "release_read of the last read level does not pass the key on"),
+    m("pure-release-write-off-by-one", PURE,
+      "            entry.count -= 1\n            if entry.count == 0:\n                self._disown(entry)\n                self._pass_on(entry)",
+      "            entry.count -= 1\n            if entry.count <= 1:\n                self._disown(entry)\n                self._pass_on(entry)",
+      "release frees the key one level early"),
+    m("pure-lifo-queue", PURE,
+      "                else:\n                    node.entry.queue.append(node)",
+      "                else:\n                    node.entry.queue.appendleft(node)",
+      "requests queue LIFO instead of FIFO"),
+    m("pure-contended-not-counted", PURE,
+      "                        if request.state == _GRANTED:\n                            self._contended += 1",
+      "                        if request.state == _GRANTED:\n                            self._contended += 0",
+      "stats: contended acquisitions not counted"),
+    m("pure-try-lock-timeout-not-counted", PURE,
+      "        if seconds == 0:\n            self._timeouts += 1\n            return None",
+      "        if seconds == 0:\n            return None",
+      "stats: a failed single-key try-lock is not counted as a timeout"),
+    m("pure-deadlocks-not-counted", PURE,
+      "            self._discard(request)\n            self._deadlocks += 1",
+      "            self._discard(request)",
+      "stats: refused deadlocks not counted"),
+    m("pure-missing-undo-grant", PURE,
+      "                    self._undo_grant(request)\n                else:",
+      "                    pass\n                else:",
+      "a wait interrupted after its grant keeps the key"),
+    m("pure-reader-barges-past-writer", PURE,
+      "if entry.owner is token or (entry.owner is None and not entry.queue):",
+      "if entry.owner is token or entry.owner is None:",
+      "a new reader gets in past a queued writer"),
+    m("pure-one-reader-per-pass", PURE,
+      "            if head.mode == _WRITE:\n                return\n\n    def _grantable",
+      "            return\n\n    def _grantable",
+      "only one queued reader granted per release (no batch)"),
+    m("pure-release-all-counts-twice", PURE,
+      "released += entry.owner is not token",
+      "released += 1",
+      "release_all counts a key held for read and write twice"),
+    m("pure-thread-exit-no-cleanup", PURE,
+      "        if token.request is not None or _forking:\n            return",
+      "        if True:\n            return",
+      "keys of a thread that ends are never released"),
+    m("pure-missing-wake", PURE,
+      "            if was == _WAITING:  # a WOKEN head has its post already\n                head.token.wakeup.release()",
+      "            if was == _WAITING and head.mode == _READ:\n                head.token.wakeup.release()",
+      "a writer granted (or woken) by release is not woken"),
+    m("pure-set-jumps-queue", PURE,
+      "            node.entry.queue[0] is node and self._grantable(node.entry, node)",
+      "            self._grantable(node.entry, node)",
+      "a set is granted without being at the head of each of its queues"),
+    m("pure-fork-child-not-main", PURE,
+      "        survivor.is_main = True  # the forking thread is the child's main thread",
+      "        pass",
+      "in a child forked from a non-main thread, waits do not wake for signals"),
+    m("pure-fork-drops-survivor", PURE,
+      "if entry.owner is not None and entry.owner is not survivor:",
+      "if entry.owner is not None:",
+      "a forked child loses the keys its forking thread held"),
+    m("pure-held-miscounted-on-upgrade", PURE,
+      "    def _own(self, entry: _Entry, token: _Token, count: int) -> None:\n        if not entry.readers:",
+      "    def _own(self, entry: _Entry, token: _Token, count: int) -> None:\n        if True:",
+      "stats: held counts a key twice when its reader upgrades"),
+    m("pure-leave-waiting-not-decremented", PURE,
+      "                node.entry.queue.remove(node)\n        self._waiting -= 1",
+      "                node.entry.queue.remove(node)",
+      "stats: a request that times out still counts as waiting"),
+    m("pure-release-many-partial", PURE,
+      "                    raise not_owned(key)\n            for (_, mode), entry in zip(items, entries, strict=True):",
+      "                    continue\n            for (_, mode), entry in zip(items, entries, strict=True):\n                if entry is None or token is None or (\n                    entry.owner is not token if mode == _WRITE else token not in entry.readers\n                ):\n                    raise not_owned(entry.key if entry else None)",
+      "release_many releases the keys before the one not held (not all-or-nothing)"),
+    m("pure-set-reentry-count-lost", PURE,
+      "            elif node.mode == _WRITE:\n                entry.count += 1\n                self._acquisitions += 1",
+      "            elif node.mode == _WRITE:\n                self._acquisitions += 1",
+      "a set re-entering a key it holds does not add a level"),
+    m("pure-woken-overtaken-not-requeued", PURE,
+      "                                request.state = _WAITING  # overtaken: sleep again at the head",
+      "                                request.state = _LEFT  # overtaken",
+      "fair=False: a woken waiter that was overtaken gives up instead of waiting again"),
+    m("pure-read-reentry-not-counted", PURE,
+      "                entry.readers[token] += 1  # reentrant, even past queued writers",
+      "                entry.readers[token] = 1  # reentrant, even past queued writers",
+      "re-reading a key does not add a read level"),
+    m("pure-discard-no-pass-on", PURE,
+      "        for node in request.members():\n            self._pass_on(node.entry)\n\n    def _undo_grant",
+      "        for node in request.members():\n            pass\n\n    def _undo_grant",
+      "a request that leaves does not let its entries move on (entries leak, sets block others)"),
+    m("pure-main-thread-no-slices", PURE,
+      "slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0",
+      "slice_ = -1.0",
+      "the main thread sleeps without slices: Ctrl-C waits for the key"),
+    m("common-stripe-fold", COMMON,
+      "return (mixed ^ (mixed >> 32)) & (count - 1)",
+      "return (mixed ^ (mixed >> 31)) & (count - 1)",
+      "stripe_index folds at the wrong bit (keys map to other stripes)"),
+    m("common-synchronized-drops-kwargs", COMMON,
+      "with manager.hold(key_func(*args, **kwargs)):",
+      "with manager.hold(key_func(*args)):",
+      "synchronized does not pass keyword arguments to key_func"),
+    # -- the compiled core ------------------------------------------------------------------
+    m("core-unfair-never-hands-off", CORE,
+      "            if head.mode == READ or self._fair \\\n                    or lockmgr_monotonic() - head.since >= handoff_after:",
+      "            if head.mode == READ or self._fair:",
+      "fair=False never hands the key to an aged waiter"),
+    m("core-fair-unfair-swapped", CORE,
+      "            if head.mode == READ or self._fair \\",
+      "            if head.mode == READ or not self._fair \\",
+      "fair and unfair hand-off swapped"),
+    m("core-soft-edges-skipped", CORE,
+      "    if at_head:\n        return 0\n    while ahead is not NULL and ahead != own:",
+      "    if True:\n        return 0\n    while ahead is not NULL and ahead != own:",
+      "deadlock search ignores soft edges"),
+    m("core-upgrade-grant-with-other-readers", CORE,
+      "        return request.mode == READ or entry.nreaders == 0 or (\n            entry.nreaders == 1 and entry.readers.token == request.token)",
+      "        return request.mode == READ or entry.nreaders == 0 or (\n            self._read_hold(entry, request.token) is not NULL)",
+      "a queued upgrade is granted while other readers still hold"),
+    m("core-set-ignores-queue-on-free-key", CORE,
+      "                            (entry.nreaders == 0 and entry.head is NULL)\n",
+      "                            (entry.nreaders == 0)\n",
+      "a set takes a free key at once although another set waits on it"),
+    m("core-read-set-no-followers", CORE,
+      "                self._pass_on((lead + i).entry)  # never drops the entry: it has a holder now",
+      "                pass",
+      "a granted read set does not let in the readers queued behind it"),
+    m("core-release-read-no-pass-on", CORE,
+      "        self._drop_read(entry, hold)\n        retired = self._pass_on(entry)",
+      "        self._drop_read(entry, hold)\n        retired = NULL",
+      "release_read of the last level does not pass the key on"),
+    m("core-release-write-off-by-one", CORE,
+      "        entry.count -= 1\n        if entry.count:\n            return 0\n        self._disown(entry)",
+      "        entry.count -= 1\n        if entry.count > 1:\n            return 0\n        self._disown(entry)",
+      "release frees the key one level early"),
+    m("core-lifo-queue", CORE,
+      "        if request.lead is NULL:\n            self._enqueue(request.entry, request, request.at_head)",
+      "        if request.lead is NULL:\n            self._enqueue(request.entry, request, True)",
+      "single requests queue LIFO"),
+    m("core-contended-not-counted", CORE,
+      "                if request.state == GRANTED:\n                    self.contended += 1",
+      "                if request.state == GRANTED:\n                    self.contended += 0",
+      "stats: contended acquisitions not counted"),
+    m("core-missing-undo-grant", CORE,
+      "                self._undo_grant(request, retired)\n            else:",
+      "                pass\n            else:",
+      "a wait interrupted after its grant keeps the key"),
+    m("core-reader-barges-past-writer", CORE,
+      "        if entry.owner == token or (entry.owner is NULL and entry.head is NULL):",
+      "        if entry.owner == token or entry.owner is NULL:",
+      "a new reader gets in past a queued writer"),
+    m("core-hard-edge-readers", CORE,
+      "    if mode == WRITE:\n        while hold is not NULL:\n            if reach(",
+      "    if False:\n        while hold is not NULL:\n            if reach(",
+      "deadlock search ignores the readers a writer waits for"),
+    m("core-fork-child-not-main", CORE,
+      "        survivor.is_main = True  # the forking thread is the child's main thread",
+      "        pass",
+      "in a child forked from a non-main thread, waits do not wake for signals"),
+    m("core-stripe-fold", CORE,
+      "    return <size_t>(mixed ^ (mixed >> 32))",
+      "    return <size_t>(mixed ^ (mixed >> 31))",
+      "keys map onto other stripes than the documented function"),
+    m("core-missing-wake", CORE,
+      "            if was == WAITING:  # a WOKEN head has its post already\n                PyThread_release_lock(head.token.wakeup)",
+      "            if was == WAITING and head.mode == READ:\n                PyThread_release_lock(head.token.wakeup)",
+      "a writer granted by release is not woken"),
+    m("core-set-jumps-queue", CORE,
+      "            if node.queued and (node.entry.head != node or not self._grantable(node.entry, node)):",
+      "            if node.queued and not self._grantable(node.entry, node):",
+      "a set is granted without being at the head of each of its queues"),
+    m("core-woken-overtaken-not-requeued", CORE,
+      "                            request.state = WAITING  # overtaken: sleep again at the head",
+      "                            request.state = LEFT  # overtaken",
+      "fair=False: a woken waiter that was overtaken gives up instead of waiting again"),
+    m("core-deadlocks-not-counted", CORE,
+      "            self._discard(request, retired)\n            self.deadlocks += 1",
+      "            self._discard(request, retired)",
+      "stats: refused deadlocks not counted"),
+    m("core-try-lock-timeout-not-counted", CORE,
+      "        if seconds == 0:\n            PyMem_Free(hold)\n            self.timeouts += 1",
+      "        if seconds == 0:\n            PyMem_Free(hold)",
+      "stats: a failed single-key try-lock is not counted as a timeout"),
+    m("core-read-reentry-not-counted", CORE,
+      "                hold.count += 1\n                self.acquisitions += 1\n                return True",
+      "                hold.count = 1\n                self.acquisitions += 1\n                return True",
+      "re-reading a key does not add a read level"),
+    m("core-release-all-counts-twice", CORE,
+      "            if entry.owner != token:\n                released += 1",
+      "            if True:\n                released += 1",
+      "release_all counts a key held for read and write twice"),
+]
+
+
+#: Test files that exercise neither engine's semantics: the PostgreSQL backend, the package's
+#: type checking, the benchmark CLI.
+UNRELATED = ["test_postgres.py", "test_typing.py", "test_bench.py"]
+
+IGNORE = shutil.ignore_patterns(
+    ".git", "__pycache__", "*.so", "*.pyd", "*.c", "*.html", "build", "dist", "*.egg-info",
+    ".venv", ".ci-venv*", ".hypothesis", ".pytest_cache", ".mypy_cache", ".benchmarks",
+    "wheelhouse",
+)
+
+
+def apply(mutant: Mutant, tree: Path) -> str | None:
+    """Plant ``mutant`` in ``tree``; returns why it could not be, or None."""
+    path = tree / mutant.file
+    text = path.read_text()
+    found = text.count(mutant.original)
+    if found == 0:
+        return "snippet not found"
+    if found > 1:
+        return f"snippet ambiguous ({found} matches)"
+    path.write_text(text.replace(mutant.original, mutant.mutated))
+    return None
+
+
+def last_lines(text: str, count: int = 3) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-count:])
+
+
+def first_failure(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line
+    return last_lines(output)
+
+
+def run_mutant(mutant: Mutant, source: Path, timeout: float, pytest_args: list[str]) -> tuple[str, str]:
+    """Returns (outcome, detail): outcome is caught, caught-timeout, missed, not-applied or
+    build-failed."""
+    with tempfile.TemporaryDirectory(prefix="lockmgr-mutant-") as scratch:
+        tree = Path(scratch) / "tree"
+        shutil.copytree(source, tree, ignore=IGNORE)
+        problem = apply(mutant, tree)
+        if problem is not None:
+            return "not-applied", problem
+        env = dict(os.environ, PYTHONPATH=str(tree / "src"), PYTHONDONTWRITEBYTECODE="1")
+        env.pop("LOCKMGR_NO_EXTENSIONS", None)
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                   *(f"--deselect=tests/{name}" for name in UNRELATED), *pytest_args]
+        if mutant.engine == "core":
+            build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                                   cwd=tree, env=env, capture_output=True, text=True,
+                                   timeout=timeout)
+            if build.returncode != 0:
+                return "build-failed", last_lines(build.stdout + build.stderr)
+            command.append("--only-c-extensions")  # the twin is not what changed
+        else:
+            command.append("--no-c-extensions")
+        try:
+            done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught-timeout", f"the suite ran past {timeout:g} s"
+        output = done.stdout + done.stderr
+        if done.returncode == 0:
+            return "missed", last_lines(output, 1)
+        if done.returncode in (1, 2) and ("FAILED " in output or "ERROR " in output):
+            return "caught", first_failure(output)
+        return "caught", f"pytest exit status {done.returncode}: {last_lines(output)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["pure", "core", "all"], default="all")
+    parser.add_argument("-k", dest="only", action="append", default=[],
+                        help="run only mutants whose id contains this (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds per mutant (build and suite) before it counts as a hang")
+    parser.add_argument("--source", type=Path, default=ROOT,
+                        help="the tree to copy (its tests are what is measured)")
+    parser.add_argument("--require", type=float, default=0.95,
+                        help="fraction of applied mutants that must be caught")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    # A shell starts background jobs with SIGINT ignored, and children inherit that: the
+    # suite's Ctrl-C tests would then hang. Python handlers are reset on exec, so this gives
+    # every child the default disposition.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    chosen = [mutant for mutant in MUTANTS
+              if args.engine in ("all", mutant.engine)
+              and (not args.only or any(part in mutant.id for part in args.only))]
+    if args.list:
+        for mutant in chosen:
+            print(f"{mutant.id:45} {mutant.file:24} {mutant.description}")
+        return 0
+    ids = [mutant.id for mutant in MUTANTS]
+    assert len(ids) == len(set(ids)), "mutant ids must be unique"
+
+    results: list[tuple[Mutant, str, str]] = []
+    for index, mutant in enumerate(chosen, 1):
+        started = time.monotonic()
+        outcome, detail = run_mutant(mutant, args.source.resolve(), args.timeout, args.pytest_args)
+        results.append((mutant, outcome, detail))
+        print(f"[{index}/{len(chosen)}] {outcome.upper():14} {mutant.id} "
+              f"({time.monotonic() - started:.0f} s): {detail}", flush=True)
+
+    print()
+    failed = False
+    for engine in ("pure", "core"):
+        mine = [(m, o, d) for m, o, d in results if m.engine == engine]
+        if not mine:
+            continue
+        applied = [(m, o) for m, o, _ in mine if o not in ("not-applied", "build-failed")]
+        caught = [m for m, o in applied if o.startswith("caught")]
+        hung = [m for m, o in applied if o == "caught-timeout"]
+        print(f"{engine}: caught {len(caught)}/{len(applied)}"
+              + (f" ({len(hung)} only by hanging past the time limit)" if hung else ""))
+        for mutant, outcome, detail in mine:
+            if outcome == "missed":
+                print(f"  MISSED      {mutant.id}: {mutant.description}")
+            elif outcome in ("not-applied", "build-failed"):
+                failed = True
+                print(f"  {outcome.upper():11} {mutant.id}: {detail}")
+        if applied and len(caught) < args.require * len(applied):
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
