@@ -159,6 +159,7 @@ def _failure(verdict: object, key: object) -> BaseException:
 
 
 _ABANDON_ATTEMPTS = 5  # see _Engine._acquire
+_WAIT_SLICE = MAIN_THREAD_SLICE  # the longest sleep of a waiter between two checks
 
 _mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
 _retired: list[_Entry] = []  # entries dropped by the running section (see _section)
@@ -270,24 +271,59 @@ class _ThreadExit:
             # can take the keys any more), a daemon thread gone mid-wait, or a forked child,
             # where only the forking thread lives on and _after_fork_in_child frees the rest.
             return
-        managers: dict[int, _Engine] = {}  # not a set of the references: a dead one's hash
-        for manager_ref in [*token.held.values(), *token.reads.values()]:  # may be unknown
-            manager = manager_ref()
-            if manager is not None:  # else it is being torn down: it unlinks its entries
-                managers[id(manager)] = manager
-        abandoned: list[Hashable] = []
-        for manager in managers.values():
-            abandoned += _section(manager._release_held_section, token)
-        if abandoned:
-            warn_abandoned(token.ident, abandoned)
+        # Dropping the released keys and warning run Python code (finalizers, warning
+        # filters) in this thread, while its local storage is being cleared: the token stays
+        # the thread's own (``_exiting``) until that code is done, and what it takes is
+        # released in the next round (bounded: a finalizer may take a key each time).
+        own = token.ident == _get_ident()
+        if own:
+            _exiting[token.ident] = token
+        try:
+            for _ in range(_EXIT_ROUNDS):
+                if not _release_abandoned(token):
+                    break
+        finally:
+            if own:
+                _exiting.pop(token.ident, None)
+
+
+_EXIT_ROUNDS = 100  # bounds a finalizer that takes a key again each time it is released
+
+
+def _release_abandoned(token: _Token) -> bool:
+    """Release every key an ending thread holds, then drop them and warn (all of which may
+    run Python code); False if it held none."""
+    managers: dict[int, _Engine] = {}  # not a set of the references: a dead one's hash
+    for manager_ref in _section(_holding_managers, token):  # may be unknown
+        manager = manager_ref()
+        if manager is not None:  # else it is being torn down: it unlinks its entries
+            managers[id(manager)] = manager
+    if not managers:
+        return False
+    abandoned: list[Hashable] = []
+    for manager in managers.values():
+        abandoned += _section(manager._release_held_section, token)
+    if abandoned and not sys.is_finalizing():
+        warn_abandoned(token.ident, abandoned)
+    return True
+
+
+def _holding_managers(token: _Token) -> list[weakref.ref[_Engine]]:
+    """In a section: the managers (references) whose keys ``token`` holds."""
+    return [*token.held.values(), *token.reads.values()]
 
 
 _local = threading.local()
+_exiting: dict[int, _Token] = {}  # ident -> token of a thread whose exit runs (_ThreadExit)
 _managers: weakref.WeakSet[_Engine] = weakref.WeakSet()  # every live manager (for fork)
 _fork_parent_pid = os.getpid()  # the process whose threads' exits release their keys
 
 
 def _current_token() -> _Token:
+    if _exiting:  # before _local: an ending thread's local storage is being cleared
+        exiting = _exiting.get(_get_ident())
+        if exiting is not None:
+            return exiting
     try:
         token: _Token = _local.guard.token
     except AttributeError:
@@ -297,6 +333,10 @@ def _current_token() -> _Token:
 
 
 def _existing_token() -> _Token | None:
+    if _exiting:
+        exiting = _exiting.get(_get_ident())
+        if exiting is not None:
+            return exiting
     guard: _ThreadExit | None = getattr(_local, "guard", None)
     return None if guard is None else guard.token
 
@@ -544,7 +584,12 @@ class _Engine:
             verdict = take(*args)
             if type(verdict) is _Request:
                 verdict = self._wait(verdict, seconds)
-            token.request = outer  # the outcome is the caller's now
+            if type(verdict) is bool:
+                # The outcome is the caller's now: no check point (a call) from here to the
+                # caller, where a handler's exception would leave a grant nobody knows of.
+                token.request = outer
+                return verdict
+            token.request = outer
         except BaseException:
             # No call before the ``try`` below, so no asynchronous exception can skip it;
             # _abandon_section is idempotent, and tried again if another handler raises
@@ -559,8 +604,6 @@ class _Engine:
                     if attempts == _ABANDON_ATTEMPTS:
                         raise
             raise
-        if type(verdict) is bool:
-            return verdict
         key, failure = verdict
         raise _failure(failure, key)
 
@@ -822,17 +865,17 @@ class _Engine:
         stays ``token.request`` until the acquiring call has its outcome (see _acquired)."""
         deadline = None if seconds < 0 else request.since + seconds
         wakeup = request.token.wakeup
-        slice_ = MAIN_THREAD_SLICE if request.token.is_main else -1.0
         while True:
             outcome = _section(self._check_wait_section, request, deadline)
             if outcome is not None:
                 return outcome  # type: ignore[no-any-return]
-            if deadline is None:
-                remaining = slice_
-            else:
-                remaining = max(0.0, deadline - time.monotonic())
-                if slice_ > 0:
-                    remaining = min(remaining, slice_)
+            # In slices, on every thread: on the main thread a slice bounds how late a
+            # signal's handler runs; everywhere it bounds how late the waiter sees that its
+            # request became grantable without a post (code that ran inside its own wait
+            # took the key, or a forked child, where nobody passes the key on).
+            remaining = _WAIT_SLICE
+            if deadline is not None:
+                remaining = min(max(0.0, deadline - time.monotonic()), _WAIT_SLICE)
             # Signal handlers (main thread) and finalizers run around this sleep and may
             # call the manager, or raise (the acquiring call then abandons the request).
             wakeup.acquire(timeout=remaining)
@@ -847,8 +890,10 @@ class _Engine:
                     self._grant(request.entry, request)
                 else:
                     request.state = _WAITING  # overtaken: sleep again at the head
-        elif self._ready_by_reentry(request):
-            # A handler or finalizer of this thread took what the request waits for.
+        elif self._ready_by_itself(request):
+            # A handler or finalizer of this thread took what the request waits for, or
+            # (a forked child) nobody passed on a key the request may now take. Such a
+            # grant owes no post.
             if request.nodes is None:
                 self._grant(request.entry, request)
             else:
@@ -882,20 +927,16 @@ class _Engine:
         else:
             self._leave(request)
 
-    def _ready_by_reentry(self, request: _Request) -> bool:
-        """Whether every queued node of a WAITING ``request`` can be granted now, at least
-        one because its thread meanwhile took the key itself."""
-        reentered = False
-        for node in request.members():
-            if not node.queued:
-                continue
-            entry = node.entry
-            if entry.owner is node.token:
-                reentered = True
-            elif request.nodes is None or entry.queue[0] is not node or not self._grantable(
-                    entry, node):
-                return False
-        return reentered
+    def _ready_by_itself(self, request: _Request) -> bool:
+        """Whether a WAITING ``request`` can be granted now by its own waiter: every queued
+        node re-enters a key its thread took meanwhile, or is at the head of its queue and
+        compatible (only in a forked child, where nobody passed the key on, or because
+        something ran inside the wait)."""
+        if request.nodes is not None:
+            return self._group_grantable(request)
+        entry = request.entry
+        return self._grantable(entry, request) and (
+            entry.owner is request.token or entry.queue[0] is request)
 
     def _leave(self, request: _Request) -> None:
         """Take a waiting ``request`` (single, or a multi-key lead) out of every queue, give
@@ -1229,7 +1270,10 @@ class _Engine:
         if kept is not None and kept.manager is self and kept.state in (_WAITING, _WOKEN):
             self._waiting = 1
         for entry in entries:
-            self._pass_on(entry)
+            # Nothing is passed on here: the kept request (the only one left) takes what
+            # became free itself when it wakes next (_ready_by_itself), as in the core.
+            if entry.owner is None and not entry.readers and not entry.queue:
+                self._drop_entry(entry)
 
 
 # Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.
