@@ -250,8 +250,12 @@ def test_a_granted_read_set_lets_in_the_readers_queued_behind_it(impl, workers) 
     assert reader.run(lambda: rw.acquire_read("a", timeout=0)) is False
     reading = reader.submit(lambda: rw.acquire_read("a"))
     wait_until(lambda: rw.stats().waiting == 2, "the reader queued behind the set")
-    writer.run(lambda: rw.release_write("b"))  # grants the set, which shares "a"
-    assert rw.stats().waiting == 0 and rw.readers("a") == 2 and rw.readers("b") == 1
+    # The release grants the set, which shares "a": that same release lets the reader in
+    # behind it. Seen from the releasing thread at once, before the set's own thread runs
+    # (its call returning would let the reader in too, only later).
+    seen = writer.run(lambda: (rw.release_write("b"), rw.stats().waiting, rw.readers("a"),
+                               rw.readers("b")))
+    assert seen[1:] == (0, 2, 1)
     assert taking.result() is True and reading.result() is True
     reader.run(lambda: rw.release_read("a"))
     grouped.run(lambda: rw.release_many(reads=["a", "b"]))
