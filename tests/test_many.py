@@ -315,3 +315,22 @@ def test_rw_set_upgrading_a_read_key(impl, workers) -> None:
     rw.release_many(writes=["k", "j"])
     rw.release_read("k")
     assert len(rw) == 0
+
+
+def test_a_set_that_times_out_lets_the_request_behind_it_in_at_once(impl, workers) -> None:
+    """A waiting set queued on a free key ("a", blocked on "b") times out: leaving hands "a"
+    to the request queued behind it then and there, seen from the set's own thread as its
+    call returns (not only when that request's own wait looks again)."""
+    locks = impl.LockManager()
+    holder, grouped, waiter = workers("holder"), workers("grouped"), workers("waiter")
+    holder.run(lambda: locks.acquire("b"))
+    trying = grouped.submit(lambda: (locks.acquire_many(["a", "b"], timeout=1.0),
+                                     locks.owner("a"), locks.stats().waiting))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    taking = waiter.submit(lambda: locks.acquire("a"))
+    wait_until(lambda: locks.stats().waiting == 2, "the request queued behind the set")
+    assert trying.result() == (False, waiter.thread.ident, 0)
+    assert taking.result() is True
+    waiter.run(lambda: locks.release("a"))
+    holder.run(lambda: locks.release("b"))
+    assert len(locks) == 0 and locks.stats().timeouts == 1
