@@ -250,8 +250,12 @@ def test_a_granted_read_set_lets_in_the_readers_queued_behind_it(impl, workers) 
     assert reader.run(lambda: rw.acquire_read("a", timeout=0)) is False
     reading = reader.submit(lambda: rw.acquire_read("a"))
     wait_until(lambda: rw.stats().waiting == 2, "the reader queued behind the set")
-    writer.run(lambda: rw.release_write("b"))  # grants the set, which shares "a"
-    assert rw.stats().waiting == 0 and rw.readers("a") == 2 and rw.readers("b") == 1
+    # The release grants the set, which shares "a": that same release lets the reader in
+    # behind it. Seen from the releasing thread at once, before the set's own thread runs
+    # (its call returning would let the reader in too, only later).
+    seen = writer.run(lambda: (rw.release_write("b"), rw.stats().waiting, rw.readers("a"),
+                               rw.readers("b")))
+    assert seen[1:] == (0, 2, 1)
     assert taking.result() is True and reading.result() is True
     reader.run(lambda: rw.release_read("a"))
     grouped.run(lambda: rw.release_many(reads=["a", "b"]))
@@ -311,3 +315,22 @@ def test_rw_set_upgrading_a_read_key(impl, workers) -> None:
     rw.release_many(writes=["k", "j"])
     rw.release_read("k")
     assert len(rw) == 0
+
+
+def test_a_set_that_times_out_lets_the_request_behind_it_in_at_once(impl, workers) -> None:
+    """A waiting set queued on a free key ("a", blocked on "b") times out: leaving hands "a"
+    to the request queued behind it then and there, seen from the set's own thread as its
+    call returns (not only when that request's own wait looks again)."""
+    locks = impl.LockManager()
+    holder, grouped, waiter = workers("holder"), workers("grouped"), workers("waiter")
+    holder.run(lambda: locks.acquire("b"))
+    trying = grouped.submit(lambda: (locks.acquire_many(["a", "b"], timeout=1.0),
+                                     locks.owner("a"), locks.stats().waiting))
+    wait_until(lambda: locks.stats().waiting == 1, "the set queued")
+    taking = waiter.submit(lambda: locks.acquire("a"))
+    wait_until(lambda: locks.stats().waiting == 2, "the request queued behind the set")
+    assert trying.result() == (False, waiter.thread.ident, 0)
+    assert taking.result() is True
+    waiter.run(lambda: locks.release("a"))
+    holder.run(lambda: locks.release("b"))
+    assert len(locks) == 0 and locks.stats().timeouts == 1

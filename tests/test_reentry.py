@@ -311,7 +311,7 @@ def signal_then_hand_off():
 signal.signal(signal.SIGUSR1, handler)
 handing = holder.submit(signal_then_hand_off)
 try:
-    got = locks.acquire_many(keys) if len(keys) > 1 else locks.acquire(keys[0])
+    got = {acquire}
 except Interrupted:
     got = "Interrupted"
 nxt = result(handing)
@@ -327,13 +327,21 @@ report(got=got, in_handler=in_handler, owned=[locks.owned(key) for key in keys],
     (["k"], "locks.release_all()", 1),
     (["a", "b"], "locks.release_all()", 2),
     (["a", "b"], 'locks.release("a")', None),  # undo gives back only "b"
-], ids=["single-release_all", "many-release_all", "many-release-one"])
+    # A Condition's restore waits for three levels; the handler releases one: undo gives
+    # back the two left, not three.
+    (["k"], 'locks.release("k")', None),
+], ids=["single-release_all", "many-release_all", "many-release-one", "restored-release-one"])
 def test_3_handler_releases_what_it_was_handed_then_raises(impl, keys, action,
-                                                           handler_result) -> None:
+                                                           handler_result, request) -> None:
     """Item 3 and "undo only as far as the grant still exists": the wait was granted, a
     handler releases (part of) it and raises. Today: SIGSEGV (compiled), AssertionError
     (pure). The exception propagates; what the handler released is not touched again."""
-    report = outcome(run_child(impl, HANDED_THEN_RELEASED.format(keys=keys, action=action)))
+    if "restored" in request.node.callspec.id:
+        acquire = 'locks["k"]._acquire_restore((3, threading.get_ident()))'
+    else:
+        acquire = "locks.acquire_many(keys) if len(keys) > 1 else locks.acquire(keys[0])"
+    report = outcome(run_child(impl, HANDED_THEN_RELEASED.format(keys=keys, action=action,
+                                                                 acquire=acquire)))
     assert report["got"] == "Interrupted"
     assert report["in_handler"] == [[True] * len(keys), handler_result]
     assert report["owned"] == [False] * len(keys)
