@@ -707,6 +707,8 @@ class _Engine:
             if type(verdict) is not tuple:
                 return verdict
             index, what = verdict
+            if what is _NESTED or what is _OVERFLOW:  # a set is named whole, as the core does
+                return tuple([key for key, _ in items]), what
             if type(what) is not _Unsure:
                 return items[index][0], what
             known[index] = what.settle(items[index][0])
