@@ -116,6 +116,7 @@ from lockmgr._common import (
     pinned,
     restored_count,
     rw_items,
+    shards_per_table,
     Stripe,
     stripe_count,
     synchronized,
@@ -174,6 +175,14 @@ cdef extern from *:
     #  endif
     #endif
     #define lockmgr_mutex_forget(m) memset((m), 0, sizeof(lockmgr_mutex))
+    /* A word read by a thread that may not take the mutex while another writes it. */
+    #if PY_VERSION_HEX >= 0x030D0000
+    #  define lockmgr_load_ssize(p) _Py_atomic_load_ssize_relaxed(p)
+    #  define lockmgr_store_ssize(p, v) _Py_atomic_store_ssize_relaxed((p), (v))
+    #else  /* a GIL orders every access */
+    #  define lockmgr_load_ssize(p) (*(p))
+    #  define lockmgr_store_ssize(p, v) (*(p) = (v))
+    #endif
     #ifdef Py_GIL_DISABLED
     #  define LOCKMGR_FREE_THREADED 1
     #else
@@ -250,9 +259,12 @@ cdef extern from *:
     """
     ctypedef struct lockmgr_mutex:
         pass
-    void lockmgr_mutex_lock(lockmgr_mutex *m)
-    void lockmgr_mutex_unlock(lockmgr_mutex *m)
-    void lockmgr_mutex_forget(lockmgr_mutex *m)
+    # nogil: sections take shard mutexes (``touch``); see rule 1 for why they may
+    void lockmgr_mutex_lock(lockmgr_mutex *m) nogil
+    void lockmgr_mutex_unlock(lockmgr_mutex *m) nogil
+    void lockmgr_mutex_forget(lockmgr_mutex *m) nogil
+    Py_ssize_t lockmgr_load_ssize(Py_ssize_t *p) nogil
+    void lockmgr_store_ssize(Py_ssize_t *p, Py_ssize_t value) nogil
     int lockmgr_is_finalizing()
     const bint LOCKMGR_FREE_THREADED
     double lockmgr_monotonic() nogil

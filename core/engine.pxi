@@ -148,12 +148,22 @@ cdef class _Engine:
 
     def __cinit__(self, *args, **kwargs):
         global tables
-        cdef Entry **buckets = <Entry**>PyMem_RawCalloc(MIN_BUCKETS, sizeof(Entry*))
-        if buckets is NULL:
+        cdef size_t i
+        cdef Shard *shard
+        cdef void *memory = PyMem_RawCalloc(shard_count + 1, SHARD_BYTES)
+        if memory is NULL:
             raise MemoryError()
-        self.table.buckets = buckets
-        self.table.mask = MIN_BUCKETS - 1
+        self.table.shard_memory = memory
+        self.table.shards = <Shard*>((<size_t>memory + SHARD_BYTES - 1) & ~(<size_t>SHARD_BYTES - 1))
+        self.table.shard_mask = shard_count - 1
         self.table.fair = True
+        for i in range(shard_count):
+            shard = shard_at(&self.table, i)
+            shard.buckets = <Entry**>PyMem_RawCalloc(MIN_BUCKETS, sizeof(Entry*))
+            if shard.buckets is NULL:
+                self._free_shards()
+                raise MemoryError()
+            shard.mask = MIN_BUCKETS - 1
         lock()
         self.table.next_table = tables
         if tables is not NULL:
@@ -163,15 +173,21 @@ cdef class _Engine:
 
     def __dealloc__(self):
         cdef After after
-        if self.table.buckets is NULL:  # __cinit__ failed before allocating anything
+        if self.table.shard_memory is NULL:  # __cinit__ failed: nothing is left to free
             return
         after_init(&after, NULL, 0)
         lock()
-        tear_down(&self.table, &after)
+        tear_down(&self.table, existing_token(), &after)
         unlock()
         finish(&after, NULL)
-        PyMem_RawFree(self.table.buckets)
-        self.table.buckets = NULL
+        self._free_shards()
+
+    cdef void _free_shards(self) noexcept:
+        cdef size_t i
+        for i in range(self.table.shard_mask + 1):
+            PyMem_RawFree(shard_at(&self.table, i).buckets)
+        PyMem_RawFree(self.table.shard_memory)
+        self.table.shard_memory = NULL
 
     __class_getitem__ = classmethod(GenericAlias)
 
@@ -183,12 +199,15 @@ cdef class _Engine:
         raise TypeError(PICKLE_ERROR)
 
     def __sizeof__(self):
-        cdef size_t buckets, entries
+        cdef size_t buckets = 0, i
+        cdef Py_ssize_t entries
         lock()
-        buckets = self.table.mask + 1
-        entries = self.table.entries
+        entries = entry_count(&self.table)
+        for i in range(self.table.shard_mask + 1):
+            buckets += shard_at(&self.table, i).mask + 1
         unlock()
-        return sizeof(LockManager) + buckets * sizeof(Entry*) + entries * sizeof(Entry)
+        return (sizeof(LockManager) + (self.table.shard_mask + 2) * SHARD_BYTES
+                + buckets * sizeof(Entry*) + entries * sizeof(Entry))
 
     def __len__(self):
         """Keys currently held (with stripes: stripes)."""
@@ -281,6 +300,7 @@ cdef class _Engine:
                              Py_ssize_t count) except -1:
         """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         cdef Token *token = current_token()
+        cdef Shard *shard
         cdef Lookup lookup
         cdef Request request
         cdef Op op
@@ -290,24 +310,25 @@ cdef class _Engine:
         if token.wakeup is NULL and seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
-        # The hot path runs its section directly; the Op is filled in only off it.
+        # The Op is filled in only off the fast path.
         after_init(&op.after, NULL, 0)
-        lock()
-        outcome = acquire_write(&self.table, &lookup, token, count, seconds == 0, &request,
-                                &op.after)
-        unlock()
+        shard = shard_for(&self.table, h)
+        lockmgr_mutex_lock(&shard.mutex)
+        outcome = fast_acquire_write(&self.table, shard, &lookup, token, count, &op.after)
+        lockmgr_mutex_unlock(&shard.mutex)
         if outcome == DONE and op.after.resize is NULL:
             return True
         op_fill(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
         op.count = count
         op.try_only = seconds == 0
         op.request = &request
-        if outcome == COMPARE or outcome == LONG_CYCLE:
-            outcome = <Outcome>execute_again(&op, outcome)
+        if outcome == SECTION:
+            outcome = <Outcome>execute(&op)
         return self._resolve(&op, outcome, key, seconds)
 
     cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
         cdef Token *token = current_token()
+        cdef Shard *shard
         cdef Lookup lookup
         cdef Request request
         cdef Op op
@@ -321,7 +342,12 @@ cdef class _Engine:
         op.try_only = seconds == 0
         op.request = &request
         request.hold = NULL
-        outcome = <Outcome>execute(&op)
+        shard = shard_for(&self.table, h)
+        lockmgr_mutex_lock(&shard.mutex)
+        outcome = fast_acquire_read(&self.table, shard, &lookup, token, &op.after)
+        lockmgr_mutex_unlock(&shard.mutex)
+        if outcome == SECTION:
+            outcome = <Outcome>execute(&op)
         try:
             return self._resolve(&op, outcome, key, seconds)
         finally:
@@ -465,19 +491,21 @@ cdef class _Engine:
     cdef Py_ssize_t _release_write(self, object key, Py_hash_t h, bint fully) except -1:
         """Undo one write level of ``key`` (``fully``: all of them; returns how many)."""
         cdef Token *token = existing_token()
+        cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
         cdef Outcome outcome
         lookup_init(&lookup, key, h)
-        # The hot path runs its section directly; the Op is filled in only off it.
+        # The Op is filled in only off the fast path.
         after_init(&op.after, NULL, 0)
-        lock()
-        outcome = release_write(&self.table, &lookup, token, fully, &op.result, &op.after)
-        unlock()
-        if outcome == COMPARE:
+        shard = shard_for(&self.table, h)
+        lockmgr_mutex_lock(&shard.mutex)
+        outcome = fast_release_write(shard, &lookup, token, fully, &op.result, &op.after)
+        lockmgr_mutex_unlock(&shard.mutex)
+        if outcome == SECTION:
             op_fill(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
             op.fully = fully
-            outcome = <Outcome>execute_again(&op, outcome)
+            outcome = <Outcome>execute(&op)
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return op.result
@@ -485,12 +513,18 @@ cdef class _Engine:
 
     cdef int _release_read(self, object key, Py_hash_t h) except -1:
         cdef Token *token = existing_token()
+        cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
         cdef Outcome outcome
         lookup_init(&lookup, key, h)
         op_init(&op, RELEASE_READ, &self.table, token, &lookup, 1)
-        outcome = <Outcome>execute(&op)
+        shard = shard_for(&self.table, h)
+        lockmgr_mutex_lock(&shard.mutex)
+        outcome = fast_release_read(shard, &lookup, token, &op.after)
+        lockmgr_mutex_unlock(&shard.mutex)
+        if outcome == SECTION:
+            outcome = <Outcome>execute(&op)
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return 0

@@ -30,7 +30,7 @@ cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_fo
 cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint enqueued) noexcept nogil:
     """Reach every thread a request (node) of ``thread`` waits for: the holders it conflicts
     with (hard edges), then the conflicting requests queued ahead of it (soft edges)."""
-    cdef Entry *waits_for = node.entry
+    cdef Entry *waits_for = touched(node.entry)
     cdef Hold *hold = waits_for.readers
     cdef Request *ahead = waits_for.head
     cdef Request *own_place = node if enqueued else NULL
@@ -104,6 +104,110 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
     return DEADLOCK
 
 
+# -- fast paths ---------------------------------------------------------------------------
+# With the key's shard mutex held alone (no engine mutex): what one shard decides by itself,
+# for a thread that is not waiting (so only it writes its lists). Anything that involves a
+# queue, another thread, an error or a Python comparison answers SECTION, having changed
+# nothing, and the caller runs the operation's section instead.
+
+cdef inline Outcome fast_acquire_write(Table *table, Shard *shard, Lookup *lookup, Token *token,
+                                       Py_ssize_t count, After *after) noexcept nogil:
+    cdef bint unsure = False
+    cdef Entry *entry
+    if token.request is not NULL:
+        return SECTION
+    entry = find_in(shard, lookup, &unsure)
+    if unsure:
+        return SECTION
+    if entry is NULL:
+        entry = insert(table, lookup, token.spare_entry, after)
+        token.spare_entry = NULL
+        own(entry, token, count)
+        return DONE
+    if entry.owner == token and room_for(entry.count, count):
+        entry.count += count
+        shard.acquisitions += 1
+        return DONE
+    if entry.owner is NULL and entry.nreaders == 0 and entry.head is NULL:
+        own(entry, token, count)
+        return DONE
+    return SECTION
+
+
+cdef inline Outcome fast_release_write(Shard *shard, Lookup *lookup, Token *token, bint fully,
+                                       Py_ssize_t *released, After *after) noexcept nogil:
+    cdef bint unsure = False
+    cdef Entry *entry
+    if token is NULL or token.request is not NULL:
+        return SECTION
+    entry = find_in(shard, lookup, &unsure)
+    if entry is NULL or entry.owner != token:  # unsure, or an error to raise
+        return SECTION
+    if not fully and entry.count > 1:
+        entry.count -= 1
+        released[0] = 1
+        return DONE
+    if entry.head is not NULL:  # someone to hand the key to
+        return SECTION
+    released[0] = entry.count
+    disown(entry)
+    if unused(entry):
+        remove(entry, after)
+    return DONE
+
+
+cdef Outcome fast_acquire_read(Table *table, Shard *shard, Lookup *lookup, Token *token,
+                               After *after) noexcept nogil:
+    cdef bint unsure = False
+    cdef Entry *entry
+    cdef Hold *hold
+    if token.request is not NULL:
+        return SECTION
+    entry = find_in(shard, lookup, &unsure)
+    if unsure:
+        return SECTION
+    if entry is not NULL:
+        hold = read_hold(entry, token)
+        if hold is not NULL:
+            if not room_for(hold.count, 1):
+                return SECTION
+            hold.count += 1
+            shard.acquisitions += 1
+            return DONE
+        if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token):
+            return SECTION
+    else:
+        entry = insert(table, lookup, token.spare_entry, after)
+        token.spare_entry = NULL
+    add_read(entry, token, token.spare_hold, 1)
+    token.spare_hold = NULL
+    return DONE
+
+
+cdef Outcome fast_release_read(Shard *shard, Lookup *lookup, Token *token,
+                               After *after) noexcept nogil:
+    cdef bint unsure = False
+    cdef Entry *entry
+    cdef Hold *hold
+    if token is NULL or token.request is not NULL:
+        return SECTION
+    entry = find_in(shard, lookup, &unsure)
+    if entry is NULL:
+        return SECTION
+    hold = read_hold(entry, token)
+    if hold is NULL:
+        return SECTION
+    if hold.count > 1:
+        hold.count -= 1
+        return DONE
+    if entry.head is not NULL:
+        return SECTION
+    drop_read(entry, hold)
+    if unused(entry):
+        remove(entry, after)
+    return DONE
+
+
 # -- acquiring ----------------------------------------------------------------------------
 
 cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py_ssize_t count,
@@ -115,13 +219,13 @@ cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py
     if entry is NULL:
         entry = insert(table, lookup, token.spare_entry, after)
         token.spare_entry = NULL
-        own(table, entry, token, count)
+        own(entry, token, count)
         return DONE
     if entry.owner == token:
         if not room_for(entry.count, count):
             return OVERFLOW
         entry.count += count
-        table.acquisitions += 1
+        entry.shard.acquisitions += 1
         return DONE
     upgrade = entry.nreaders and read_hold(entry, token) is not NULL
     if entry.owner is NULL and (
@@ -129,7 +233,7 @@ cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py
             or (upgrade and entry.nreaders == 1)):
         # Free and nobody queued (with fair=False, a woken head that has not run yet may be
         # overtaken), or the caller is the only reader: an upgrade goes at once.
-        own(table, entry, token, count)
+        own(entry, token, count)
         return DONE
     return queue_single(table, entry, token, WRITE, count, upgrade, try_only, request, after)
 
@@ -146,13 +250,13 @@ cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_o
             if not room_for(hold.count, 1):
                 return OVERFLOW
             hold.count += 1
-            table.acquisitions += 1
+            entry.shard.acquisitions += 1
             return DONE
     if entry is NULL:
         entry = insert(table, lookup, token.spare_entry, after)
         token.spare_entry = NULL
     if entry.owner == token or (entry.owner is NULL and entry.head is NULL):
-        add_read(table, entry, token, token.spare_hold, 1)
+        add_read(entry, token, token.spare_hold, 1)
         token.spare_hold = NULL
         return DONE
     return queue_single(table, entry, token, READ, 1, False, try_only, request, after)
@@ -163,7 +267,7 @@ cdef Outcome queue_single(Table *table, Entry *entry, Token *token, Mode mode, P
                           After *after) noexcept nogil:
     """The key is taken: give up (try-lock), refuse, or queue ``request``."""
     if try_only:
-        table.timeouts += 1
+        entry.shard.timeouts += 1
         return BUSY
     if token.request is not NULL:
         return NESTED
@@ -185,7 +289,7 @@ cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
     cdef Request *node
     if outcome != QUEUED:
         if outcome == DEADLOCK:
-            table.deadlocks += 1
+            request.entry.shard.deadlocks += 1
         return outcome
     if request.mode == READ and request.lead is NULL:
         request.hold = request.token.spare_hold  # the grant links it in
@@ -198,13 +302,13 @@ cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
         if node.queued:
             enqueue(node.entry, node)
         else:
-            pin(table, node)
+            pin(node)
     table.waiting += 1
     request.token.request = request
     return QUEUED
 
 
-cdef void pin(Table *table, Request *node) noexcept nogil:
+cdef void pin(Request *node) noexcept nogil:
     """A set re-enters a key its thread holds: take that level now, pinned while it waits."""
     cdef Hold *hold
     if node.mode == WRITE:
@@ -213,15 +317,15 @@ cdef void pin(Table *table, Request *node) noexcept nogil:
         return
     hold = read_hold(node.entry, node.token)
     if hold is NULL:  # reads a key it writes
-        add_read(table, node.entry, node.token, node.hold, 0)
-        table.acquisitions -= 1  # counted when the set is granted
+        add_read(node.entry, node.token, node.hold, 0)
+        node.entry.shard.acquisitions -= 1  # counted when the set is granted
         node.hold = NULL
         hold = node.entry.readers
     hold.count += 1
     hold.pinned += 1
 
 
-cdef void unpin_and_give_back(Table *table, Request *node) noexcept nogil:
+cdef void unpin_and_give_back(Request *node) noexcept nogil:
     """A waiting set leaves: give back a level it pinned."""
     cdef Entry *entry = node.entry
     cdef Hold *hold
@@ -229,13 +333,13 @@ cdef void unpin_and_give_back(Table *table, Request *node) noexcept nogil:
         entry.pinned -= 1
         entry.count -= 1
         if entry.count == 0:
-            disown(table, entry)
+            disown(entry)
         return
     hold = read_hold(entry, node.token)
     hold.pinned -= 1
     hold.count -= 1
     if hold.count == 0:
-        drop_read(table, entry, hold)
+        drop_read(entry, hold)
 
 
 cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssize_t n,
@@ -283,10 +387,10 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
         else:
             ready = ready and entry.owner is NULL and entry.head is NULL
     if ready:
-        grant_nodes(table, nodes, False)
+        grant_nodes(nodes, False)
         return DONE
     if try_only:
-        table.timeouts += 1
+        nodes.entry.shard.timeouts += 1
         outcome = BUSY
     elif token.request is not NULL:
         outcome = NESTED
@@ -296,7 +400,7 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
             return QUEUED
     for i in range(n):  # nothing was queued: drop the entries it made
         if unused(nodes[i].entry):
-            remove(table, nodes[i].entry, after)
+            remove(nodes[i].entry, after)
     return outcome
 
 
@@ -307,7 +411,7 @@ cdef void end_request(Table *table, Request *request, After *after) noexcept nog
     cdef Py_ssize_t i
     request.token.request = NULL
     for i in range(request.nodes):
-        request[i].entry.inflight -= 1
+        touched(request[i].entry).inflight -= 1
     for i in range(request.nodes):
         pass_on(table, request[i].entry, after)  # only drops an entry nobody uses now
 
@@ -316,10 +420,11 @@ cdef void leave(Table *table, Request *request, After *after) noexcept nogil:
     """A waiting (or woken) request gives up: out of every queue, pinned levels given back."""
     cdef Py_ssize_t i
     for i in range(request.nodes):
+        touch(request[i].entry.shard)
         if request[i].queued:
             dequeue(request[i].entry, request + i)
         else:
-            unpin_and_give_back(table, request + i)
+            unpin_and_give_back(request + i)
     table.waiting -= 1
     request.state = LEFT
     end_request(table, request, after)
@@ -334,14 +439,14 @@ cdef void undo_grant(Table *table, Request *request, After *after) noexcept nogi
     cdef Hold *hold
     for i in range(request.nodes):
         node = request + i
-        entry = node.entry
+        entry = touched(node.entry)
         if node.mode == WRITE:
             if entry.owner != node.token:
                 continue
             levels = min(node.count, entry.count - entry.pinned)
             entry.count -= levels
             if entry.count == 0:
-                disown(table, entry)
+                disown(entry)
         else:
             hold = read_hold(entry, node.token)
             if hold is NULL:
@@ -349,9 +454,9 @@ cdef void undo_grant(Table *table, Request *request, After *after) noexcept nogi
             levels = min(node.count, hold.count - hold.pinned)
             hold.count -= levels
             if hold.count == 0:
-                drop_read(table, entry, hold)
+                drop_read(entry, hold)
         if levels:
-            table.acquisitions -= 1
+            entry.shard.acquisitions -= 1
     end_request(table, request, after)
 
 
@@ -367,7 +472,7 @@ cdef Outcome settle(Table *table, Request *request, bint consumed, double deadli
                     After *after) noexcept nogil:
     """The waiter woke (``consumed``: it took a wake-up post): decide what its wait became.
     A grant it makes itself (re-entry) owes no post."""
-    cdef Entry *entry = request.entry
+    cdef Entry *entry = touched(request.entry)
     if post_still_owed(request, consumed):
         return NEED_POST
     if request.state == WOKEN:  # single requests only
@@ -380,20 +485,20 @@ cdef Outcome settle(Table *table, Request *request, bint consumed, double deadli
             if grantable(entry, request) and (entry.owner == request.token or entry.head == request):
                 grant(table, entry, request)
         elif group_grantable(request):
-            grant_nodes(table, request, True)
+            grant_nodes(request, True)
             table.waiting -= 1
     if request.state == GRANTED:  # the waiter runs handlers, then completes or undoes it
         return DONE
     if deadline >= 0 and lockmgr_monotonic() >= deadline:
         leave(table, request, after)
-        table.timeouts += 1
+        entry.shard.timeouts += 1
         return TIMED_OUT
     return STILL
 
 
 cdef void complete(Table *table, Request *request, After *after) noexcept nogil:
     """A granted wait returns."""
-    table.contended += 1
+    touched(request.entry).shard.contended += 1
     end_request(table, request, after)
 
 
@@ -423,7 +528,7 @@ cdef inline Outcome release_write(Table *table, Lookup *lookup, Token *token, bi
     released[0] = entry.count if fully else 1
     entry.count -= released[0]
     if entry.count == 0:
-        disown(table, entry)
+        disown(entry)
         pass_on(table, entry, after)
     return DONE
 
@@ -441,7 +546,7 @@ cdef Outcome release_read(Table *table, Lookup *lookup, Token *token, After *aft
         return PINNED
     hold.count -= 1
     if hold.count == 0:
-        drop_read(table, entry, hold)
+        drop_read(entry, hold)
         pass_on(table, entry, after)
     return DONE
 
@@ -479,12 +584,12 @@ cdef Outcome release_many(Table *table, Lookup *lookups, Mode *modes, Entry **en
         if modes[i] == WRITE:
             entry.count -= 1
             if entry.count == 0:
-                disown(table, entry)
+                disown(entry)
         else:
             hold = read_hold(entry, token)
             hold.count -= 1
             if hold.count == 0:
-                drop_read(table, entry, hold)
+                drop_read(entry, hold)
         pass_on(table, entry, after)
     return DONE
 
@@ -493,7 +598,8 @@ cdef Py_ssize_t release_token(Token *token, Table *only, PyObject **keys, Py_ssi
                               After *after) noexcept nogil:
     """Release every level ``token`` holds (in ``only``'s entries, unless it is NULL) except
     levels pinned by a waiting set; returns how many keys it stopped holding (a key read and
-    written counts once). The first ``room`` of those keys go to ``keys`` (strong refs)."""
+    written counts once). The first ``room`` of those keys go to ``keys`` (strong refs).
+    Holds its thread kept in managers that are gone (orphans) are freed on the way."""
     cdef Py_ssize_t released = 0
     cdef Entry *entry
     cdef Entry *following
@@ -502,25 +608,34 @@ cdef Py_ssize_t release_token(Token *token, Table *only, PyObject **keys, Py_ssi
     while hold is not NULL:  # reads first, so a write-held key is counted with its write
         next_hold = hold.token_next  # survives: it is another entry's hold
         entry = hold.entry
-        if only is NULL or entry.table == only:
+        if entry is NULL:
+            unlink_read(hold)
+            PyMem_RawFree(hold)
+        elif only is NULL or entry.table == only:
+            touch(entry.shard)
             if hold.pinned:
                 hold.count = hold.pinned
             else:
                 if entry.owner != token:
                     released += keep_key(entry, released, keys, room)
-                drop_read(entry.table, entry, hold)
+                drop_read(entry, hold)
                 pass_on(entry.table, entry, after)
         hold = next_hold
     entry = token.held
     while entry is not NULL:
         following = entry.held_next  # survives: only ``entry`` is unlinked or removed below
-        if only is NULL or entry.table == only:
+        if entry.table is NULL:  # its key goes with it in finish
+            unlink_held(entry)
+            entry.bucket_next = after.retired
+            after.retired = entry
+        elif only is NULL or entry.table == only:
+            touch(entry.shard)
             if entry.pinned:
                 entry.count = entry.pinned
             else:
                 if read_hold(entry, token) is NULL:  # else a pinned read keeps it held
                     released += keep_key(entry, released, keys, room)
-                disown(entry.table, entry)
+                disown(entry)
                 pass_on(entry.table, entry, after)
         entry = following
     return released
@@ -549,12 +664,18 @@ cdef Py_ssize_t count_holds(Token *token) noexcept nogil:
     return count
 
 
-cdef void tear_down(Table *table, After *after) noexcept nogil:
-    """A manager is being freed (nobody waits in it: a waiter's call keeps it alive): unlink
-    its holds from their threads' lists, hand every entry to the After, leave the live list."""
-    cdef size_t i
+cdef void tear_down(Table *table, Token *current, After *after) noexcept nogil:
+    """A manager is being freed (nobody waits in it: a waiter's call keeps it alive): leave
+    the live list, hand every entry to the After. What another thread holds stays linked in
+    its lists, which only that thread may change while it runs fast paths: the entry (with
+    its key) becomes an orphan that thread retires, a read hold one it frees."""
+    cdef size_t i, b
+    cdef Shard *shard
     cdef Entry *entry
     cdef Entry *following
+    cdef Hold *hold
+    cdef Hold *next_hold
+    cdef bint orphan
     global tables
     if table.previous_table is not NULL:
         table.previous_table.next_table = table.next_table
@@ -562,25 +683,41 @@ cdef void tear_down(Table *table, After *after) noexcept nogil:
         tables = table.next_table
     if table.next_table is not NULL:
         table.next_table.previous_table = table.previous_table
-    for i in range(table.mask + 1):
-        entry = table.buckets[i]
-        while entry is not NULL:
-            following = entry.bucket_next
-            if entry.owner is not NULL:
-                disown(table, entry)
-            while entry.readers is not NULL:
-                drop_read(table, entry, entry.readers)
-            entry.bucket_next = after.retired
-            after.retired = entry
-            entry = following
-        table.buckets[i] = NULL
-    table.entries = 0
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        touch(shard)
+        for b in range(shard.mask + 1):
+            entry = shard.buckets[b]
+            while entry is not NULL:
+                following = entry.bucket_next
+                hold = entry.readers
+                while hold is not NULL:
+                    next_hold = hold.entry_next
+                    if hold.token == current:
+                        unlink_read(hold)
+                        PyMem_RawFree(hold)
+                    else:
+                        hold.entry = NULL
+                    hold = next_hold
+                orphan = entry.owner is not NULL and entry.owner != current
+                if entry.owner == current:
+                    unlink_held(entry)
+                if orphan:
+                    entry.table = NULL
+                    entry.shard = NULL
+                else:
+                    entry.bucket_next = after.retired
+                    after.retired = entry
+                entry = following
+            shard.buckets[b] = NULL
+        shard.entries = 0
 
 
 cdef void keep_only(Table *table, Token *survivor, After *after) noexcept nogil:
     """In a forked child: keep what ``survivor`` (the forking thread) holds and its waiting
     request, if it forked from inside a wait; every other thread is gone."""
-    cdef size_t i
+    cdef size_t i, b
+    cdef Shard *shard
     cdef Entry *entry
     cdef Entry *following
     cdef Request *request
@@ -589,48 +726,60 @@ cdef void keep_only(Table *table, Token *survivor, After *after) noexcept nogil:
     cdef Hold *next_hold
     cdef Request *kept = survivor.request if survivor is not NULL else NULL
     table.waiting = 0
-    for i in range(table.mask + 1):
-        entry = table.buckets[i]
-        while entry is not NULL:
-            entry.inflight = 0
-            request = entry.head
-            while request is not NULL:
-                next_request = request.next
-                if request.token != survivor:
-                    request.token.request = NULL  # its thread is gone
-                    dequeue(entry, request)
-                request = next_request
-            if entry.owner is not NULL and entry.owner != survivor:
-                disown(table, entry)
-            hold = entry.readers
-            while hold is not NULL:
-                next_hold = hold.entry_next
-                if hold.token != survivor:
-                    drop_read(table, entry, hold)
-                hold = next_hold
-            entry = entry.bucket_next
+    touch_all(table)
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        for b in range(shard.mask + 1):
+            entry = shard.buckets[b]
+            while entry is not NULL:
+                entry.inflight = 0
+                request = entry.head
+                while request is not NULL:
+                    next_request = request.next
+                    if request.token != survivor:
+                        request.token.request = NULL  # its thread is gone
+                        dequeue(entry, request)
+                    request = next_request
+                if entry.owner is not NULL and entry.owner != survivor:
+                    disown(entry)
+                hold = entry.readers
+                while hold is not NULL:
+                    next_hold = hold.entry_next
+                    if hold.token != survivor:
+                        drop_read(entry, hold)
+                    hold = next_hold
+                entry = entry.bucket_next
     if kept is not NULL:
         for i in range(kept.nodes):
             if kept[i].entry.table == table:
                 kept[i].entry.inflight += 1
         if kept.entry.table == table and (kept.state == WAITING or kept.state == WOKEN):
             table.waiting = 1
-    for i in range(table.mask + 1):
-        entry = table.buckets[i]
-        while entry is not NULL:
-            following = entry.bucket_next
-            if unused(entry):
-                remove(table, entry, after)
-            entry = following
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        for b in range(shard.mask + 1):
+            entry = shard.buckets[b]
+            while entry is not NULL:
+                following = entry.bucket_next
+                if unused(entry):
+                    remove(entry, after)
+                entry = following
 
 
 cdef void read_stats(Table *table, unsigned long long *counters) noexcept nogil:
-    counters[0] = table.held
+    """held, waiting, acquisitions, contended, timeouts, deadlocks: at one instant."""
+    cdef size_t i
+    cdef Shard *shard
+    memset(counters, 0, 6 * sizeof(unsigned long long))
     counters[1] = table.waiting
-    counters[2] = table.acquisitions
-    counters[3] = table.contended
-    counters[4] = table.timeouts
-    counters[5] = table.deadlocks
+    touch_all(table)
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        counters[0] += shard.held
+        counters[2] += shard.acquisitions
+        counters[3] += shard.contended
+        counters[4] += shard.timeouts
+        counters[5] += shard.deadlocks
 
 
 cdef Outcome peek(Table *table, Lookup *lookup, Token *token, Peek *seen) noexcept nogil:
@@ -655,5 +804,19 @@ cdef Outcome peek(Table *table, Lookup *lookup, Token *token, Peek *seen) noexce
     return DONE
 
 
-cdef inline Py_ssize_t held_count(Table *table) noexcept nogil:
-    return table.held
+cdef Py_ssize_t held_count(Table *table) noexcept nogil:
+    cdef Py_ssize_t held = 0
+    cdef size_t i
+    touch_all(table)
+    for i in range(table.shard_mask + 1):
+        held += shard_at(table, i).held
+    return held
+
+
+cdef Py_ssize_t entry_count(Table *table) noexcept nogil:
+    cdef Py_ssize_t entries = 0
+    cdef size_t i
+    touch_all(table)
+    for i in range(table.shard_mask + 1):
+        entries += shard_at(table, i).entries
+    return entries

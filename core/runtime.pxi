@@ -6,6 +6,14 @@ cdef inline void lock() noexcept:
 
 
 cdef inline void unlock() noexcept:
+    """End a section: give back the shards it touched, then the engine mutex."""
+    global touched_shards
+    cdef Shard *shard = touched_shards
+    touched_shards = NULL
+    while shard is not NULL:
+        shard.touched = False
+        lockmgr_mutex_unlock(&shard.mutex)
+        shard = shard.next_touched
     lockmgr_mutex_unlock(&engine_mutex)
 
 
@@ -34,7 +42,7 @@ cdef int finish(After *after, Token *keeper) except -1:
         PyThread_release_lock(wakeup)
         request = following
     if after.resize is not NULL:
-        resize(after.resize)
+        resize_shards(after.resize)
         after.resize = NULL
     while after.retired is not NULL:
         entry = after.retired
@@ -47,26 +55,33 @@ cdef int finish(After *after, Token *keeper) except -1:
     return 0
 
 
-cdef void resize(Table *table) noexcept:
-    """Give ``table`` the bucket count its size wants (memory is taken outside the section,
-    and the size is checked again inside it); if memory is short, keep the current one."""
+cdef void resize_shards(Table *table) noexcept:
+    cdef size_t i
+    for i in range(table.shard_mask + 1):
+        resize(shard_at(table, i))
+
+
+cdef void resize(Shard *shard) noexcept:
+    """Give ``shard`` the bucket count its size wants (memory is taken with no mutex held,
+    and the size is checked again after); if memory is short, keep the current one. Like a
+    fast path, it holds the shard's mutex alone."""
     cdef size_t buckets
     cdef Entry **fresh
     cdef Entry **unneeded
-    lock()
-    buckets = wanted_buckets(table)
-    unlock()
+    lockmgr_mutex_lock(&shard.mutex)
+    buckets = wanted_buckets(shard)
+    lockmgr_mutex_unlock(&shard.mutex)
     if buckets == 0:
         return
     fresh = <Entry**>PyMem_RawCalloc(buckets, sizeof(Entry*))
     if fresh is NULL:
         return
-    lock()
-    if wanted_buckets(table) == buckets:
-        unneeded = rehash(table, fresh, buckets)
+    lockmgr_mutex_lock(&shard.mutex)
+    if wanted_buckets(shard) == buckets:
+        unneeded = rehash(shard, fresh, buckets)
     else:
         unneeded = fresh
-    unlock()
+    lockmgr_mutex_unlock(&shard.mutex)
     PyMem_RawFree(unneeded)
 
 
@@ -230,12 +245,14 @@ cdef class _ThreadExit:
     def __dealloc__(self):
         cdef Token *token = self.token
         cdef int rounds
+        cdef Py_ssize_t pid
         if token is NULL:
             return
         # Only at interpreter shutdown or in a forked child are the states of threads still
         # blocked in a wait cleared: their stacks still use the token, so keep it. In a
         # forked child the after-fork hook frees a dead thread's keys.
-        if token.request is NULL and not (forking_pid and forking_pid != os.getpid()):
+        pid = lockmgr_load_ssize(&forking_pid)  # another thread may be forking
+        if token.request is NULL and not (pid and pid != os.getpid()):
             # Dropping the released keys and warning run Python code (finalizers, warning
             # filters) in this thread, with its token still its own: what that code takes
             # is released in the next round.
@@ -250,26 +267,37 @@ cdef class _ThreadExit:
 # -- fork ---------------------------------------------------------------------------------
 
 def _before_fork():
-    global forking_pid
-    forking_pid = os.getpid()
-    if LOCKMGR_FREE_THREADED:  # with a GIL, the forking thread's GIL already excludes sections
+    lockmgr_store_ssize(&forking_pid, os.getpid())
+    if LOCKMGR_FREE_THREADED:
+        # Taken before CPython stops the world for the fork, so no section is half done
+        # in the child; fast paths never stop halfway (they hold no thread state detached).
+        # With a GIL, the forking thread's GIL already excludes sections.
         lock()
 
 
 def _after_fork_in_parent():
-    global forking_pid
+    lockmgr_store_ssize(&forking_pid, 0)
     if LOCKMGR_FREE_THREADED:
         unlock()
-    forking_pid = 0
 
 
 def _after_fork_in_child():
     """The child holds only what the forking thread held; the rest is free, queues are empty."""
-    global forking_pid
+    global touched_shards
     cdef Token *survivor = existing_token()
     cdef Table *table
     cdef After after
-    lockmgr_mutex_forget(&engine_mutex)  # held by the forking thread, which is this one
+    cdef size_t i
+    # The forking thread (this one) may hold the engine mutex; a thread that no longer
+    # exists may have been parked on any mutex: start them all afresh.
+    lockmgr_mutex_forget(&engine_mutex)
+    touched_shards = NULL
+    table = tables
+    while table is not NULL:
+        for i in range(table.shard_mask + 1):
+            lockmgr_mutex_forget(&shard_at(table, i).mutex)
+            shard_at(table, i).touched = False
+        table = table.next_table
     after_init(&after, NULL, 0)
     lock()
     table = tables
@@ -277,7 +305,7 @@ def _after_fork_in_child():
         keep_only(table, survivor, &after)
         table = table.next_table
     unlock()
-    forking_pid = 0
+    lockmgr_store_ssize(&forking_pid, 0)
     after.resize = NULL  # no manager is held alive here: tables resize on their next use
     finish(&after, survivor)
 

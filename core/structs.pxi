@@ -27,95 +27,121 @@ cdef enum Outcome:  # what a section decided; the caller acts on it after the mu
     NESTED      # a thread that is waiting would wait again (nothing changed)
     DEADLOCK    # waiting would close a cycle: the cycle is in the After (nothing changed)
     LONG_CYCLE  # as DEADLOCK, but the After's buffer is too short for it (nothing changed)
+    SECTION     # a fast path left the operation to a section (nothing changed)
 
 
-# Every field below says who writes it. "mutex": only in sections (engine_mutex held).
+# Every field below says who writes it and under which guard:
+#   "engine": only with engine_mutex held;
+#   "shard": only with the mutex of the shard the entry (or the field's struct) belongs to
+#            held (a fast path holds it alone; a section takes it with ``touch``);
+#   "lists": the token's own lists: written by its thread, or, while it waits (its
+#            ``request`` is set, which turns its fast paths off), under engine_mutex.
 
 cdef struct Token:
     # One per thread that used lockmgr; ownership means this object, never the ident.
     unsigned long ident          # threading.get_ident() of its thread; set at creation
-    Entry *held                  # mutex: entries it write-holds in any manager (held_next)
-    Hold *reads                  # mutex: its read holds in any manager (token_next)
-    Request *request             # mutex: the request its thread waits in, or NULL
+    Entry *held                  # lists: entries it write-holds in any manager (held_next)
+    Hold *reads                  # lists: its read holds in any manager (token_next)
+    Request *request             # engine, by its thread only: the request it waits in, or
+                                 # NULL (its fast paths read it without the mutex)
     PyThread_type_lock wakeup    # created by its thread before its first wait; posted by
                                  # finishes, consumed by its thread: a binary semaphore
     Entry *spare_entry           # its thread only: memory for the next entry it inserts
     Hold *spare_hold             # its thread only: memory for the next read hold it takes
-    unsigned long long visit     # mutex: number of the last deadlock search that reached it
-    Token *reached_from          # mutex: in that search, the thread whose wait led here
-    Entry *reached_via           # mutex: in that search, the entry that thread waits for
-    Token *search_next           # mutex: in that search, the next thread still to follow
+    unsigned long long visit     # engine: number of the last deadlock search that reached it
+    Token *reached_from          # engine: in that search, the thread whose wait led here
+    Entry *reached_via           # engine: in that search, the entry that thread waits for
+    Token *search_next           # engine: in that search, the next thread still to follow
 
 
 cdef struct Hold:
     # One thread's read hold of one entry; linked in the entry's and the token's lists.
     Token *token                 # the reading thread; set when linked
-    Entry *entry                 # the entry it reads; set when linked
-    Py_ssize_t count             # mutex: its read recursion level (> 0 while linked)
-    Py_ssize_t pinned            # mutex: levels taken by a waiting set of the thread (<= count)
-    Hold *entry_prev             # mutex: neighbour among the entry's read holds (newest first)
-    Hold *entry_next             # mutex
-    Hold *token_prev             # mutex: neighbour among the token's read holds (newest first)
-    Hold *token_next             # mutex
+    Entry *entry                 # the entry it reads; set when linked; engine: set to NULL
+                                 # when its manager is freed (an orphan its thread frees)
+    Py_ssize_t count             # shard: its read recursion level (> 0 while linked)
+    Py_ssize_t pinned            # shard: levels taken by a waiting set of the thread (<= count)
+    Hold *entry_prev             # shard: neighbour among the entry's read holds (newest first)
+    Hold *entry_next             # shard
+    Hold *token_prev             # lists: neighbour among the token's read holds (newest first)
+    Hold *token_next             # lists
 
 
 cdef struct Request:
     # A waiting acquisition; lives in its thread's C stack (or the nodes array of a set) and
-    # is out of every queue before that frame ends.
-    Request *prev                # mutex: neighbour towards the head of the entry's queue
-    Request *next                # mutex: neighbour towards the tail
+    # is out of every queue before that frame ends. Only sections touch a request (engine),
+    # and with its entry's shard touched for the queue links.
+    Request *prev                # engine + shard: neighbour towards the head of the entry's queue
+    Request *next                # engine + shard: neighbour towards the tail
     Token *token                 # the waiting thread; set before queueing
     Entry *entry                 # the entry whose queue it is (or would be) in
     Mode mode                    # what it asks for
     Hold *hold                   # READ: memory for the hold a grant links in (from prepare;
                                  # a grant takes it, the waiter frees what is left)
     Py_ssize_t count             # recursion level a grant installs
-    RequestState state           # mutex: set by granting/waking sections and by the waiter
+    RequestState state           # engine: set by granting/waking sections and by the waiter
     double since                 # monotonic time it queued (fair=False's hand-off rule)
     bint at_head                 # an upgrade: queued before every other request
     Request *lead                # multi-key: the first node, whose state speaks for all
     Py_ssize_t nodes             # how many nodes the request has (1 for a single request)
     bint queued                  # multi-key: it waits in its entry's queue; else it
                                  # re-enters a key its thread holds (a pinned level)
-    Request *wake_next           # mutex: next request in the After that is to wake it
-    bint post_owed               # mutex: set when a section schedules its wake-up post,
+    Request *wake_next           # engine: next request in the After that is to wake it
+    bint post_owed               # engine: set when a section schedules its wake-up post,
                                  # cleared by its waiter's section once it consumed it
 
 
 cdef struct Entry:
-    # One key held or waited on; in its table from its first use to its last.
-    PyObject *key                # strong reference to the key as first given
+    # One key held or waited on; in its shard's buckets from its first use to its last.
+    PyObject *key                # strong reference to the key as first given (engine: NULL
+                                 # once its manager is freed while another thread holds it)
     Py_hash_t hash               # hash(key)
-    Entry *bucket_next           # mutex: next entry in its bucket; once retired, in the After
-    Table *table                 # the table it belongs to (it never outlives its table)
-    Token *owner                 # mutex: the write holder, or NULL
-    Py_ssize_t count             # mutex: the owner's write level; 0 iff owner is NULL
-    Py_ssize_t pinned            # mutex: write levels a waiting set of the owner took (<= count)
-    Entry *held_prev             # mutex: neighbour in the owner's list of write-held entries
-    Entry *held_next             # mutex
-    Hold *readers                # mutex: read holds, one per reading thread (newest first)
-    Py_ssize_t nreaders          # mutex: how many read holds
-    Request *head                # mutex: oldest waiting request (an upgrade goes first)
-    Request *tail                # mutex: newest waiting request
-    Py_ssize_t inflight          # mutex: requests of calls still running that point here
-                                 # (queued, or granted and not returned yet)
+    Entry *bucket_next           # shard: next entry in its bucket; once retired, in the After
+    Table *table                 # the table it belongs to; engine: NULL once that table is
+                                 # freed while another thread holds it (an orphan, which only
+                                 # the owner's thread frees: it is linked in its lists)
+    Shard *shard                 # the shard of ``table`` it is in; set when inserted
+    Token *owner                 # shard: the write holder, or NULL
+    Py_ssize_t count             # shard: the owner's write level; 0 iff owner is NULL
+    Py_ssize_t pinned            # shard: write levels a waiting set of the owner took (<= count)
+    Entry *held_prev             # lists (the owner's): neighbour among its write-held entries
+    Entry *held_next             # lists
+    Hold *readers                # shard: read holds, one per reading thread (newest first)
+    Py_ssize_t nreaders          # shard: how many read holds
+    Request *head                # engine + shard: oldest waiting request (an upgrade goes
+                                 # first); fast paths read it to leave queued keys to sections
+    Request *tail                # engine + shard: newest waiting request
+    Py_ssize_t inflight          # engine + shard: requests of calls still running that point
+                                 # here (queued, or granted and not returned yet)
+
+
+cdef struct Shard:
+    # A slice of a table (keys by hash), with its own mutex so that threads using keys of
+    # different shards never touch the same memory. On its own cache lines (see Table).
+    lockmgr_mutex mutex          # guards every "shard" field of the shard and its entries
+    bint touched                 # engine: the engine holder has taken ``mutex`` (touch)
+    Shard *next_touched          # engine: the next shard it has taken
+    Entry **buckets              # shard: chained hash table; mask + 1 buckets
+    size_t mask                  # shard: bucket count - 1 (a power of two)
+    Py_ssize_t entries           # shard: entries in the shard
+    Py_ssize_t held              # shard: entries with a write or read holder
+    unsigned long long acquisitions  # shard: successful acquisitions, reentrant ones included
+    unsigned long long contended     # shard: acquisitions that had to wait
+    unsigned long long timeouts      # shard: acquisitions that gave up (try-locks included)
+    unsigned long long deadlocks     # shard: acquisitions refused to avoid a deadlock
 
 
 cdef struct Table:
     # One per manager, inside the manager object. Invariant: an entry is in the table iff
     # it has a holder or inflight requests.
-    Entry **buckets              # mutex: chained hash table; mask + 1 buckets
-    size_t mask                  # mutex: bucket count - 1 (a power of two)
-    Py_ssize_t entries           # mutex: entries in the table
+    Shard *shards                # shard_mask + 1 shards (aligned within ``shard_memory``);
+                                 # set at creation, like the two fields below
+    void *shard_memory           # the allocation ``shards`` lies in
+    size_t shard_mask            # shard count - 1 (a power of two: module ``shard_count``)
     bint fair                    # set at creation: strict FIFO hand-off, or eventual fairness
-    Py_ssize_t held              # mutex: entries with a write or read holder
-    Py_ssize_t waiting           # mutex: requests (a set counts once) queued in its entries
-    unsigned long long acquisitions  # mutex: successful acquisitions, reentrant ones included
-    unsigned long long contended     # mutex: acquisitions that had to wait
-    unsigned long long timeouts      # mutex: acquisitions that gave up (try-locks included)
-    unsigned long long deadlocks     # mutex: acquisitions refused to avoid a deadlock
-    Table *previous_table        # mutex: neighbour in the list of live tables (for fork)
-    Table *next_table            # mutex
+    Py_ssize_t waiting           # engine: requests (a set counts once) queued in its entries
+    Table *previous_table        # engine: neighbour in the list of live tables (for fork)
+    Table *next_table            # engine
 
 
 cdef struct CycleStep:
@@ -130,7 +156,8 @@ cdef struct After:
     CycleStep *cycle             # DEADLOCK: the cycle, refused request first
     Py_ssize_t cycle_length      # DEADLOCK/LONG_CYCLE: how many steps the cycle has
     Py_ssize_t cycle_room        # how many steps ``cycle`` has room for
-    Table *resize                # a table whose bucket count should change, or NULL
+    Table *resize                # a table some of whose shards should change their bucket
+                                 # count, or NULL
 
 
 cdef struct Compared:
@@ -149,7 +176,8 @@ cdef struct Lookup:
 
 
 cdef enum:
-    MIN_BUCKETS = 8   # a table never shrinks below this
+    MIN_BUCKETS = 8   # a shard never shrinks below this
+    SHARD_BYTES = 128 # a shard's stride: two cache lines (adjacent-line prefetch)
 
 cdef double handoff_after = HANDOFF_AFTER
 cdef double wait_slice = MAIN_THREAD_SLICE
@@ -157,10 +185,15 @@ cdef object FOREVER = -1  # the default timeout object, so the fast path can tes
 
 cdef lockmgr_mutex engine_mutex           # see the module docstring
 cdef Py_tss_t token_key                   # per thread: its Token*, or NULL before first use
-cdef unsigned long long searches = 0      # mutex: numbers deadlock searches (Token.visit)
-cdef Table *tables = NULL                 # mutex: every live table (previous/next_table)
-cdef long forking_pid = 0                 # between os.fork()'s hooks: the parent's pid
+cdef unsigned long long searches = 0      # engine: numbers deadlock searches (Token.visit)
+cdef Table *tables = NULL                 # engine: every live table (previous/next_table)
+cdef Shard *touched_shards = NULL         # engine: the shards the engine holder has taken
+cdef size_t shard_count = 1               # shards per new table; set once at import
+cdef Py_ssize_t forking_pid = 0           # atomic: between os.fork()'s hooks, the parent's pid
 memset(&engine_mutex, 0, sizeof(engine_mutex))
+if sizeof(Shard) > SHARD_BYTES:
+    raise ImportError("lockmgr._core: a Shard does not fit SHARD_BYTES on this platform")
+shard_count = shards_per_table(os.environ.get("LOCKMGR_SHARDS"), LOCKMGR_FREE_THREADED)
 if PyThread_tss_create(&token_key) != 0:
     raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
 
@@ -169,6 +202,12 @@ cdef inline size_t spread(Py_hash_t h) noexcept nogil:
     """Mix a hash so its low bits depend on all of it (lockmgr._common.stripe_index)."""
     cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
     return <size_t>(mixed ^ (mixed >> 32))
+
+
+cdef inline Shard* shard_for(Table *table, Py_hash_t h) noexcept nogil:
+    """The shard a hash belongs to: the top bits of the mixed hash (buckets use the low)."""
+    cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
+    return <Shard*>(<char*>table.shards + ((mixed >> 48) & table.shard_mask) * SHARD_BYTES)
 
 
 cdef struct Peek:

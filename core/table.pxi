@@ -1,13 +1,46 @@
 # lockmgr._core sections, part 1: the table, holders, queues and grants.
 # (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
-# == sections: every function in this file and in operations.pxi is noexcept nogil and
-# runs under the mutex (the compiler rejects Python object operations in them) ===========
+# == every function in this file and in operations.pxi is noexcept nogil: the compiler
+# rejects Python object operations in them. They run in a section (engine_mutex held,
+# each shard touched before its entries are read), or, the few the fast paths use, with
+# one shard's mutex held alone. =============================================================
+
+# -- shards -------------------------------------------------------------------------------
+
+cdef inline void touch(Shard *shard) noexcept nogil:
+    """Take ``shard``'s mutex for the rest of the section (once; ``unlock`` gives it back).
+
+    Only the engine holder holds more than one shard, and a fast path holds one and takes
+    nothing else, so shards may be taken in any order without a deadlock."""
+    global touched_shards
+    if not shard.touched:
+        lockmgr_mutex_lock(&shard.mutex)
+        shard.touched = True
+        shard.next_touched = touched_shards
+        touched_shards = shard
+
+
+cdef inline Entry* touched(Entry *entry) noexcept nogil:
+    """``entry``, its shard touched (a section reached it through a request or a list)."""
+    touch(entry.shard)
+    return entry
+
+
+cdef void touch_all(Table *table) noexcept nogil:
+    cdef size_t i
+    for i in range(table.shard_mask + 1):
+        touch(shard_at(table, i))
+
+
+cdef inline Shard* shard_at(Table *table, size_t index) noexcept nogil:
+    return <Shard*>(<char*>table.shards + index * SHARD_BYTES)
+
 
 # -- the table ----------------------------------------------------------------------------
 
-cdef inline size_t bucket_of(Table *table, Py_hash_t h) noexcept nogil:
-    return spread(h) & table.mask  # spread: consecutive ints must not share low bits
+cdef inline size_t bucket_of(Shard *shard, Py_hash_t h) noexcept nogil:
+    return spread(h) & shard.mask  # spread: consecutive ints must not share low bits
 
 
 cdef int known_answer(Lookup *lookup, PyObject *stored) noexcept nogil:
@@ -19,10 +52,12 @@ cdef int known_answer(Lookup *lookup, PyObject *stored) noexcept nogil:
     return -1
 
 
-cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
-    """The entry for ``lookup``'s key, or NULL: absent, or (``lookup.candidate`` set) a
-    stored key must be compared in Python first."""
-    cdef Entry *entry = table.buckets[bucket_of(table, lookup.hash)]
+cdef inline Entry* find_in(Shard *shard, Lookup *lookup, bint *unsure) noexcept nogil:
+    """The entry for ``lookup``'s key in ``shard`` (held), or NULL: absent, or (``unsure[0]``
+    set) a stored key must be compared in Python first; a section then gets it as
+    ``lookup.candidate`` (a strong reference), a fast path (``unsure`` not NULL) just learns
+    it must leave the key to a section."""
+    cdef Entry *entry = shard.buckets[bucket_of(shard, lookup.hash)]
     cdef int equal
     while entry is not NULL:
         if entry.hash == lookup.hash:
@@ -34,6 +69,9 @@ cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
             if equal > 0:
                 return entry
             if equal < 0:
+                if unsure is not NULL:
+                    unsure[0] = True
+                    return NULL
                 lockmgr_incref(entry.key)
                 lookup.candidate = entry.key
                 return NULL
@@ -41,13 +79,22 @@ cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
     return NULL
 
 
+cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
+    """``find_in`` for a section: the key's shard is touched first."""
+    cdef Shard *shard = shard_for(table, lookup.hash)
+    touch(shard)
+    return find_in(shard, lookup, NULL)
+
+
 cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noexcept nogil:
-    """Put ``entry`` (memory from prepare) in the table for ``lookup``'s key."""
-    cdef size_t bucket = bucket_of(table, lookup.hash)
+    """Put ``entry`` (memory from prepare) in the table for ``lookup``'s key (its shard held)."""
+    cdef Shard *shard = shard_for(table, lookup.hash)
+    cdef size_t bucket = bucket_of(shard, lookup.hash)
     lockmgr_incref(lookup.key)
     entry.key = lookup.key
     entry.hash = lookup.hash
     entry.table = table
+    entry.shard = shard
     entry.owner = NULL
     entry.count = 0
     entry.pinned = 0
@@ -56,68 +103,69 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.head = NULL
     entry.tail = NULL
     entry.inflight = 0
-    entry.bucket_next = table.buckets[bucket]
-    table.buckets[bucket] = entry
-    table.entries += 1
-    if <size_t>table.entries > table.mask + 1:
+    entry.bucket_next = shard.buckets[bucket]
+    shard.buckets[bucket] = entry
+    shard.entries += 1
+    if <size_t>shard.entries > shard.mask + 1:
         after.resize = table
     return entry
 
 
-cdef void remove(Table *table, Entry *entry, After *after) noexcept nogil:
+cdef void remove(Entry *entry, After *after) noexcept nogil:
     """Unlink an unused ``entry``; its key and memory go to the After."""
-    cdef Entry **link = &table.buckets[bucket_of(table, entry.hash)]
+    cdef Shard *shard = entry.shard
+    cdef Entry **link = &shard.buckets[bucket_of(shard, entry.hash)]
     while link[0] != entry:
         link = &link[0].bucket_next
     link[0] = entry.bucket_next
     entry.bucket_next = after.retired
     after.retired = entry
-    table.entries -= 1
-    if table.mask + 1 > MIN_BUCKETS and <size_t>table.entries * 4 < table.mask + 1:
-        after.resize = table
+    shard.entries -= 1
+    if shard.mask + 1 > MIN_BUCKETS and <size_t>shard.entries * 4 < shard.mask + 1:
+        after.resize = entry.table
 
 
 cdef inline bint unused(Entry *entry) noexcept nogil:
     return entry.owner is NULL and entry.nreaders == 0 and entry.inflight == 0
 
 
-cdef size_t wanted_buckets(Table *table) noexcept nogil:
-    """The bucket count ``table`` should have, or 0 if its current one is fine."""
-    cdef size_t buckets = table.mask + 1
-    if <size_t>table.entries > buckets:
-        while <size_t>table.entries > buckets:
+cdef size_t wanted_buckets(Shard *shard) noexcept nogil:
+    """The bucket count ``shard`` should have, or 0 if its current one is fine."""
+    cdef size_t buckets = shard.mask + 1
+    if <size_t>shard.entries > buckets:
+        while <size_t>shard.entries > buckets:
             buckets *= 2
         return buckets
-    if buckets > MIN_BUCKETS and <size_t>table.entries * 4 < buckets:
-        while buckets > MIN_BUCKETS and <size_t>table.entries * 2 < buckets:
+    if buckets > MIN_BUCKETS and <size_t>shard.entries * 4 < buckets:
+        while buckets > MIN_BUCKETS and <size_t>shard.entries * 2 < buckets:
             buckets //= 2
         return buckets
     return 0
 
 
-cdef Entry** rehash(Table *table, Entry **fresh, size_t buckets) noexcept nogil:
+cdef Entry** rehash(Shard *shard, Entry **fresh, size_t buckets) noexcept nogil:
     """Move every entry into ``fresh`` (``buckets`` zeroed slots); returns the old array."""
-    cdef Entry **old = table.buckets
-    cdef size_t old_count = table.mask + 1, i
+    cdef Entry **old = shard.buckets
+    cdef size_t old_count = shard.mask + 1, i
     cdef Entry *entry
     cdef Entry *following
-    table.buckets = fresh
-    table.mask = buckets - 1
+    shard.buckets = fresh
+    shard.mask = buckets - 1
     for i in range(old_count):
         entry = old[i]
         while entry is not NULL:
             following = entry.bucket_next
-            entry.bucket_next = fresh[bucket_of(table, entry.hash)]
-            fresh[bucket_of(table, entry.hash)] = entry
+            entry.bucket_next = fresh[bucket_of(shard, entry.hash)]
+            fresh[bucket_of(shard, entry.hash)] = entry
             entry = following
     return old
 
 
 # -- holders ------------------------------------------------------------------------------
 
-cdef inline void own(Table *table, Entry *entry, Token *token, Py_ssize_t count) noexcept nogil:
+cdef inline void own(Entry *entry, Token *token, Py_ssize_t count) noexcept nogil:
     if entry.nreaders == 0:
-        table.held += 1
+        entry.shard.held += 1
     entry.owner = token
     entry.count = count
     entry.pinned = 0
@@ -126,21 +174,26 @@ cdef inline void own(Table *table, Entry *entry, Token *token, Py_ssize_t count)
     if token.held is not NULL:
         token.held.held_prev = entry
     token.held = entry
-    table.acquisitions += 1
+    entry.shard.acquisitions += 1
 
 
-cdef inline void disown(Table *table, Entry *entry) noexcept nogil:
+cdef inline void unlink_held(Entry *entry) noexcept nogil:
+    """Take ``entry`` out of its owner's list of write-held entries."""
     if entry.held_prev is not NULL:
         entry.held_prev.held_next = entry.held_next
     else:
         entry.owner.held = entry.held_next
     if entry.held_next is not NULL:
         entry.held_next.held_prev = entry.held_prev
+
+
+cdef inline void disown(Entry *entry) noexcept nogil:
+    unlink_held(entry)
     entry.owner = NULL
     entry.count = 0
     entry.pinned = 0
     if entry.nreaders == 0:
-        table.held -= 1
+        entry.shard.held -= 1
 
 
 cdef inline Hold* read_hold(Entry *entry, Token *token) noexcept nogil:
@@ -150,10 +203,9 @@ cdef inline Hold* read_hold(Entry *entry, Token *token) noexcept nogil:
     return hold
 
 
-cdef void add_read(Table *table, Entry *entry, Token *token, Hold *hold,
-                   Py_ssize_t count) noexcept nogil:
+cdef void add_read(Entry *entry, Token *token, Hold *hold, Py_ssize_t count) noexcept nogil:
     if entry.owner is NULL and entry.nreaders == 0:
-        table.held += 1
+        entry.shard.held += 1
     hold.token = token
     hold.entry = entry
     hold.count = count
@@ -169,25 +221,30 @@ cdef void add_read(Table *table, Entry *entry, Token *token, Hold *hold,
     if token.reads is not NULL:
         token.reads.token_prev = hold
     token.reads = hold
-    table.acquisitions += 1
+    entry.shard.acquisitions += 1
 
 
-cdef void drop_read(Table *table, Entry *entry, Hold *hold) noexcept nogil:
-    if hold.entry_prev is not NULL:
-        hold.entry_prev.entry_next = hold.entry_next
-    else:
-        entry.readers = hold.entry_next
-    if hold.entry_next is not NULL:
-        hold.entry_next.entry_prev = hold.entry_prev
+cdef inline void unlink_read(Hold *hold) noexcept nogil:
+    """Take ``hold`` out of its thread's list of read holds."""
     if hold.token_prev is not NULL:
         hold.token_prev.token_next = hold.token_next
     else:
         hold.token.reads = hold.token_next
     if hold.token_next is not NULL:
         hold.token_next.token_prev = hold.token_prev
+
+
+cdef void drop_read(Entry *entry, Hold *hold) noexcept nogil:
+    if hold.entry_prev is not NULL:
+        hold.entry_prev.entry_next = hold.entry_next
+    else:
+        entry.readers = hold.entry_next
+    if hold.entry_next is not NULL:
+        hold.entry_next.entry_prev = hold.entry_prev
+    unlink_read(hold)
     entry.nreaders -= 1
     if entry.owner is NULL and entry.nreaders == 0:
-        table.held -= 1
+        entry.shard.held -= 1
     PyMem_RawFree(hold)
 
 
@@ -243,22 +300,22 @@ cdef bint grantable(Entry *entry, Request *request) noexcept nogil:
         entry.nreaders == 1 and entry.readers.token == request.token)
 
 
-cdef void take(Table *table, Entry *entry, Request *request) noexcept nogil:
+cdef void take(Entry *entry, Request *request) noexcept nogil:
     """Give ``request`` its key (``grantable`` said it may)."""
     cdef Hold *hold
     if request.mode == WRITE:
         if entry.owner == request.token:
             entry.count += request.count
-            table.acquisitions += 1
+            entry.shard.acquisitions += 1
         else:
-            own(table, entry, request.token, request.count)
+            own(entry, request.token, request.count)
         return
     hold = read_hold(entry, request.token)
     if hold is not NULL:
         hold.count += request.count
-        table.acquisitions += 1
+        entry.shard.acquisitions += 1
     else:
-        add_read(table, entry, request.token, request.hold, request.count)
+        add_read(entry, request.token, request.hold, request.count)
         request.hold = NULL
 
 
@@ -271,12 +328,13 @@ cdef inline void wake(Request *request, After *after) noexcept nogil:
 cdef void grant(Table *table, Entry *entry, Request *request) noexcept nogil:
     """A single request takes its key and leaves the queue (its wake-up is the caller's)."""
     dequeue(entry, request)
-    take(table, entry, request)
+    take(entry, request)
     table.waiting -= 1
     request.state = GRANTED
 
 
 cdef bint node_ready(Request *node) noexcept nogil:
+    touch(node.entry.shard)
     return node.entry.owner == node.token and grantable(node.entry, node) or (
         node.entry.head == node and grantable(node.entry, node))
 
@@ -290,7 +348,7 @@ cdef bint group_grantable(Request *lead) noexcept nogil:
     return True
 
 
-cdef void grant_nodes(Table *table, Request *lead, bint was_queued) noexcept nogil:
+cdef void grant_nodes(Request *lead, bint was_queued) noexcept nogil:
     """Give a set every key at once: queued nodes take their entries; the others re-enter
     keys its thread holds (their levels were pinned when it queued, or are taken now)."""
     cdef Py_ssize_t i
@@ -298,18 +356,19 @@ cdef void grant_nodes(Table *table, Request *lead, bint was_queued) noexcept nog
     cdef Hold *hold
     for i in range(lead.nodes):
         node = lead + i
+        touch(node.entry.shard)
         if node.queued:
             if was_queued:
                 dequeue(node.entry, node)
-            take(table, node.entry, node)
+            take(node.entry, node)
         elif was_queued:
             if node.mode == WRITE:
                 node.entry.pinned -= 1
             else:
                 read_hold(node.entry, node.token).pinned -= 1
-            table.acquisitions += 1
+            node.entry.shard.acquisitions += 1
         else:
-            take(table, node.entry, node)
+            take(node.entry, node)
     lead.state = GRANTED
 
 
@@ -324,13 +383,13 @@ cdef void pass_on(Table *table, Entry *entry, After *after) noexcept nogil:
         head = entry.head
         if head is NULL:
             if unused(entry):
-                remove(table, entry, after)
+                remove(entry, after)
             return
         if head.lead is not NULL:  # a set: all of its keys or none
             lead = head.lead
             if lead.state != WAITING or not group_grantable(lead):
                 return
-            grant_nodes(table, lead, True)
+            grant_nodes(lead, True)
             table.waiting -= 1
             wake(lead, after)
             for i in range(lead.nodes):  # readers queued behind its read nodes may follow

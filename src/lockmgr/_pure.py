@@ -437,6 +437,8 @@ class _Engine:
         # __init__ may have failed. A collection that runs inside a section of this thread
         # cannot take the mutex: the tokens then keep dead references until their thread
         # ends (they skip managers that are gone).
+        if _mutex is None:  # a late finalization cleared this module: nothing runs a table now
+            return
         if getattr(self, "_table", None) and _mutex.get(0) != _get_ident():
             _section(self._unlink_section)
 
