@@ -144,37 +144,88 @@ cdef extern from *:
     #  define lockmgr_is_finalizing() _Py_IsFinalizing()
     #endif
 
+    #if defined(_WIN32)
+    #  ifndef WIN32_LEAN_AND_MEAN
+    #    define WIN32_LEAN_AND_MEAN
+    #  endif
+    #  include <windows.h>
+    #endif
+
+    /* A shard's mutex: a one-byte lock, taken by an atomic exchange and given back by a
+       plain release store (half the atomic read-modify-writes of a PyMutex pair, which
+       is what the uncontended path pays for). Its holders run a few hundred instructions
+       and never block, detach or need the GIL, so a waiter spins, yielding its core when
+       the holder was preempted; with a GIL it is never contended (no section releases it). */
+    typedef struct { char locked; } lockmgr_spinlock;
+    #if defined(_MSC_VER)
+    #  include <intrin.h>
+    #  define LOCKMGR_SPIN_XCHG(p) _InterlockedExchange8((p), 1)
+    #  define LOCKMGR_SPIN_PEEK(p) (*(volatile char *)(p))
+    #  define LOCKMGR_SPIN_PAUSE() YieldProcessor()
+    #  define LOCKMGR_SPIN_YIELD() SwitchToThread()
+    #  define lockmgr_spin_unlock(m) ((void)_InterlockedExchange8(&(m)->locked, 0))
+    #else
+    #  include <sched.h>
+    #  define LOCKMGR_SPIN_XCHG(p) __atomic_exchange_n((p), 1, __ATOMIC_ACQUIRE)
+    #  define LOCKMGR_SPIN_PEEK(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+    #  if defined(__x86_64__) || defined(__i386__)
+    #    define LOCKMGR_SPIN_PAUSE() __builtin_ia32_pause()
+    #  elif defined(__aarch64__)
+    #    define LOCKMGR_SPIN_PAUSE() __asm__ __volatile__("yield")
+    #  else
+    #    define LOCKMGR_SPIN_PAUSE() ((void)0)
+    #  endif
+    #  define LOCKMGR_SPIN_YIELD() sched_yield()
+    #  define lockmgr_spin_unlock(m) __atomic_store_n(&(m)->locked, 0, __ATOMIC_RELEASE)
+    #endif
+    static void lockmgr_spin_wait(lockmgr_spinlock *m) {
+        int spins;
+        do {
+            for (spins = 0; spins < 100 && LOCKMGR_SPIN_PEEK(&m->locked); spins++)
+                LOCKMGR_SPIN_PAUSE();
+            if (LOCKMGR_SPIN_PEEK(&m->locked))
+                LOCKMGR_SPIN_YIELD();
+        } while (LOCKMGR_SPIN_XCHG(&m->locked));
+    }
+    static inline void lockmgr_spin_lock(lockmgr_spinlock *m) {
+        if (LOCKMGR_SPIN_XCHG(&m->locked))
+            lockmgr_spin_wait(m);
+    }
+    #define lockmgr_spin_forget(m) ((m)->locked = 0)
+
     /* The engine mutex: PyMutex where CPython has it (3.13+, and every free-threaded
-       build), else a one-byte atomic lock whose waiters release the GIL while they spin.
+       build), else the lock above, whose waiters release the GIL while they wait (rule 2).
        Taken only with the GIL held (attached thread state). */
     #if PY_VERSION_HEX >= 0x030D0000
     typedef PyMutex lockmgr_mutex;
     #  define lockmgr_mutex_lock(m) PyMutex_Lock(m)
     #  define lockmgr_mutex_unlock(m) PyMutex_Unlock(m)
     #else
-    typedef struct { char locked; } lockmgr_mutex;
-    #  if defined(_MSC_VER)
-    #    include <intrin.h>
-    #    define LOCKMGR_XCHG(p, v) _InterlockedExchange8((p), (v))
-    #    define LOCKMGR_YIELD() SwitchToThread()
-    #  else
-    #    include <sched.h>
-    #    define LOCKMGR_XCHG(p, v) __atomic_exchange_n((p), (v), __ATOMIC_ACQUIRE)
-    #    define LOCKMGR_YIELD() sched_yield()
-    #  endif
+    typedef lockmgr_spinlock lockmgr_mutex;
     static void lockmgr_mutex_lock(lockmgr_mutex *m) {
-        if (!LOCKMGR_XCHG(&m->locked, 1)) return;
+        if (!LOCKMGR_SPIN_XCHG(&m->locked)) return;
         Py_BEGIN_ALLOW_THREADS
-        while (LOCKMGR_XCHG(&m->locked, 1)) LOCKMGR_YIELD();
+        lockmgr_spin_wait(m);
         Py_END_ALLOW_THREADS
     }
-    #  if defined(_MSC_VER)
-    #    define lockmgr_mutex_unlock(m) ((void)_InterlockedExchange8(&(m)->locked, 0))
-    #  else
-    #    define lockmgr_mutex_unlock(m) __atomic_store_n(&(m)->locked, 0, __ATOMIC_RELEASE)
-    #  endif
+    #  define lockmgr_mutex_unlock(m) lockmgr_spin_unlock(m)
     #endif
     #define lockmgr_mutex_forget(m) memset((m), 0, sizeof(lockmgr_mutex))
+
+    /* hash(key), reading a str's cached hash without a call (the common key). */
+    static inline Py_hash_t lockmgr_hash(PyObject *key) {
+        Py_hash_t cached;
+        if (PyUnicode_CheckExact(key)) {
+    #if PY_VERSION_HEX >= 0x030D0000
+            cached = _Py_atomic_load_ssize_relaxed(&((PyASCIIObject *)key)->hash);
+    #else
+            cached = ((PyASCIIObject *)key)->hash;
+    #endif
+            if (cached != -1) return cached;
+        }
+        return PyObject_Hash(key);
+    }
+
     /* A word read by a thread that may not take the mutex while another writes it. */
     #if PY_VERSION_HEX >= 0x030D0000
     #  define lockmgr_load_ssize(p) _Py_atomic_load_ssize_relaxed(p)
@@ -191,10 +242,6 @@ cdef extern from *:
 
     /* The platform shim: a monotonic clock in seconds (time.monotonic()'s clock). */
     #if defined(_WIN32)
-    #  ifndef WIN32_LEAN_AND_MEAN
-    #    define WIN32_LEAN_AND_MEAN
-    #  endif
-    #  include <windows.h>
     static double lockmgr_monotonic(void) {
         LARGE_INTEGER frequency, now;  /* the frequency is fixed at boot */
         QueryPerformanceFrequency(&frequency);
@@ -263,6 +310,12 @@ cdef extern from *:
     void lockmgr_mutex_lock(lockmgr_mutex *m) nogil
     void lockmgr_mutex_unlock(lockmgr_mutex *m) nogil
     void lockmgr_mutex_forget(lockmgr_mutex *m) nogil
+    Py_hash_t lockmgr_hash(object key) except? -1
+    ctypedef struct lockmgr_spinlock:
+        pass
+    void lockmgr_spin_lock(lockmgr_spinlock *m) nogil
+    void lockmgr_spin_unlock(lockmgr_spinlock *m) nogil
+    void lockmgr_spin_forget(lockmgr_spinlock *m) nogil
     Py_ssize_t lockmgr_load_ssize(Py_ssize_t *p) nogil
     void lockmgr_store_ssize(Py_ssize_t *p, Py_ssize_t value) nogil
     int lockmgr_is_finalizing()

@@ -141,6 +141,9 @@ cdef inline int finish_if_needed(After *after, Token *keeper) except -1:
 
 cdef class _Engine:
     """The table, holds, queues, grants and waits that every manager shares."""
+    # Keeps ``table`` off the cache line of the object's header, whose shared reference
+    # count other threads write (a view of a key holds a reference) on free-threaded builds.
+    cdef char header_gap[64]
     cdef Table table                      # this manager's lock table (see struct Table)
     cdef tuple stripe_keys                # striped: one Stripe key per stripe; None: exact keys
     cdef size_t stripe_mask               # striped: stripe count - 1 (the count is a power of two)
@@ -173,13 +176,24 @@ cdef class _Engine:
 
     def __dealloc__(self):
         cdef After after
+        cdef PyObject **keys
+        cdef Py_ssize_t room, i
         if self.table.shard_memory is NULL:  # __cinit__ failed: nothing is left to free
             return
+        lock()
+        room = held_count(&self.table)  # nothing else changes a table being freed
+        unlock()
+        keys = <PyObject**>PyMem_RawCalloc(room, sizeof(PyObject*)) if room else NULL
+        if keys is NULL:
+            room = 0  # orphans keep their keys until their threads retire them
         after_init(&after, NULL, 0)
         lock()
-        tear_down(&self.table, existing_token(), &after)
+        tear_down(&self.table, existing_token(), keys, room, &after)
         unlock()
         finish(&after, NULL)
+        for i in range(room):
+            Py_XDECREF(keys[i])
+        PyMem_RawFree(keys)
         self._free_shards()
 
     cdef void _free_shards(self) noexcept:
@@ -226,7 +240,7 @@ cdef class _Engine:
         """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
         if self.stripe_keys is None:
             return None
-        return spread(hash(key)) & self.stripe_mask
+        return spread(lockmgr_hash(key)) & self.stripe_mask
 
     cdef int _use_stripes(self, stripes) except -1:
         count = stripe_count(stripes)
@@ -247,11 +261,11 @@ cdef class _Engine:
 
     def _table_key(self, key):
         """``_lock_key`` for Python callers (the multi-key argument normalisers)."""
-        cdef Py_hash_t h = hash(key)
+        cdef Py_hash_t h = lockmgr_hash(key)
         return self._lock_key(key, &h)
 
     cdef int _peek(self, object key, Peek *seen) except -1:
-        cdef Py_hash_t h = hash(key)
+        cdef Py_hash_t h = lockmgr_hash(key)
         cdef Lookup lookup
         cdef Op op
         key = self._lock_key(key, &h)
@@ -313,9 +327,9 @@ cdef class _Engine:
         # The Op is filled in only off the fast path.
         after_init(&op.after, NULL, 0)
         shard = shard_for(&self.table, h)
-        lockmgr_mutex_lock(&shard.mutex)
+        lockmgr_spin_lock(&shard.mutex)
         outcome = fast_acquire_write(&self.table, shard, &lookup, token, count, &op.after)
-        lockmgr_mutex_unlock(&shard.mutex)
+        lockmgr_spin_unlock(&shard.mutex)
         if outcome == DONE and op.after.resize is NULL:
             return True
         op_fill(&op, ACQUIRE_WRITE, &self.table, token, &lookup, 1)
@@ -343,9 +357,9 @@ cdef class _Engine:
         op.request = &request
         request.hold = NULL
         shard = shard_for(&self.table, h)
-        lockmgr_mutex_lock(&shard.mutex)
+        lockmgr_spin_lock(&shard.mutex)
         outcome = fast_acquire_read(&self.table, shard, &lookup, token, &op.after)
-        lockmgr_mutex_unlock(&shard.mutex)
+        lockmgr_spin_unlock(&shard.mutex)
         if outcome == SECTION:
             outcome = <Outcome>execute(&op)
         try:
@@ -383,7 +397,7 @@ cdef class _Engine:
             op.fresh = fresh
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
-                lookup_init(lookups + i, key, hash(key))
+                lookup_init(lookups + i, key, lockmgr_hash(key))
                 nodes[i].token = token
                 nodes[i].lead = nodes
                 nodes[i].count = 1
@@ -499,9 +513,9 @@ cdef class _Engine:
         # The Op is filled in only off the fast path.
         after_init(&op.after, NULL, 0)
         shard = shard_for(&self.table, h)
-        lockmgr_mutex_lock(&shard.mutex)
+        lockmgr_spin_lock(&shard.mutex)
         outcome = fast_release_write(shard, &lookup, token, fully, &op.result, &op.after)
-        lockmgr_mutex_unlock(&shard.mutex)
+        lockmgr_spin_unlock(&shard.mutex)
         if outcome == SECTION:
             op_fill(&op, RELEASE_WRITE, &self.table, token, &lookup, 1)
             op.fully = fully
@@ -520,9 +534,9 @@ cdef class _Engine:
         lookup_init(&lookup, key, h)
         op_init(&op, RELEASE_READ, &self.table, token, &lookup, 1)
         shard = shard_for(&self.table, h)
-        lockmgr_mutex_lock(&shard.mutex)
+        lockmgr_spin_lock(&shard.mutex)
         outcome = fast_release_read(shard, &lookup, token, &op.after)
-        lockmgr_mutex_unlock(&shard.mutex)
+        lockmgr_spin_unlock(&shard.mutex)
         if outcome == SECTION:
             outcome = <Outcome>execute(&op)
         finish_if_needed(&op.after, token)
@@ -548,7 +562,7 @@ cdef class _Engine:
             op.entries = entries
             for i in range(n):
                 key, mode = items[i]
-                lookup_init(lookups + i, key, hash(key))
+                lookup_init(lookups + i, key, lockmgr_hash(key))
                 modes[i] = READ if mode == READ else WRITE
             if n:
                 outcome = <Outcome>execute(&op)

@@ -28,14 +28,16 @@ cdef class LockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         return self._acquire_write(key, h, seconds, 1)
 
     def release(self, key):
         """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         self._release_write(key, h, False)
 
     def hold(self, key, timeout=None):
@@ -110,18 +112,20 @@ cdef class LockManager(_Engine):
         return seen.owner, seen.count
 
     def _release_save(self, key):
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         return self._release_fully(key, h)
 
     def _acquire_restore(self, key, state):
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         self._acquire_write(key, h, -1.0, restored_count(state))
 
     cdef KeyLock _view(self, key):
         cdef KeyLock view = KeyLock.__new__(KeyLock)
-        cdef Py_hash_t h = hash(key)
+        cdef Py_hash_t h = lockmgr_hash(key)
         view.key = key
         view.lock_key = self._lock_key(key, &h)
         view.hash = h
@@ -147,8 +151,9 @@ cdef class RWLockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         return self._acquire_read(key, h, seconds)
 
     def acquire_write(self, key, blocking=True, timeout=FOREVER):
@@ -156,20 +161,23 @@ cdef class RWLockManager(_Engine):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         return self._acquire_write(key, h, seconds, 1)
 
     def release_read(self, key):
         """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         self._release_read(key, h)
 
     def release_write(self, key):
         """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
-        cdef Py_hash_t h = hash(key)
-        key = self._lock_key(key, &h)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         self._release_write(key, h, False)
 
     def read(self, key, timeout=None):
@@ -222,7 +230,7 @@ cdef class RWLockManager(_Engine):
 
     cdef _Holding _holding(self, key, timeout, Mode mode):
         cdef _Holding holding = _Holding.__new__(_Holding)
-        cdef Py_hash_t h = hash(key)
+        cdef Py_hash_t h = lockmgr_hash(key)
         holding.seconds = hold_seconds(timeout)
         holding.key = self._lock_key(key, &h)
         holding.hash = h
@@ -294,7 +302,7 @@ cdef class KeyLock:
     cdef object __weakref__
 
     def __init__(self, LockManager manager not None, key):
-        cdef Py_hash_t h = hash(key)
+        cdef Py_hash_t h = lockmgr_hash(key)
         self.key = key
         self.lock_key = manager._lock_key(key, &h)
         self.hash = h

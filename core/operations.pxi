@@ -664,11 +664,13 @@ cdef Py_ssize_t count_holds(Token *token) noexcept nogil:
     return count
 
 
-cdef void tear_down(Table *table, Token *current, After *after) noexcept nogil:
+cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t room,
+                    After *after) noexcept nogil:
     """A manager is being freed (nobody waits in it: a waiter's call keeps it alive): leave
     the live list, hand every entry to the After. What another thread holds stays linked in
-    its lists, which only that thread may change while it runs fast paths: the entry (with
-    its key) becomes an orphan that thread retires, a read hold one it frees."""
+    its lists, which only that thread may change while it runs fast paths: the entry becomes
+    an orphan that thread retires, a read hold one it frees. An orphan's key goes to
+    ``keys`` (the first ``room`` of them; the rest stay with their orphans)."""
     cdef size_t i, b
     cdef Shard *shard
     cdef Entry *entry
@@ -705,6 +707,10 @@ cdef void tear_down(Table *table, Token *current, After *after) noexcept nogil:
                 if orphan:
                     entry.table = NULL
                     entry.shard = NULL
+                    if room:
+                        room -= 1
+                        keys[room] = entry.key
+                        entry.key = NULL
                 else:
                     entry.bucket_next = after.retired
                     after.retired = entry

@@ -12,7 +12,7 @@ cdef inline void unlock() noexcept:
     touched_shards = NULL
     while shard is not NULL:
         shard.touched = False
-        lockmgr_mutex_unlock(&shard.mutex)
+        lockmgr_spin_unlock(&shard.mutex)
         shard = shard.next_touched
     lockmgr_mutex_unlock(&engine_mutex)
 
@@ -68,20 +68,20 @@ cdef void resize(Shard *shard) noexcept:
     cdef size_t buckets
     cdef Entry **fresh
     cdef Entry **unneeded
-    lockmgr_mutex_lock(&shard.mutex)
+    lockmgr_spin_lock(&shard.mutex)
     buckets = wanted_buckets(shard)
-    lockmgr_mutex_unlock(&shard.mutex)
+    lockmgr_spin_unlock(&shard.mutex)
     if buckets == 0:
         return
     fresh = <Entry**>PyMem_RawCalloc(buckets, sizeof(Entry*))
     if fresh is NULL:
         return
-    lockmgr_mutex_lock(&shard.mutex)
+    lockmgr_spin_lock(&shard.mutex)
     if wanted_buckets(shard) == buckets:
         unneeded = rehash(shard, fresh, buckets)
     else:
         unneeded = fresh
-    lockmgr_mutex_unlock(&shard.mutex)
+    lockmgr_spin_unlock(&shard.mutex)
     PyMem_RawFree(unneeded)
 
 
@@ -295,7 +295,7 @@ def _after_fork_in_child():
     table = tables
     while table is not NULL:
         for i in range(table.shard_mask + 1):
-            lockmgr_mutex_forget(&shard_at(table, i).mutex)
+            lockmgr_spin_forget(&shard_at(table, i).mutex)
             shard_at(table, i).touched = False
         table = table.next_table
     after_init(&after, NULL, 0)

@@ -118,7 +118,7 @@ cdef struct Entry:
 cdef struct Shard:
     # A slice of a table (keys by hash), with its own mutex so that threads using keys of
     # different shards never touch the same memory. On its own cache lines (see Table).
-    lockmgr_mutex mutex          # guards every "shard" field of the shard and its entries
+    lockmgr_spinlock mutex       # guards every "shard" field of the shard and its entries
     bint touched                 # engine: the engine holder has taken ``mutex`` (touch)
     Shard *next_touched          # engine: the next shard it has taken
     Entry **buckets              # shard: chained hash table; mask + 1 buckets

@@ -15,7 +15,7 @@ cdef inline void touch(Shard *shard) noexcept nogil:
     nothing else, so shards may be taken in any order without a deadlock."""
     global touched_shards
     if not shard.touched:
-        lockmgr_mutex_lock(&shard.mutex)
+        lockmgr_spin_lock(&shard.mutex)
         shard.touched = True
         shard.next_touched = touched_shards
         touched_shards = shard

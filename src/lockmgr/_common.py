@@ -59,7 +59,7 @@ __all__ = [
 #: Shards per manager of the compiled core when ``LOCKMGR_SHARDS`` is not set: on a
 #: free-threaded build threads using keys of different shards never touch the same memory;
 #: with a GIL only one thread runs at a time, so one shard saves memory.
-FREE_THREADED_SHARDS = 16
+FREE_THREADED_SHARDS = 64
 MAX_SHARDS = 1024
 
 
