@@ -702,7 +702,7 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
                         hold.entry = NULL
                     hold = next_hold
                 orphan = entry.owner is not NULL and entry.owner != current
-                if entry.owner == current:
+                if entry.owner is not NULL and not orphan:
                     unlink_held(entry)
                 if orphan:
                     entry.table = NULL

@@ -1,0 +1,169 @@
+"""Shards of the compiled core's tables, and managers freed while other threads hold their keys.
+
+A table is split into shards by key hash, each with its own mutex, so that threads using
+different keys never touch the same memory (free-threaded builds: 64 shards by default;
+with a GIL: 1). ``LOCKMGR_SHARDS`` sets the count. Holds of a freed manager that another
+thread still has stay linked in that thread's lists (only it may change them while it runs
+fast paths): the manager's keys are dropped at once, the rest is that thread's to free.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import warnings
+import weakref
+
+import pytest
+
+from lockmgr import AbandonedLockWarning
+from lockmgr._common import FREE_THREADED_SHARDS, MAX_SHARDS, shards_per_table
+
+from conftest import PATIENCE
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=PATIENCE * 3, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("setting", [None, "", "1", "2", "64", str(MAX_SHARDS)])
+@pytest.mark.parametrize("free_threaded", [True, False])
+def test_shard_count_comes_from_the_setting_or_the_build(setting, free_threaded) -> None:
+    default = FREE_THREADED_SHARDS if free_threaded else 1
+    assert shards_per_table(setting, free_threaded) == (int(setting) if setting else default)
+
+
+@pytest.mark.parametrize("setting", ["0", "3", "48", "-4", str(MAX_SHARDS * 2), "many", "1.0"])
+def test_a_shard_count_that_is_not_a_power_of_two_up_to_the_limit_is_refused(setting) -> None:
+    with pytest.raises(ValueError, match=f"LOCKMGR_SHARDS must be a power of two.*{setting!r}"):
+        shards_per_table(setting, True)
+
+
+@pytest.mark.compiled
+def test_the_compiled_core_takes_its_shard_count_from_the_environment() -> None:
+    sizes = {}
+    for setting in ("1", "64"):
+        done = _python("import lockmgr; print(lockmgr.LockManager().__sizeof__())",
+                       LOCKMGR_SHARDS=setting)
+        assert done.returncode == 0, done.stderr
+        sizes[setting] = int(done.stdout)
+    # Each shard has its own cache lines and buckets.
+    assert sizes["64"] - sizes["1"] >= 63 * 128
+    done = _python("import lockmgr._core", LOCKMGR_SHARDS="12")
+    assert done.returncode == 1
+    assert "ValueError: LOCKMGR_SHARDS must be a power of two from 1 to 1024, not '12'" in done.stderr
+
+
+class Key:
+    """A key whose lifetime a test can watch (hash and equality by name)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Key) and other.name == self.name
+
+
+def test_a_manager_freed_while_another_thread_holds_its_keys_drops_them_at_once(
+        impl, workers) -> None:
+    doomed = impl.RWLockManager()
+    other = impl.LockManager()
+    written, read, kept = Key("written"), Key("read"), Key("kept")
+    refs = [weakref.ref(written), weakref.ref(read)]
+    holder = workers("holder")
+    holder.run(lambda: doomed.acquire_write(written))
+    holder.run(lambda: doomed.acquire_read(read))
+    holder.run(lambda: other.acquire(kept))
+    del doomed, written, read
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]
+    # The holder's lists still reach what it held there; its other keys are unaffected.
+    assert holder.run(lambda: other.release_all()) == 1
+    assert holder.run(lambda: other.acquire(kept, timeout=PATIENCE))
+    holder.run(lambda: other.release(kept))
+    assert len(other) == 0
+
+
+def test_a_thread_that_ends_holding_keys_of_a_freed_manager_warns_only_of_live_ones(impl) -> None:
+    doomed = impl.LockManager()
+    live = impl.LockManager()
+    took = threading.Event()
+    go = threading.Event()
+
+    def hold_and_end() -> None:
+        doomed.acquire("gone")
+        live.acquire("left")
+        took.set()
+        assert go.wait(PATIENCE)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=hold_and_end)  # started in this context: see README
+        thread.start()
+        assert took.wait(PATIENCE)
+        ref = weakref.ref(doomed)
+        del doomed
+        gc.collect()
+        assert ref() is None
+        go.set()
+        thread.join(PATIENCE)
+    abandoned = [w for w in caught if issubclass(w.category, AbandonedLockWarning)]
+    assert len(abandoned) == 1 and "'left'" in str(abandoned[0].message)
+    assert "'gone'" not in str(abandoned[0].message)
+    assert len(live) == 0 and live.acquire("left", blocking=False)
+
+
+def test_managers_freed_while_other_threads_run_fast_paths_on_theirs(impl) -> None:
+    """Tearing a table down touches other threads' lists only through orphans: threads that
+    keep taking and giving back keys (and keep keys of the managers being freed) while
+    managers are freed lose nothing and crash nothing. Run apart: a bug here crashes."""
+    code = f"""
+import gc, sys, threading, time
+from {impl.__name__} import LockManager, RWLockManager
+THREADS, ROUNDS = 4, 300
+shared = LockManager()
+doomed = [RWLockManager() for _ in range(ROUNDS)]
+counts = [0] * THREADS
+errors = []
+start = threading.Barrier(THREADS + 1)
+
+def churn(index):
+    try:
+        start.wait()
+        for round in range(ROUNDS):
+            manager = doomed[round]
+            manager.acquire_write(("w", index))   # left behind: an orphan once it is freed
+            manager.acquire_read("r")
+            for i in range(20):
+                with shared[("k", index, i % 3)]:
+                    counts[index] += 1
+        shared.release_all()
+    except BaseException as exc:
+        errors.append(exc)
+
+threads = [threading.Thread(target=churn, args=(i,)) for i in range(THREADS)]
+for thread in threads:
+    thread.start()
+start.wait()
+deadline = time.monotonic() + {PATIENCE}
+for round in range(ROUNDS):                      # free each manager as soon as all used it
+    while doomed[round].stats().acquisitions < 2 * THREADS and not errors:
+        assert time.monotonic() < deadline, "the threads stopped making progress"
+    doomed[round] = None
+    gc.collect(0)
+for thread in threads:
+    thread.join()
+assert not errors, errors
+assert counts == [ROUNDS * 20] * THREADS, counts
+assert len(shared) == 0 and shared.stats().waiting == 0
+print("ok")
+"""
+    done = _python(code, PYTHONWARNINGS="ignore")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
