@@ -5,18 +5,29 @@ It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, holds and token
 hand-off rules (that file's docstring states them). What this file adds is how the state is
 kept safe from everything else that runs in a Python process.
 
-Sections
---------
+Sections and fast paths
+-----------------------
 Every read or write of a table, an entry, a request, a hold or a token's lists happens in a
-*section*: a ``noexcept nogil`` C function, called with ``engine_mutex`` held. The compiler
-rejects any Python object operation in such a function, so no Python code (a key's
-``__eq__``, a finalizer, a gc callback, a signal handler, a weakref callback, another thread
-on a free-threaded build) can run in the middle of a change, and nothing in a section can
-fail. Every operation is written in three steps:
+*section* or a *fast path*: ``noexcept nogil`` C functions, so the compiler rejects any
+Python object operation in them, no Python code (a key's ``__eq__``, a finalizer, a gc
+callback, a signal handler, a weakref callback) can run in the middle of a change, and
+nothing in them can fail.
+
+- A *section* runs with ``engine_mutex`` held and takes (``touch``) the mutex of each shard
+  whose entries it reads, keeping them to its end. It can do anything: queue, grant, wake,
+  search the wait-for graph, release what a thread holds in every manager.
+- A *fast path* holds one shard's mutex and nothing else: an acquisition of a key that is
+  free or re-entered, or a release that hands nothing over, by a thread that is not waiting.
+  Whatever else it meets (a queue, an error, a key that needs a Python comparison) it leaves
+  untouched and the operation runs as a section instead. Threads using keys of different
+  shards therefore share no memory on the uncontended path (free-threaded builds have 64
+  shards per table by default, builds with a GIL one; ``LOCKMGR_SHARDS`` sets it).
+
+Every operation is written in three steps:
 
 - *prepare* (GIL held, Python allowed): hash the key, take the thread's token, allocate
   whatever the section may need (an entry, a hold, the nodes of a set);
-- *section* (mutex held): decide and change; record what is left to do in an ``After``:
+- *fast path or section*: decide and change; record what is left to do in an ``After``:
   entries the tables gave up (their keys are dropped later), requests to wake, a cycle found;
   or answer COMPARE: a stored key needs a Python ``__eq__`` against the caller's key — the
   section then changed nothing, prepare compares (a strong reference keeps the stored key
@@ -24,33 +35,48 @@ fail. Every operation is written in three steps:
   about the table, so it stays true whatever the table did meanwhile (and the reference
   keeps the stored key's address from being reused): each stored key is compared at most
   once per lookup, so a key whose ``__eq__`` itself uses the manager cannot livelock it;
-- *finish* (mutex released): post the woken waiters' wakeup locks, drop retired keys, free
-  or keep retired entries, resize a table, build errors and warnings.
+- *finish* (no mutex held): post the woken waiters' wakeup locks, drop retired keys, free
+  or keep retired entries, resize shards, build errors and warnings.
 
 Exact ``str``, ``bytes``, ``int`` and tuples of them compare inside a section
 (``lockmgr_key_equal``: plain C reads of immutable objects, no Python code, cannot fail).
 
-The mutex and the lock-ordering rules
--------------------------------------
-One mutex, ``engine_mutex``, guards every table of every manager of this module and every
-token (a ``PyMutex`` on 3.13+, a one-byte atomic lock before). Engine-wide rather than per
-manager: thread exit, teardown, fork and the deadlock search touch several tables at once,
-and one uncontended mutex costs the same as one per manager under the GIL (measured by the
-benchmark). Rules:
+Who guards what (each field in ``core/structs.pxi`` names its guard): an entry's state, and
+its shard's buckets and counters, by the shard's mutex; queues, requests, the wait-for graph,
+``Table.waiting`` and the list of live tables by ``engine_mutex``; a token's lists of holds
+by its own thread, which alone writes them, except that a grant made while it waits (when
+its fast paths are off) writes them under ``engine_mutex``. A manager freed while another
+thread holds some of its keys leaves those holds linked in that thread's lists (orphans)
+for the thread to free: only it may change its lists.
 
-1. Sections never block, never allocate, never call into Python, and never take another lock
-   (they free memory with ``PyMem_RawFree``, which runs no Python and cannot fail).
-2. The mutex is taken only with the GIL held (in prepare/finish code), and a thread that must
-   wait for it releases the GIL while it waits (PyMutex detaches; the fallback uses
-   ``Py_BEGIN_ALLOW_THREADS``), so its holder, which never needs the GIL, always finishes.
-3. A thread sleeps only on its own token's ``wakeup`` lock, without the GIL and without the
+The mutexes and the lock-ordering rules
+---------------------------------------
+``engine_mutex`` (a ``PyMutex`` on 3.13+, a one-byte atomic lock before) and one one-byte
+spin lock per shard (an exchange to take, a release store to give back: half the atomic
+operations of a ``PyMutex`` pair, which the uncontended path pays for). Rules:
+
+1. Sections and fast paths never block, never allocate, never call into Python and take no
+   other lock, with one exception: a section takes shard mutexes. Only the holder of
+   ``engine_mutex`` ever holds more than one shard mutex, and a fast path (or a resize)
+   holds one and takes nothing while holding it, so shards may be taken in any order and
+   a waiter for a shard waits at most for one short fast path: it spins, yielding its core.
+   (They free memory with ``PyMem_RawFree``, which runs no Python and cannot fail.)
+2. ``engine_mutex`` is taken only with the GIL held (attached, free-threaded), never while
+   holding a shard mutex, and a thread that must wait for it releases the GIL (detaches)
+   while it waits (PyMutex does; the fallback uses ``Py_BEGIN_ALLOW_THREADS``), so its
+   holder, which never needs the GIL, always finishes. Nothing waits for a shard detached,
+   and with a GIL no section ever finds a shard mutex taken (no section releases the GIL).
+3. A thread sleeps only on its own token's ``wakeup`` lock, without the GIL and without any
    mutex. Posting one (``PyThread_release_lock``) takes at most CPython's short internal
-   mutex of that lock, whose holder never needs the GIL or ``engine_mutex``.
+   mutex of that lock, whose holder never needs the GIL or our mutexes.
 4. Fork: a child never sees half a change. With a GIL, the forking thread holds the GIL
-   across ``fork()``, so no other thread is inside a section; the mutex is not held across
-   it (a thread ending in the parent while another library's fork hook runs must not block).
-   Free-threaded, the before-fork hook takes the mutex and the parent's after hook releases
-   it. The child's after hook re-initialises it either way.
+   across ``fork()``, so no other thread is inside a section or a fast path; no mutex is
+   held across it (a thread ending in the parent while another library's fork hook runs
+   must not block). Free-threaded, the before-fork hook takes ``engine_mutex`` (so no
+   section is under way) and CPython then stops the world, which waits for every fast path
+   to end (they never detach). The shard mutexes are deliberately not taken there: a fast
+   path spinning for one would never reach the point where the world can stop. The child's
+   after-fork hook re-initialises every mutex either way.
 
 Files
 -----

@@ -266,13 +266,22 @@ cdef class _Engine:
 
     cdef int _peek(self, object key, Peek *seen) except -1:
         cdef Py_hash_t h = lockmgr_hash(key)
+        cdef Token *token = existing_token()
+        cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
-        key = self._lock_key(key, &h)
+        cdef Outcome outcome
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
         lookup_init(&lookup, key, h)
-        op_init(&op, PEEK, &self.table, existing_token(), &lookup, 1)
-        op.seen = seen
-        execute(&op)
+        shard = shard_for(&self.table, h)
+        lockmgr_spin_lock(&shard.mutex)
+        outcome = fast_peek(shard, &lookup, token, seen)
+        lockmgr_spin_unlock(&shard.mutex)
+        if outcome == SECTION:
+            op_init(&op, PEEK, &self.table, token, &lookup, 1)
+            op.seen = seen
+            execute(&op)
         return 0
 
     def stats(self):

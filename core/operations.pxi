@@ -791,12 +791,27 @@ cdef void read_stats(Table *table, unsigned long long *counters) noexcept nogil:
 cdef Outcome peek(Table *table, Lookup *lookup, Token *token, Peek *seen) noexcept nogil:
     """Copy out what ``lookup``'s key looks like now (one section: a consistent view)."""
     cdef Entry *entry = find(table, lookup)
-    cdef Hold *hold
     if lookup.candidate is not NULL:
         return COMPARE
+    look_at(entry, token, seen)
+    return DONE
+
+
+cdef Outcome fast_peek(Shard *shard, Lookup *lookup, Token *token, Peek *seen) noexcept nogil:
+    """``peek`` as a fast path (one shard's state is all it reads)."""
+    cdef bint unsure = False
+    cdef Entry *entry = find_in(shard, lookup, &unsure)
+    if unsure:
+        return SECTION
+    look_at(entry, token, seen)
+    return DONE
+
+
+cdef void look_at(Entry *entry, Token *token, Peek *seen) noexcept nogil:
+    cdef Hold *hold
     memset(seen, 0, sizeof(Peek))
     if entry is NULL:
-        return DONE
+        return
     seen.found = True
     if entry.owner is not NULL:
         seen.owner = entry.owner.ident
@@ -807,7 +822,6 @@ cdef Outcome peek(Table *table, Lookup *lookup, Token *token, Peek *seen) noexce
         hold = read_hold(entry, token)
         if hold is not NULL:
             seen.my_reads = hold.count
-    return DONE
 
 
 cdef Py_ssize_t held_count(Table *table) noexcept nogil:
