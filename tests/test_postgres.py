@@ -114,8 +114,22 @@ def child(dsn: str, namespace: str, body: str, cls: str = "PgLockManager",
 
 
 def expect(process: subprocess.Popen[str], **what: object) -> dict[str, Any]:
+    """The child's next JSON line, which must contain ``what``. A child that says nothing
+    within PATIENCE * 3 seconds is killed and reaped (a hung child must fail its own test,
+    not leave a pipe for a later test's garbage collection to complain about)."""
     assert process.stdout is not None
-    line = process.stdout.readline()
+    stdout = process.stdout
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(PATIENCE * 3)
+    if reader.is_alive():
+        process.kill()
+        reader.join(PATIENCE)  # the kill closed its end: the reader sees the end of file
+        _, err = process.communicate(timeout=PATIENCE)  # reaps it and closes every pipe
+        raise AssertionError(f"the child said nothing within {PATIENCE * 3:g} s; "
+                             f"stderr: {err[-4000:]}")
+    line = said[0]
     assert line, process.stderr.read() if process.stderr else "no output"
     said: dict[str, Any] = json.loads(line)
     assert {key: said.get(key) for key in what} == what, said
