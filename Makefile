@@ -1,5 +1,5 @@
 # Shortcuts; the README's commands are the reference.
-.PHONY: test bench wheel memcheck free-threaded-python
+.PHONY: test bench wheel memcheck free-threaded-python tsan
 
 test:
 	python3 -m pip install -e '.[test]' && python3 -m pytest
@@ -7,7 +7,8 @@ test:
 bench:
 	python3 -m pip install . && python3 -m lockmgr.bench --quick
 
-# sdist + a manylinux wheel per local CPython, each tested as installed (scripts/check-wheels.sh)
+# sdist + a manylinux wheel per local CPython and a cp313t one, each tested as installed
+# (scripts/check-wheels.sh)
 wheel:
 	bash scripts/check-wheels.sh
 
@@ -20,3 +21,8 @@ memcheck:
 # cached outside the work tree; prints its path last (scripts/free-threaded-python.sh)
 free-threaded-python:
 	bash scripts/free-threaded-python.sh
+
+# ThreadSanitizer: the stress mix on a --with-thread-sanitizer 3.13t, the core built with
+# -fsanitize=thread, GIL off; fails on any report involving lockmgr's code (scripts/tsan.sh)
+tsan:
+	bash scripts/tsan.sh

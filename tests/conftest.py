@@ -6,13 +6,19 @@ by default a missing compiled core is an error, never a skip.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import pytest
+
+from lockmgr import AbandonedLockWarning
 
 IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
 
@@ -89,6 +95,57 @@ def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIE
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def abandoned_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Records every ``AbandonedLockWarning`` raised while the block runs, by any thread, on
+    any kind of build. Start the thread that ends holding keys inside the block, and join it
+    there.
+
+    The warning is raised by the ending thread while CPython clears its state, after its
+    ``run()`` returned. Where that warning is filtered and shown depends on the build:
+
+    - With a GIL, and on 3.13t, ``catch_warnings`` swaps the process-wide filters and
+      ``warnings.showwarning``: every thread sees them while the block is open.
+    - From 3.14 on a free-threaded build (``sys.flags.context_aware_warnings``),
+      ``catch_warnings`` changes only the calling context's filters. A thread started inside
+      the block runs ``run()`` in a copy of that context (``sys.flags.thread_inherit_context``),
+      but by the time its state is cleared it has left that copy, so its warning meets the
+      process-wide filters (``warnings.filters``, and ``warnings.showwarning`` if replaced),
+      which a context-local block never touched: ``pytest.warns`` would see "DID NOT WARN".
+
+    So this lets the warning through in both places — the block's own context (and the
+    copies threads started in it run in) and the process-wide filters — and records it
+    through ``warnings.showwarning``, which CPython consults from any context. Other warnings
+    go on to the previous ``showwarning``.
+    """
+    caught: list[warnings.WarningMessage] = []
+    previous = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: object = None, line: str | None = None) -> None:
+        if issubclass(category, AbandonedLockWarning):
+            caught.append(warnings.WarningMessage(message, category, filename, lineno, None, line))
+        else:
+            previous(message, category, filename, lineno, file, line)  # type: ignore[arg-type]
+
+    context_aware = bool(getattr(sys.flags, "context_aware_warnings", False))
+    process_wide = ("always", None, AbandonedLockWarning, None, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", AbandonedLockWarning)  # this context's filters
+        if context_aware:
+            # An empty context has no context-local filters: this edits the process's.
+            contextvars.Context().run(warnings.simplefilter, "always", AbandonedLockWarning)
+        warnings.showwarning = show
+        try:
+            yield caught
+        finally:
+            warnings.showwarning = previous  # catch_warnings restores it only without contexts
+            if context_aware:
+                with contextlib.suppress(ValueError):
+                    warnings.filters.remove(process_wide)  # type: ignore[arg-type]
+                warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 class Worker:

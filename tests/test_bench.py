@@ -63,3 +63,31 @@ def test_reader_writer_managers_run_only_the_read_mostly_scenario(tmp_path: Path
     assert read_mostly == {"rwlock", "rwlock-pure", "threading.Lock"}
     assert uncontended == {"threading.Lock"}
     assert all(row["value"] > 0 for row in rows)
+
+
+def test_scaling_runs_one_two_and_cores_threads_and_reports_the_gil(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 13: the header and the JSON say whether the GIL was on; ``scaling`` measures
+    1, 2 and cores threads on distinct keys (the pure twin here, so that it runs without the
+    compiled core too) beside one threading.RLock per thread, with each N-vs-1 ratio."""
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "scaling", "--impl", "lockmgr-pure",
+                       "--impl", "threading.RLock", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    about = report["machine"]
+    assert isinstance(about["gil_enabled"], bool) and isinstance(about["free_threaded_build"], bool)
+    assert about["gil_enabled"] == bench.gil_enabled()
+    counts = bench.scaling_threads()
+    assert counts[:2] == [1, 2]
+    metrics = {(row["impl"], row["metric"]): row for row in report["results"]}
+    for impl in ("lockmgr-pure", "threading.RLock"):
+        for count in counts:
+            row = metrics[impl, f"{count}-thread" + ("s" if count > 1 else "")]
+            assert row["unit"] == "acq/s" and row["value"] > 0
+        for count in counts[1:]:
+            ratio = metrics[impl, f"{count}-vs-1"]
+            assert ratio["unit"] == "x" and ratio["value"] > 0
+    printed = capsys.readouterr().out
+    first = printed.splitlines()[0]
+    assert first.startswith("lockmgr-bench: ") and f"GIL {'on' if about['gil_enabled'] else 'off'}," in first
+    assert "| scaling | 2-vs-1 (x) |" in printed

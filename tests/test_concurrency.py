@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from conftest import PATIENCE, wait_until
-from lockmgr import AbandonedLockWarning
+from conftest import PATIENCE, abandoned_warnings, wait_until
 from lockmgr._common import HANDOFF_AFTER
 
 
@@ -330,12 +329,13 @@ def test_keys_of_a_thread_that_ends_are_released_to_waiters(locks, workers) -> N
         end.wait(PATIENCE)
 
     thread = threading.Thread(target=holder)
-    thread.start()
-    assert took.wait(PATIENCE)
     waiter = workers("waiter")
-    queued = waiter.submit(lambda: locks.acquire("k"))
-    wait_until(lambda: locks.stats().waiting == 1, "the waiter queued")
-    with pytest.warns(AbandonedLockWarning) as warned:
+    # The holder starts inside the block: see conftest.abandoned_warnings.
+    with abandoned_warnings() as warned:
+        thread.start()
+        assert took.wait(PATIENCE)
+        queued = waiter.submit(lambda: locks.acquire("k"))
+        wait_until(lambda: locks.stats().waiting == 1, "the waiter queued")
         end.set()
         thread.join(PATIENCE)
         assert queued.result() is True
@@ -352,9 +352,11 @@ def test_a_new_thread_never_inherits_an_ended_threads_keys(locks) -> None:
     seen: list[tuple[int, bool, int]] = []
     for _ in range(5):  # idents are commonly recycled by the next thread
         first = threading.Thread(target=locks.acquire, args=("k",))
-        with pytest.warns(AbandonedLockWarning):
+        with abandoned_warnings() as warned:
             first.start()
             first.join(PATIENCE)
+        assert [str(w.message) for w in warned] == [
+            f"thread {first.ident} ended holding key 'k'; released it"]
         second = threading.Thread(
             target=lambda: seen.append((threading.get_ident(), locks.owned("k"),
                                         locks.recursion_count("k"))))

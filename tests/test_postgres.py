@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 import pgserver
-from conftest import PATIENCE, wait_until
-from lockmgr import AbandonedLockWarning, DeadlockError, LockError, LockLost, LockTimeout, NotOwnedError
+from conftest import PATIENCE, abandoned_warnings, wait_until
+from lockmgr import DeadlockError, LockError, LockLost, LockTimeout, NotOwnedError
 
 import psycopg  # part of the [test] extra: missing, the suite fails rather than skips
 from lockmgr import postgres
@@ -114,8 +114,22 @@ def child(dsn: str, namespace: str, body: str, cls: str = "PgLockManager",
 
 
 def expect(process: subprocess.Popen[str], **what: object) -> dict[str, Any]:
+    """The child's next JSON line, which must contain ``what``. A child that says nothing
+    within PATIENCE * 3 seconds is killed and reaped (a hung child must fail its own test,
+    not leave a pipe for a later test's garbage collection to complain about)."""
     assert process.stdout is not None
-    line = process.stdout.readline()
+    stdout = process.stdout
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(PATIENCE * 3)
+    if reader.is_alive():
+        process.kill()
+        reader.join(PATIENCE)  # the kill closed its end: the reader sees the end of file
+        _, err = process.communicate(timeout=PATIENCE)  # reaps it and closes every pipe
+        raise AssertionError(f"the child said nothing within {PATIENCE * 3:g} s; "
+                             f"stderr: {err[-4000:]}")
+    line = said[0]
     assert line, process.stderr.read() if process.stderr else "no output"
     said: dict[str, Any] = json.loads(line)
     assert {key: said.get(key) for key in what} == what, said
@@ -875,9 +889,10 @@ def test_locked_asks_about_this_database_only(locks, engine, dsn, namespace) -> 
 def test_threads_that_end_leave_nothing_behind(engine, dsn, namespace) -> None:
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     ended = threading.Thread(target=locks.acquire, args=("k",))
-    with pytest.warns(AbandonedLockWarning):
+    with abandoned_warnings() as warned:  # started inside: see conftest.abandoned_warnings
         ended.start()
         ended.join(PATIENCE)
+    assert warned, "no AbandonedLockWarning for the thread that ended holding k"
     # its session ended with it, so PostgreSQL released its key
     wait_until(lambda: not held_on_server(dsn, locks, "k"), "the server released k")
     assert locks.acquire("k", timeout=PATIENCE) is True
@@ -888,10 +903,11 @@ def test_threads_that_end_leave_nothing_behind(engine, dsn, namespace) -> None:
         terminate_holder(dsn, locks, "j")
         wait_until(lambda: "j" in locks.lost_keys(), "the manager noticed")
 
-    with pytest.warns(AbandonedLockWarning):
+    with abandoned_warnings() as warned:
         lost_thread = threading.Thread(target=lose_and_end)
         lost_thread.start()
         lost_thread.join(PATIENCE)
+    assert warned, "no AbandonedLockWarning for the thread that ended holding j"
     assert locks.lost_keys() == set() and len(locks) == 0  # the dead thread's loss is gone
     assert not locks._sessions  # and so is its session
     locks.close()

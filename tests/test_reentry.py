@@ -288,14 +288,19 @@ def test_2_thread_ending_during_teardown(impl, cls, take) -> None:
 # -- 3. a handler releases what it was just handed, then raises --------------------------------
 
 HANDED_THEN_RELEASED = """
-sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
+sys.setswitchinterval(PATIENCE)  # with a GIL, threads switch only when one blocks
 locks = impl.LockManager()
 keys = {keys}
 holder, following = Worker("holder"), Worker("following")
 holder.run(lambda: locks.acquire_many(keys))
 in_handler = []
+released = threading.Event()
 
 def handler(signum, frame):
+    # With a GIL the release below comes before the main thread runs again, so it wakes
+    # granted and signalled. Without one (free-threaded) the handler may start first: it
+    # waits for the release, so the grant lands while it runs, and it always finds it.
+    released.wait(PATIENCE)
     in_handler.append([locks.owned(key) for key in keys])
     in_handler.append({action})
     raise Interrupted
@@ -304,8 +309,9 @@ def signal_then_hand_off():
     wait_until(lambda: locks.stats().waiting == 1, "the main thread queued")
     nxt = following.submit(lambda: locks.acquire(keys[0]))
     wait_until(lambda: locks.stats().waiting == 2, "the next waiter queued")
-    signal.pthread_kill(MAIN, signal.SIGUSR1)  # no thread switch from here ...
+    signal.pthread_kill(MAIN, signal.SIGUSR1)  # no thread switch (with a GIL) from here ...
     locks.release_many(keys)  # ... to here: the main thread wakes granted AND signalled
+    released.set()
     return nxt
 
 signal.signal(signal.SIGUSR1, handler)
@@ -705,14 +711,24 @@ def test_6_a_nested_wait_is_refused_before_the_deadlock_check(impl) -> None:
 # -- 7. fair=False, woken past the deadline ----------------------------------------------------
 
 WOKEN_LATE = """
-sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
 TIMEOUT = 0.05
+# How the waiter is made to run only after its deadline, once its wake-up was posted:
+# - With a GIL, the waiter is a worker thread and the releasing thread keeps the GIL (a busy
+#   loop, no switch before PATIENCE) until after the deadline.
+# - Without one (free-threaded, GIL off) nothing keeps a running thread off its core, but a
+#   signal handler runs inside the main thread's own wait: the waiter is the main thread, and
+#   its handler lets the holder release (the request is WOKEN) and runs past the deadline.
+#   The engine sees the same thing: a woken request whose thread goes on after its deadline.
+GIL = sys._is_gil_enabled() if hasattr(sys, "_is_gil_enabled") else True
+if GIL:
+    sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
 locks = impl.LockManager(fair=False)
 holder, waiter = Worker("holder"), Worker("waiter")
-go = threading.Event()
+go, in_handler, released = threading.Event(), threading.Event(), threading.Event()
+started = []
 runs = []
 
-def release_then_stall(started):
+def release_then_stall():
     go.wait()  # runs as soon as the waiter sleeps: within HANDOFF_AFTER of its queueing
     queued = locks.stats().waiting
     locks.release("k")  # WOKEN (or, if this thread was slow, GRANTED)
@@ -721,36 +737,77 @@ def release_then_stall(started):
         pass  # keeps the GIL: the waiter runs only after its deadline
     return [queued, overtook]
 
-def wait_briefly(started):
+def wait_briefly():
     go.set()
     started.append(time.monotonic())
     return locks.acquire("k", timeout=TIMEOUT)
 
+def handler(signum, frame):
+    in_handler.set()
+    released.wait(PATIENCE)
+    while time.monotonic() < started[0] + TIMEOUT * 3:
+        pass  # the main thread's wait goes on only after its deadline
+
+def signal_then_release():
+    # Polls without sleeping: the release must come within HANDOFF_AFTER (1 ms) of the
+    # queueing for the request to be WOKEN rather than handed the key.
+    deadline = time.monotonic() + PATIENCE
+    while locks.stats().waiting != 1:
+        if time.monotonic() > deadline:
+            return "the main thread never queued"
+    queued = locks.stats().waiting
+    # A signal that lands after the main thread queued but before its sleep began is only
+    # seen when the sleep ends: signal again until the handler runs.
+    signal.pthread_kill(MAIN, signal.SIGUSR1)
+    while not in_handler.wait(0.0002):
+        signal.pthread_kill(MAIN, signal.SIGUSR1)
+    locks.release("k")  # WOKEN (or, if this thread was slow, GRANTED)
+    overtook = {overtake}
+    released.set()
+    return [queued, overtook]
+
+def on_waiter(func):
+    return waiter.run(func) if GIL else func()
+
+if not GIL:
+    if not hasattr(signal, "pthread_kill"):
+        report(stuck="no GIL and no POSIX signals: no way to make the waiter late")
+        os._exit(3)
+    signal.signal(signal.SIGUSR1, handler)
 for attempt in range(20):
-    go.clear()
+    for event in (go, in_handler, released):
+        event.clear()
+    started.clear()
     holder.run(lambda: locks.acquire("k"))
-    started = []
-    stalling = holder.submit(lambda: release_then_stall(started))
-    got = result(waiter.submit(lambda: wait_briefly(started)))
+    if GIL:
+        stalling = holder.submit(release_then_stall)
+        got = result(waiter.submit(wait_briefly))
+    else:
+        stalling = holder.submit(signal_then_release)
+        started.append(time.monotonic())
+        got = locks.acquire("k", timeout=TIMEOUT)
     queued, overtook = result(stalling)
     runs.append([queued, overtook, got, state(locks)])
     if got:
-        waiter.run(lambda: locks.release("k"))
+        on_waiter(lambda: locks.release("k"))
     if overtook:
         holder.run(lambda: locks.release("k"))
     # The wake-up was consumed: the waiter's next waits really wait, and posting its
     # wakeup again works (a second post of a posted lock: RuntimeError in the releaser).
     holder.run(lambda: locks.acquire("k"))
     began = time.monotonic()
-    again = waiter.run(lambda: locks.acquire("k", timeout=0.1))
+    again = on_waiter(lambda: locks.acquire("k", timeout=0.1))
     waited = time.monotonic() - began >= 0.1
-    later = waiter.submit(lambda: locks.acquire("k", timeout=PATIENCE))
-    wait_until(lambda: locks.stats().waiting == 1, "the waiter waits again")
-    passed = outcome(holder.submit(lambda: locks.release("k")))
-    runs[-1] += [again, waited, passed, result(later)]
-    waiter.run(lambda: locks.release("k"))
+    releasing = holder.submit(lambda: [wait_until(lambda: locks.stats().waiting == 1,
+                                                  "the waiter waits again"),
+                                       locks.release("k")][1])
+    later = on_waiter(lambda: locks.acquire("k", timeout=PATIENCE))
+    passed = outcome(releasing)
+    runs[-1] += [again, waited, passed, later]
+    on_waiter(lambda: locks.release("k"))
 stats = locks.stats()
-report(runs=runs, state=state(locks), counts=[stats.timeouts, stats.deadlocks])
+report(runs=runs, state=state(locks), counts=[stats.timeouts, stats.deadlocks],
+       late_by="gil" if GIL else "handler")
 """
 
 
@@ -758,10 +815,13 @@ report(runs=runs, state=state(locks), counts=[stats.timeouts, stats.deadlocks])
 def test_7_unfair_waiter_woken_past_its_deadline(impl, overtake) -> None:
     """Item 7: fair=False, the key is freed within HANDOFF_AFTER of the wait (WOKEN) and
     the waiter runs only after its deadline. Still free: it gets the key (the wake-up came
-    in time); overtaken: it times out. Both engines alike, and the wake-up is consumed."""
+    in time); overtaken: it times out. Both engines alike, and the wake-up is consumed.
+    With a GIL the waiter is a worker thread kept off the GIL; on a free-threaded build with
+    the GIL off, the main thread kept in a signal handler inside its wait (see the script)."""
     body = WOKEN_LATE.format(
         overtake='locks.acquire("k", blocking=False)' if overtake else "False")
     report = outcome(run_child(impl, body))
+    assert report["late_by"] in ("gil", "handler")
     runs = report["runs"]
     for queued, overtook, got, after, again, waited, passed, later in runs:
         assert queued == 1
@@ -776,11 +836,10 @@ def test_7_unfair_waiter_woken_past_its_deadline(impl, overtake) -> None:
 
 
 WOKEN_IN_HANDLER = """
-sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
 TIMEOUT = 0.5
 locks = impl.LockManager(fair=False)
 holder = Worker("holder")
-go, release_now, released = threading.Event(), threading.Event(), threading.Event()
+release_now, released = threading.Event(), threading.Event()
 began = []
 
 def handler(signum, frame):
@@ -792,12 +851,17 @@ def handler(signum, frame):
         pass
 
 def signal_then_release():
-    go.wait()  # the main thread is queued and asleep
+    # Waits for the real state, the main thread queued (with or without a GIL), polling
+    # without sleeping: the release must come within HANDOFF_AFTER of the queueing.
+    deadline = time.monotonic() + PATIENCE
+    while locks.stats().waiting != 1:
+        if time.monotonic() > deadline:
+            return "the main thread never queued"
     queued = locks.stats().waiting
-    # A signal that lands after the main thread let go of the GIL but before its sleep
-    # began is only seen when the sleep ends: signal again until the handler runs.
+    # A signal that lands after the main thread queued but before its sleep began is only
+    # seen when the sleep ends: signal again until the handler runs.
     signal.pthread_kill(MAIN, signal.SIGUSR1)
-    while not release_now.wait(0.005):
+    while not release_now.wait(0.0002):
         signal.pthread_kill(MAIN, signal.SIGUSR1)
     locks.release("k")
     released.set()
@@ -806,12 +870,11 @@ def signal_then_release():
 signal.signal(signal.SIGUSR1, handler)
 runs = []
 for attempt in range(10):
-    for event in (go, release_now, released):
+    for event in (release_now, released):
         event.clear()
     holder.run(lambda: locks.acquire("k"))
-    releasing = holder.submit(signal_then_release)
     began[:] = [time.monotonic()]
-    go.set()
+    releasing = holder.submit(signal_then_release)
     got = locks.acquire("k", timeout=TIMEOUT)
     queued = result(releasing)
     runs.append([queued, got, locks.owned("k"), state(locks)])
@@ -1061,26 +1124,34 @@ def test_10_reentry_one_below_maxsize_still_works(locks) -> None:
 # -- grant by re-entry -------------------------------------------------------------------------
 
 GRANT_BY_REENTRY = """
-sys.setswitchinterval(PATIENCE)  # threads switch only when one blocks
 locks = impl.LockManager(fair=False)
 holder = Worker("holder")
 holder.run(lambda: locks.acquire("k"))
-go = threading.Event()
+released = threading.Event()
 in_handler = []
 
 def handler(signum, frame):
+    # Takes the key only once it was freed: with a GIL that is already so when the handler
+    # runs; without one (free-threaded) the handler may start first, and waiting for a key
+    # held elsewhere inside a wait would be a nested wait (NestedWaitError).
+    released.wait(PATIENCE)
     in_handler.append(locks.acquire("k", timeout=PATIENCE))
 
 def signal_then_release():
-    go.wait()  # the main thread is queued and asleep
+    # The real state, polled without sleeping: the release must come within HANDOFF_AFTER
+    # of the queueing (WOKEN, not handed the key).
+    deadline = time.monotonic() + PATIENCE
+    while locks.stats().waiting != 1:
+        if time.monotonic() > deadline:
+            return "the main thread never queued"
     queued = locks.stats().waiting
     signal.pthread_kill(MAIN, signal.SIGUSR1)
     locks.release("k")  # within HANDOFF_AFTER: WOKEN, free; the handler takes it first
+    released.set()
     return queued
 
 signal.signal(signal.SIGUSR1, handler)
 releasing = holder.submit(signal_then_release)
-go.set()
 got = locks.acquire("k", timeout=PATIENCE / 2)
 report(got=got, queued=result(releasing), in_handler=in_handler,
        count=locks.recursion_count("k"), state=state(locks))

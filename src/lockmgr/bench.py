@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import timeit
@@ -52,6 +53,18 @@ class Subject:
     per_key_memory: bool = True  # whether memory grows per key (not for one global lock)
     read_view: View | None = None  # key -> a context manager reading it (default: ``view``)
     scenarios: frozenset[str] | None = None  # the only scenarios it runs (None: all)
+    #: thread index -> (acquire, release) of that thread's own lock, for ``scaling``: its own
+    #: key in the one shared manager, or (threading's locks) a lock of its own
+    own_lock: Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]] | None = None
+
+
+def _own_key(acquire: Callable[[Key], Any], release: Callable[[Key], Any]
+             ) -> Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]:
+    def own(index: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        key = f"thread-{index}"
+        return (lambda: acquire(key)), (lambda: release(key))
+
+    return own
 
 
 def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
@@ -65,6 +78,7 @@ def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
             pair=("a(k); r(k)", names),
             with_block=("with m[k]: pass", names),
             hold=("with m.hold(k): pass", names),
+            own_lock=_own_key(locks.acquire, locks.release),
         )
 
     return make
@@ -74,9 +88,13 @@ def _global(lock_class: Callable[[], Any]) -> Callable[[], Subject]:
     def make() -> Subject:
         lock = lock_class()
         names = {"a": lock.acquire, "r": lock.release, "l": lock}
+        def own(index: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+            mine = lock_class()  # scaling's reference: one lock per thread, nothing shared
+            return mine.acquire, mine.release
+
         return Subject(view=lambda key: lock, acquire=lambda key: lock.acquire(),
                        release=lambda key: lock.release(), pair=("a(); r()", names),
-                       with_block=("with l: pass", names), per_key_memory=False)
+                       with_block=("with l: pass", names), per_key_memory=False, own_lock=own)
 
     return make
 
@@ -532,6 +550,43 @@ def read_mostly(name: str, subject: Subject, settings: Settings, results: Result
     results.add("read-mostly", name, "throughput", sum(counts) / elapsed, "ops/s")
 
 
+def scaling_threads() -> list[int]:
+    """1 thread, 2 threads, and as many as there are cores."""
+    return sorted({1, 2, os.cpu_count() or 1})
+
+
+def scaling(name: str, subject: Subject, settings: Settings, results: Results) -> None:
+    """Distinct keys per thread: each thread takes and releases its own key of one shared
+    manager (its own lock, for threading's locks) as fast as it can, with 1, 2 and cores
+    threads. Nothing is contended, so with the GIL off the throughput should grow with the
+    threads up to the cores; ``N-vs-1`` is that growth (one ``threading.RLock`` per thread
+    shows what the hardware allows). With a GIL it stays near 1x, whatever the lock."""
+    if subject.own_lock is None:
+        return
+    own_lock = subject.own_lock
+    seconds = settings.scaled(0.3, 2.0)
+    rates: dict[int, float] = {}
+    for count in scaling_threads():
+        counts = [0] * count
+
+        def body(index: int, stop: threading.Event) -> None:
+            acquire, release = own_lock(index)
+            done = 0
+            while not stop.is_set():
+                for _ in range(256):  # a stop check per 256 pairs: the loop is the pair
+                    acquire()
+                    release()
+                done += 256
+            counts[index] = done
+
+        elapsed = run_for(seconds, count, body)
+        rates[count] = sum(counts) / elapsed
+        label = f"{count}-thread" + ("s" if count > 1 else "")
+        results.add("scaling", name, label, rates[count], "acq/s")
+    for count in scaling_threads()[1:]:
+        results.add("scaling", name, f"{count}-vs-1", rates[count] / rates[1], "x")
+
+
 SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
     "uncontended": uncontended,
     "hot-key": hot_key,
@@ -540,10 +595,17 @@ SCENARIOS: dict[str, Callable[[str, Subject, Settings, Results], None]] = {
     "fairness": fairness,
     "memory": memory,
     "read-mostly": read_mostly,
+    "scaling": scaling,
 }
 
 
 # -- output ----------------------------------------------------------------------------------
+
+
+def gil_enabled() -> bool:
+    """Whether the GIL is on now (always, on a build that has one)."""
+    is_enabled = getattr(sys, "_is_gil_enabled", None)
+    return True if is_enabled is None else bool(is_enabled())
 
 
 def machine() -> dict[str, Any]:
@@ -556,8 +618,19 @@ def machine() -> dict[str, Any]:
         "machine": platform.machine(),
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
+        "free_threaded_build": bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+        "gil_enabled": gil_enabled(),
         "lockmgr_engine": lockmgr.implementation,
+        "lockmgr_engine_reason": lockmgr.implementation_reason,
     }
+
+
+def header(about: dict[str, Any]) -> str:
+    """One line on what ran: the figures of a GIL build and of a GIL-off one differ in kind."""
+    build = "free-threaded build" if about["free_threaded_build"] else "GIL build"
+    return (f"lockmgr-bench: {about['implementation']} {about['python']} ({build}), "
+            f"GIL {'on' if about['gil_enabled'] else 'off'}, lockmgr engine "
+            f"{about['lockmgr_engine']}, {about['cpu_count']} CPUs, {about['platform']}")
 
 
 def table(results: Results, impls: list[str]) -> Iterator[str]:
@@ -618,7 +691,7 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
                         help="run only this scenario (repeatable; default: all)")
     parser.add_argument("--impl", action="append", choices=impl_names,
                         help="run only this implementation (repeatable; default: all)")
-    parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4)")
+    parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4; scaling uses 1, 2 and the CPU count)")
     parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
@@ -689,10 +762,13 @@ def main(argv: list[str] | None = None) -> int:
     measured = {row["impl"] for row in results.rows}  # with postgres-processes, redis-py
     impls = [name for name in dict.fromkeys([*impls, *(row["impl"] for row in results.rows)])
              if name in measured]
+    about = machine()  # after the runs: whether something they imported turned the GIL on
+    print(header(about))
+    print()
     print("\n".join(table(results, impls)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"machine": machine(), "results": results.rows}, out, indent=2)
+            json.dump({"machine": about, "results": results.rows}, out, indent=2)
         progress(f"wrote {args.json}")
     if args.plot:
         plot(results, impls, args.plot)

@@ -1,0 +1,54 @@
+"""Prints the ``[test]`` extra as a requirements file that installs on a free-threaded CPython
+(3.13t, 3.14t), where three of its packages cannot be installed as the extra names them:
+
+- ``psycopg[binary]``: psycopg-binary ships no free-threaded wheels (and no sdist), so the
+  extra cannot resolve; plain ``psycopg`` (pure Python over the system's libpq, which the
+  PostgreSQL tests' Debian server packages bring) runs the same tests.
+- ``hypothesis``: its newest releases depend on a Rust extension with no free-threaded
+  wheel, and no Rust toolchain can be fetched here; the last pure-Python ones are kept.
+- ``mypy``: from 1.19 it depends on librt and ast-serialize (compiled, no free-threaded
+  wheels); 1.18 is pure Python and checks the same annotations, so the typing tests run
+  on the free-threaded interpreter too instead of being skipped there.
+
+Used by .ci/run, scripts/tsan.sh and scripts/check-wheels.sh; pyproject.toml's cibuildwheel
+override for free-threaded builds lists the same requirements (check-wheels.sh compares them).
+
+    python3 scripts/free-threaded-requirements.py > requirements-ft.txt
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pip vendors a TOML reader
+    from pip._vendor import tomli as tomllib
+
+#: requirement as the extra spells it -> as a free-threaded interpreter can install it
+REPLACED = {"psycopg[binary]": "psycopg"}
+#: package -> upper bound added on free-threaded interpreters (reasons in the docstring)
+CAPPED = {"hypothesis": "<6.156", "mypy": "<1.19"}
+
+
+def free_threaded(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9._-]+(\[[^\]]*\])?", requirement).group(0)
+    specifier = requirement[len(name):]
+    name = REPLACED.get(name, name)
+    if name in CAPPED:
+        specifier = f"{specifier},{CAPPED[name]}" if specifier else CAPPED[name]
+    return name + specifier
+
+
+def requirements(pyproject: Path) -> list[str]:
+    with pyproject.open("rb") as file:
+        extra = tomllib.load(file)["project"]["optional-dependencies"]["test"]
+    return [free_threaded(requirement) for requirement in extra]
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parent.parent
+    print("\n".join(requirements(root / "pyproject.toml")))
+    sys.exit(0)
