@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import importlib
 import importlib.util
 import itertools
@@ -58,11 +59,12 @@ class Subject:
     own_lock: Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]] | None = None
 
 
-def _own_key(acquire: Callable[[Key], Any], release: Callable[[Key], Any]
-             ) -> Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]:
+def _own_key(locks: Any) -> Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]:
     def own(index: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        # Bound in the calling thread: without a GIL, threads sharing one bound method (or
+        # a closure cell) would contend on its reference count, not on the manager.
         key = f"thread-{index}"
-        return (lambda: acquire(key)), (lambda: release(key))
+        return functools.partial(locks.acquire, key), functools.partial(locks.release, key)
 
     return own
 
@@ -78,7 +80,7 @@ def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
             pair=("a(k); r(k)", names),
             with_block=("with m[k]: pass", names),
             hold=("with m.hold(k): pass", names),
-            own_lock=_own_key(locks.acquire, locks.release),
+            own_lock=_own_key(locks),
         )
 
     return make
