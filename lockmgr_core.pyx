@@ -69,14 +69,14 @@ operations of a ``PyMutex`` pair, which the uncontended path pays for). Rules:
 3. A thread sleeps only on its own token's ``wakeup`` lock, without the GIL and without any
    mutex. Posting one (``PyThread_release_lock``) takes at most CPython's short internal
    mutex of that lock, whose holder never needs the GIL or our mutexes.
-4. Fork: a child never sees half a change. With a GIL, the forking thread holds the GIL
-   across ``fork()``, so no other thread is inside a section or a fast path; no mutex is
-   held across it (a thread ending in the parent while another library's fork hook runs
-   must not block). Free-threaded, the before-fork hook takes ``engine_mutex`` (so no
-   section is under way) and CPython then stops the world, which waits for every fast path
-   to end (they never detach). The shard mutexes are deliberately not taken there: a fast
-   path spinning for one would never reach the point where the world can stop. The child's
-   after-fork hook re-initialises every mutex either way.
+4. Fork: a child never sees half a change, and the fork hooks take no mutex (another
+   library's before-fork hook, which runs after ours, may join a thread whose exit needs
+   ``engine_mutex``). With a GIL, the forking thread holds it across ``fork()`` and no
+   section or fast path releases it. Free-threaded, CPython stops the world after the
+   before-fork hooks, which waits for every attached thread to reach a point between
+   bytecodes; sections and fast paths never detach (nothing in them waits detached: a
+   shard mutex is waited for by spinning), so none is under way. The child's after-fork
+   hook re-initialises every mutex.
 
 Files
 -----

@@ -267,18 +267,17 @@ cdef class _ThreadExit:
 # -- fork ---------------------------------------------------------------------------------
 
 def _before_fork():
+    # No mutex is taken: another library's before-fork hook (run after this one) may join
+    # a thread whose exit needs the engine mutex. No section or fast path is half done in
+    # the child all the same: with a GIL, the forking thread holds it across fork(), and no
+    # section releases it; free-threaded, CPython stops the world after the hooks, which
+    # waits for every thread attached to the interpreter, and sections and fast paths
+    # never detach.
     lockmgr_store_ssize(&forking_pid, os.getpid())
-    if LOCKMGR_FREE_THREADED:
-        # Taken before CPython stops the world for the fork, so no section is half done
-        # in the child; fast paths never stop halfway (they hold no thread state detached).
-        # With a GIL, the forking thread's GIL already excludes sections.
-        lock()
 
 
 def _after_fork_in_parent():
     lockmgr_store_ssize(&forking_pid, 0)
-    if LOCKMGR_FREE_THREADED:
-        unlock()
 
 
 def _after_fork_in_child():
@@ -288,8 +287,8 @@ def _after_fork_in_child():
     cdef Table *table
     cdef After after
     cdef size_t i
-    # The forking thread (this one) may hold the engine mutex; a thread that no longer
-    # exists may have been parked on any mutex: start them all afresh.
+    # A thread that no longer exists may have held a mutex it was about to use (handed
+    # over while the world stopped) or been parked on one: start them all afresh.
     lockmgr_mutex_forget(&engine_mutex)
     touched_shards = NULL
     table = tables

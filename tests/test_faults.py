@@ -410,3 +410,52 @@ def test_fork_child_keeps_only_the_forking_threads_keys(impl, run) -> None:
     assert child == {"mine": [True, 2], "theirs_locked": False, "theirs_try": True,
                      "waiting": 0, "held": 1, "len": 1, "is_main": True, "after": 0}
     assert parent == {"child_status": 0, "parent": [1, 2, True, True]}
+
+
+FORK_JOINS_A_WORKER = """
+import faulthandler, os, threading
+faulthandler.dump_traceback_later({patience}, exit=True)  # a hang prints the stacks, exits 1
+stop = threading.Event()
+workers = []
+
+def stop_workers_before_fork():  # another library quiescing its threads before a fork
+    stop.set()
+    for worker in workers:
+        worker.join()
+
+os.register_at_fork(before=stop_workers_before_fork)
+from {module} import LockManager  # registered after it: lockmgr's before-fork hook runs first
+
+locks = LockManager()
+used = threading.Event()
+
+def work():
+    while not stop.is_set():
+        with locks["k"]:
+            used.set()
+    locks.acquire("left")  # its exit has a key to release, and a warning to give
+
+workers.append(threading.Thread(target=work))
+workers[0].start()
+assert used.wait({patience})
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if not locks.locked("left") else 3)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+assert not locks.locked("left") and len(locks) == 0
+print("forked")
+"""
+
+
+@pytest.mark.compiled
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_fork_hook_may_join_a_thread_that_used_lockmgr() -> None:
+    """The compiled core's fork hooks take no mutex: a later hook that joins a thread still
+    using a manager (whose exit releases keys) does not deadlock the fork. (The pure twin
+    holds its mutex across fork(), since the GIL can switch threads inside its sections:
+    README, "When things go wrong".)"""
+    code = FORK_JOINS_A_WORKER.format(module="lockmgr._core", patience=PATIENCE)
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                          text=True, timeout=PATIENCE * 3)
+    assert done.returncode == 0 and done.stdout.strip() == "forked", done.stderr
