@@ -46,8 +46,9 @@ its shard's buckets and counters, by the shard's mutex; queues, requests, the wa
 ``Table.waiting`` and the list of live tables by ``engine_mutex``; a token's lists of holds
 by its own thread, which alone writes them, except that a grant made while it waits (when
 its fast paths are off) writes them under ``engine_mutex``. A manager freed while another
-thread holds some of its keys leaves those holds linked in that thread's lists (orphans)
-for the thread to free: only it may change its lists.
+thread holds some of its keys leaves those holds linked in that thread's lists (orphans),
+drops their keys, and flags the thread, whose next section frees them: only it may change
+its lists.
 
 The mutexes and the lock-ordering rules
 ---------------------------------------

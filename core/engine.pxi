@@ -32,6 +32,8 @@ cdef struct Op:
 
 cdef Outcome run(Op *op) noexcept nogil:
     """The section of ``op`` (the mutex is held)."""
+    if op.token is not NULL and lockmgr_load_ssize(&op.token.orphans):  # the caller's own
+        free_orphans(op.token, &op.after)
     if op.kind == ACQUIRE_WRITE:
         return acquire_write(op.table, op.lookups, op.token, op.count, op.try_only, op.request,
                              &op.after)

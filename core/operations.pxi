@@ -114,7 +114,7 @@ cdef inline Outcome fast_acquire_write(Table *table, Shard *shard, Lookup *looku
                                        Py_ssize_t count, After *after) noexcept nogil:
     cdef bint unsure = False
     cdef Entry *entry
-    if token.request is not NULL:
+    if token.request is not NULL or lockmgr_load_ssize(&token.orphans):
         return SECTION
     entry = find_in(shard, lookup, &unsure)
     if unsure:
@@ -161,7 +161,7 @@ cdef Outcome fast_acquire_read(Table *table, Shard *shard, Lookup *lookup, Token
     cdef bint unsure = False
     cdef Entry *entry
     cdef Hold *hold
-    if token.request is not NULL:
+    if token.request is not NULL or lockmgr_load_ssize(&token.orphans):
         return SECTION
     entry = find_in(shard, lookup, &unsure)
     if unsure:
@@ -641,6 +641,28 @@ cdef Py_ssize_t release_token(Token *token, Table *only, PyObject **keys, Py_ssi
     return released
 
 
+cdef void free_orphans(Token *token, After *after) noexcept nogil:
+    """Free what freed managers left in ``token``'s lists (its own section: only it may)."""
+    cdef Entry *entry = token.held
+    cdef Entry *following
+    cdef Hold *hold = token.reads
+    cdef Hold *next_hold
+    lockmgr_store_ssize(&token.orphans, 0)
+    while hold is not NULL:
+        next_hold = hold.token_next
+        if hold.entry is NULL:
+            unlink_read(hold)
+            PyMem_RawFree(hold)
+        hold = next_hold
+    while entry is not NULL:
+        following = entry.held_next
+        if entry.table is NULL:  # its key (if tear_down had no room for it) goes in finish
+            unlink_held(entry)
+            entry.bucket_next = after.retired
+            after.retired = entry
+        entry = following
+
+
 cdef inline Py_ssize_t keep_key(Entry *entry, Py_ssize_t index, PyObject **keys,
                                 Py_ssize_t room) noexcept nogil:
     if index < room:
@@ -700,6 +722,7 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
                         PyMem_RawFree(hold)
                     else:
                         hold.entry = NULL
+                        lockmgr_store_ssize(&hold.token.orphans, 1)
                     hold = next_hold
                 orphan = entry.owner is not NULL and entry.owner != current
                 if entry.owner is not NULL and not orphan:
@@ -707,6 +730,7 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
                 if orphan:
                     entry.table = NULL
                     entry.shard = NULL
+                    lockmgr_store_ssize(&entry.owner.orphans, 1)
                     if room:
                         room -= 1
                         keys[room] = entry.key

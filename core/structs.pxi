@@ -52,6 +52,8 @@ cdef struct Token:
     Token *reached_from          # engine: in that search, the thread whose wait led here
     Entry *reached_via           # engine: in that search, the entry that thread waits for
     Token *search_next           # engine: in that search, the next thread still to follow
+    Py_ssize_t orphans           # engine, read by its fast paths atomically: set when a freed
+                                 # manager left orphans in its lists; its next section frees them
 
 
 cdef struct Hold:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import subprocess
 import sys
 import threading
+import tracemalloc
 import warnings
 import weakref
 
@@ -167,3 +169,43 @@ print("ok")
 """
     done = _python(code, PYTHONWARNINGS="ignore")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_pool_thread_holding_keys_of_freed_managers_does_not_accumulate_them(impl) -> None:
+    """A worker that takes keys of managers another thread then frees (and never releases
+    them) keeps nothing of those managers for long: its next acquisition frees what they
+    left in its lists, so memory stays flat however many managers come and go."""
+    jobs: queue.Queue[object] = queue.Queue()
+    done: queue.Queue[None] = queue.Queue()
+
+    def worker() -> None:
+        while (manager := jobs.get()) is not None:
+            manager.acquire_write("job")  # never released: an error path
+            manager.acquire_read("read")
+            done.put(None)
+            del manager
+
+    def managers_come_and_go(count: int) -> None:
+        for _ in range(count):
+            manager = impl.RWLockManager()
+            jobs.put(manager)
+            done.get(timeout=PATIENCE)
+            del manager
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        managers_come_and_go(50)  # the worker's token, spare memory and caches
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            managers_come_and_go(2000)
+            gc.collect()
+            growth = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    finally:
+        jobs.put(None)
+        thread.join(PATIENCE)
+    assert growth < 32 * 1024  # ~200 bytes per manager would be 400 KB
