@@ -294,6 +294,10 @@ def meddle(context: str, rng: random.Random, nested_probe: bool) -> None:
                 timed_out("side", context)
         except NestedWaitError:
             tally["meddle:nested"] += 1
+        except DeadlockError:
+            # Two meddlers, each holding a side key and waiting for the other's: with the GIL
+            # off, finalizers and handlers of different threads really run at once.
+            refused("side", context)
     side.release_all()
     if nested_probe:
         # A key the meddler itself holds from another thread's point of view: "probe" is
