@@ -45,6 +45,7 @@ import collections
 import hashlib
 import os
 import select
+import signal
 import threading
 import time
 import weakref
@@ -149,6 +150,26 @@ def _salted_key(key: Hashable, salt: bytes) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
+_set_signal_mask = getattr(signal, "pthread_sigmask", None)  # None: Windows
+_HANDLED_SIGNALS = frozenset(signal.valid_signals()) - {
+    getattr(signal, name) for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE",
+                                       "SIGILL", "SIGABRT") if hasattr(signal, name)}
+
+
+@contextmanager
+def _handlers_held_back() -> Iterator[None]:
+    """Python signal handlers run only on the main thread: there, hold back the signals that
+    may have one for the block (blocking runs those already pending first)."""
+    if threading.current_thread() is not threading.main_thread() or _set_signal_mask is None:
+        yield
+        return
+    mask = _set_signal_mask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
+    try:
+        yield
+    finally:
+        _set_signal_mask(signal.SIG_SETMASK, mask)
+
+
 class _Link:
     """One server connection. Lock calls drive libpq directly (one message, one round trip,
     no cursor), waiting in ``poll`` so that Ctrl-C and other signal handlers run."""
@@ -242,6 +263,18 @@ class _Link:
         except BaseException:
             self.close()
             raise
+
+    def idle_unless_busy(self) -> bool | None:
+        """``idle()``, or None if another thread is talking on this connection now. The
+        try-lock and its release happen with signal handlers held back (main thread): a
+        handler that raises (Ctrl-C) between them would leave ``busy`` taken for good."""
+        with _handlers_held_back():
+            if not self.busy.acquire(blocking=False):
+                return None
+            try:
+                return self.idle()
+            finally:
+                self.busy.release()
 
     def idle(self) -> bool:
         """Alive, ours and between statements: a server that ends a session sends an error
@@ -432,13 +465,8 @@ class _PgEngine(Generic[K]):
             others = [other for other in self._sessions if other is not session]
         for other in others:
             link = other.link
-            if link is not None and link.busy.acquire(blocking=False):
-                try:
-                    dead = not link.idle()
-                finally:
-                    link.busy.release()
-                if dead:
-                    self._report(other, mark_dead=True)
+            if link is not None and link.idle_unless_busy() is False:
+                self._report(other, mark_dead=True)
         return {key for key, _ in self._lost_items()}
 
     def release_all(self) -> int:
@@ -716,13 +744,7 @@ class _PgEngine(Generic[K]):
         link = session.link
         if link is None:
             return
-        dead = session.dead
-        if not dead and link.busy.acquire(blocking=False):  # else another thread is checking
-            try:
-                dead = not link.idle()
-            finally:
-                link.busy.release()
-        if dead:
+        if session.dead or link.idle_unless_busy() is False:  # None: another thread checks it
             self._lose(session)
 
     def _lose(self, session: _Session) -> None:
