@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -120,14 +121,21 @@ def test_everything_at_once_keeps_exclusion_and_leaves_nothing_behind(impl, fair
                 patient = timeout == PATIENCE
                 kind = rng.choice(KINDS)
                 tried[kind, patient] += 1
-                if kind == "hold-many":
+
+                def inside(holding: AbstractContextManager[object],
+                           resources: list[tuple[str, object]]) -> None:
+                    """Enter ``holding`` (a timed hold) and check exclusion; a short timeout
+                    may give up, a patient one must not."""
                     try:
-                        with locks.hold_many(keys, timeout=timeout):
-                            ledger.inside([("locks", key) for key in keys])
+                        with holding:
+                            ledger.inside(resources)
                         succeeded[kind, patient] += 1
                     except LockTimeout:
                         if patient:
                             raise
+
+                if kind == "hold-many":
+                    inside(locks.hold_many(keys, timeout=timeout), [("locks", key) for key in keys])
                 elif kind == "view":  # a KeyLock: ``with`` waits forever, so only patiently
                     view = locks[keys[0]]
                     if patient:
@@ -139,21 +147,9 @@ def test_everything_at_once_keeps_exclusion_and_leaves_nothing_behind(impl, fair
                         view.release()
                         succeeded[kind, patient] += 1
                 elif kind == "hold":
-                    try:
-                        with locks.hold(keys[0], timeout=timeout):
-                            ledger.inside([("locks", keys[0])])
-                        succeeded[kind, patient] += 1
-                    except LockTimeout:
-                        if patient:
-                            raise
+                    inside(locks.hold(keys[0], timeout=timeout), [("locks", keys[0])])
                 elif kind == "rw-write":
-                    try:
-                        with rw.write(keys[0], timeout=timeout):
-                            ledger.inside([("rw", keys[0])])
-                        succeeded[kind, patient] += 1
-                    except LockTimeout:
-                        if patient:
-                            raise
+                    inside(rw.write(keys[0], timeout=timeout), [("rw", keys[0])])
                 elif kind == "striped-single":
                     if striped.acquire(keys[0], timeout=timeout):
                         ledger.inside([stripe(keys[0])])
