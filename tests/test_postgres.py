@@ -65,6 +65,22 @@ def nothing_left_held(dsn: str) -> Iterator[None]:
     assert own_sessions_locks(dsn) == 0
 
 
+_children: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def children_reaped() -> Iterator[None]:
+    """After every test, each child process it started is ended and reaped and its pipes are
+    closed, however the test ended (a failed or expected-to-fail test left to the garbage
+    collector would make a later test report "subprocess is still running")."""
+    yield
+    while _children:
+        process = _children.pop()
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=PATIENCE)
+
+
 @pytest.fixture
 def engine(impl, monkeypatch):  # type: ignore[no-untyped-def]
     """Run the backend over the in-process engine under test."""
@@ -109,8 +125,11 @@ def child(dsn: str, namespace: str, body: str, cls: str = "PgLockManager",
     env = {**os.environ, "DSN": dsn, "NAMESPACE": namespace,
            "LOCKMGR_NO_EXTENSIONS": "1" if pure else ""}
     code = CHILD.format(cls=cls, body=textwrap.dedent(body))
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env)
+    _children.append(process)
+    return process
 
 
 def expect(process: subprocess.Popen[str], **what: object) -> dict[str, Any]:
