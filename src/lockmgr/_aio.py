@@ -64,7 +64,7 @@ async def _wait_for_grant(wait: Any, deadline: float) -> bool:
             await waker.sleep(-1.0 if outcome is AWAIT_POST else deadline)
             outcome = wait.settle(waker.take_post(), deadline)
             if outcome is True or outcome is False:
-                return outcome  # type: ignore[return-value]
+                return bool(outcome)
     except BaseException:
         wait.abandon()
         raise
@@ -74,7 +74,7 @@ async def _acquire(manager: Any, key: Hashable, mode: int, seconds: float) -> bo
     deadline = _deadline(seconds)
     got = manager._task_acquire(key, mode, seconds == 0, 1)
     if got is True or got is False:
-        return got  # type: ignore[no-any-return]
+        return bool(got)
     return await _wait_for_grant(got, deadline)
 
 
@@ -82,7 +82,7 @@ async def _acquire_many(manager: Any, items: list[tuple[Hashable, int]], seconds
     deadline = _deadline(seconds)
     got = manager._task_acquire_many(items, seconds == 0)
     if got is True or got is False:
-        return got  # type: ignore[no-any-return]
+        return bool(got)
     return await _wait_for_grant(got, deadline)
 
 
@@ -324,13 +324,15 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         return f"<lockmgr.AsyncRWLockManager of {self._manager!r}>"
 
 
-def _synchronized(view: Any, key_func: Callable[..., Hashable]) -> Any:
+def _synchronized(view: Any, key_func: Callable[..., Hashable]
+                  ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
+                                Callable[P, Coroutine[Any, Any, T]]]:
     if not callable(key_func):
         raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
     mode = WRITE
     manager = view._manager
 
-    def decorate(func: Callable[..., Coroutine[Any, Any, Any]]) -> Any:
+    def decorate(func: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
         if not inspect.iscoroutinefunction(func):
             raise TypeError(
                 "aio.synchronized() wraps coroutine functions (the task holds the key across "
@@ -339,7 +341,7 @@ def _synchronized(view: Any, key_func: Callable[..., Hashable]) -> Any:
             )
 
         @functools.wraps(func)
-        async def locked_call(*args: Any, **kwargs: Any) -> Any:
+        async def locked_call(*args: P.args, **kwargs: P.kwargs) -> T:
             key = key_func(*args, **kwargs)
             async with _AsyncHolding(manager, key, -1.0, mode):
                 return await func(*args, **kwargs)
