@@ -700,13 +700,13 @@ cdef class _Engine:
             wait.request[i].waiter = <PyObject*>wait  # no reference: see Request.waiter
         wait.queued = True  # from the section on, until it ends (settle or abandon)
         wait.waker.lost = wait._loop_closed
+        wait.owner.wait = wait
         return wait
 
     cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, object key):
         try:
             if outcome != QUEUED and wait is not None:
-                wait.queued = False
-                wait.waker.lost = None
+                wait._ended()
             finish(&op.after, op.token)
             if outcome == DONE:
                 return True
@@ -721,6 +721,15 @@ cdef class _Engine:
             raise deadlock(cycle_list(&op.after))
         finally:
             PyMem_RawFree(op.after.cycle)
+
+    def _task_abandon(self):
+        """Abandon the current task's queued wait, if it has one (idempotent)."""
+        try:
+            owner = task_owners.get(current_task_or_raise())
+        except RuntimeError:  # not in a task: it queued nothing
+            return
+        if owner is not None and (<_TaskOwner>owner).wait is not None:
+            (<_TaskOwner>owner).wait.abandon()
 
     def _task_release(self, key, int mode):
         cdef Token *token = task_token(False)

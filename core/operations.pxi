@@ -810,6 +810,10 @@ cdef void keep_only(Table *table, Token *survivor, After *after) noexcept nogil:
                     next_request = request.next
                     if request.token != survivor:
                         request.token.request = NULL  # its thread is gone
+                        if request.lead is not NULL:
+                            request.lead.state = LEFT  # a task's wait sees it ended
+                        else:
+                            request.state = LEFT
                         dequeue(entry, request)
                     request = next_request
                 if entry.owner is not NULL and entry.owner != survivor:

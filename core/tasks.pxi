@@ -11,6 +11,8 @@ cdef class _TaskOwner:
     done-callback then releases what the task still holds, as a thread's exit does."""
     cdef Token *token   # the task's token (Token.is_task); freed once the task is done
     cdef object task    # the task (a strong reference: ``task_owners`` is released when done)
+    cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
+                        # (whatever happens to the coroutine's frame meanwhile)
 
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
@@ -64,6 +66,7 @@ cdef object task_of(unsigned long ident):
 
 
 @cython.final
+@cython.no_gc_clear  # __dealloc__ may still need its fields to leave the queues
 cdef class _TaskWait:
     """A task's queued request: the C memory a section links into queues (which this object
     keeps until the request left them), and the Waker that a grant posts."""
@@ -72,7 +75,7 @@ cdef class _TaskWait:
     cdef Request *nodes         # a set's nodes (PyMem_Raw), or NULL
     cdef Py_ssize_t n           # how many nodes ``request`` has
     cdef _Engine manager        # whose table it waits in (kept alive while it waits)
-    cdef object owner           # the task's _TaskOwner (keeps the token alive while it waits)
+    cdef _TaskOwner owner       # the task's (keeps the token alive while it waits)
     cdef readonly object waker  # the task's Waker (see lockmgr._common.Waker)
     cdef bint queued            # its request is (or may still be) in the table's queues
 
@@ -94,13 +97,15 @@ cdef class _TaskWait:
             raise RuntimeError("this wait has ended")
         after_init(&after, NULL, 0)
         lock()
-        outcome = settle(&self.manager.table, self.request, consumed, deadline, &after)
-        if outcome == DONE:
-            complete(&self.manager.table, self.request, &after)
+        if self.request.state == LEFT:  # a forked child dropped it (keep_only)
+            outcome = TIMED_OUT
+        else:
+            outcome = settle(&self.manager.table, self.request, consumed, deadline, &after)
+            if outcome == DONE:
+                complete(&self.manager.table, self.request, &after)
         unlock()
         if outcome == DONE or outcome == TIMED_OUT:
-            self.queued = False
-            self.waker.lost = None
+            self._ended()
         finish(&after, token)
         if outcome == DONE:
             return True
@@ -117,17 +122,24 @@ cdef class _TaskWait:
         """A grant found the task's loop closed: the task can never run again, so it is
         ended here, as its done-callback would (AbandonedLockWarning for what it held)."""
         self.abandon()
-        (<_TaskOwner>self.owner)._task_done((<_TaskOwner>self.owner).task)
+        self.owner._task_done(self.owner.task)
 
     cdef int _leave(self) except -1:
         cdef After after
         after_init(&after, NULL, 0)
-        self.waker.lost = None
         lock()
         # A post still on its way holds its own reference to this object, and a request
         # that left is never woken again: nothing waits for that post.
-        abandon(&self.manager.table, self.request, True, &after)
+        if self.request.state != LEFT:  # else a forked child dropped it (keep_only)
+            abandon(&self.manager.table, self.request, True, &after)
         unlock()
-        self.queued = False
+        self._ended()
         finish(&after, NULL)
+        return 0
+
+    cdef int _ended(self) except -1:
+        self.queued = False
+        self.waker.lost = None
+        if self.owner.wait is self:
+            self.owner.wait = None
         return 0

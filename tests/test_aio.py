@@ -718,3 +718,67 @@ def test_ctrl_c_and_a_closed_loop_in_a_subprocess(module) -> None:
     assert done.stdout.splitlines() == [
         "interrupted 0", "after the closed loop False False 0",
         "task 'stranded' ended holding key 'j'; released it"]
+
+
+def test_an_exception_between_queueing_and_waiting_leaves_nothing_queued(impl) -> None:
+    """A signal handler may raise at the first check point after the queueing call returns
+    (simulated with a trace function at ``_wait_for_grant``'s start): the request leaves."""
+    locks = impl.LockManager()
+
+    def tracer(frame: Any, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_name == "_wait_for_grant":
+            sys.settrace(None)
+            raise KeyboardInterrupt("a handler's exception at the first check point")
+
+    async def main() -> None:
+        async def holder() -> None:
+            async with locks.aio["k"]:
+                await until(lambda: locks.stats().waiting == 0 and interrupted, "interrupted")
+
+        interrupted: list[BaseException] = []
+        task = asyncio.create_task(holder())
+        await until(lambda: locks.locked("k"), "the holder holds k")
+        sys.settrace(tracer)
+        try:
+            await locks.aio.acquire("k")
+        except KeyboardInterrupt as error:
+            interrupted.append(error)
+        finally:
+            sys.settrace(None)
+        assert locks.stats().waiting == 0
+        await task
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_a_queued_wait_dropped_in_a_reference_cycle_is_left_safely(impl) -> None:
+    """A task's coroutine dropped mid-wait and collected by the garbage collector: its
+    request leaves the queue (the owner keeps the wait until it is left)."""
+    import gc
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        holds, done = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with locks.aio["k"]:
+                holds.set()
+                await done.wait()
+
+        task = asyncio.create_task(holder())
+        await holds.wait()
+        waiting = locks.aio.acquire("k")
+        waiting.send(None)
+        cycle = [waiting]
+        cycle.append(cycle)  # only the collector frees it
+        del waiting, cycle
+        gc.collect()
+        assert locks.stats().waiting == 0
+        done.set()
+        await task
+        assert await locks.aio.acquire("k", blocking=False)
+        locks.aio.release("k")
+
+    run(main)
+    assert len(locks) == 0

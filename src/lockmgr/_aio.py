@@ -12,7 +12,9 @@ queue FIFO together, and a cycle among them is a DeadlockError. Both engines imp
   (granted: the call's outcome), False (timed out: it left the queues), None (still
   waiting) or ``AWAIT_POST`` (a wake-up is on its way: wait for it, whatever the deadline);
 - ``wait.abandon()`` takes the request out of the queues, or gives back a grant that raced
-  the exception (a cancellation): the key goes to the next waiter;
+  the exception (a cancellation): the key goes to the next waiter; ``_task_abandon()`` does
+  the same for the current task's request, if it has one (an exception between the queueing
+  call and the wait);
 - ``_task_release``, ``_task_release_many``, ``_task_release_all`` and ``_task_levels`` are the
   sync methods with the current task as owner.
 
@@ -72,18 +74,28 @@ async def _wait_for_grant(wait: Any, deadline: float) -> bool:
 
 async def _acquire(manager: Any, key: Hashable, mode: int, seconds: float) -> bool:
     deadline = _deadline(seconds)
-    got = manager._task_acquire(key, mode, seconds == 0, 1)
-    if got is True or got is False:
-        return bool(got)
-    return await _wait_for_grant(got, deadline)
+    try:
+        got = manager._task_acquire(key, mode, seconds == 0, 1)
+        if got is True or got is False:
+            return bool(got)
+        return await _wait_for_grant(got, deadline)
+    except BaseException:
+        # A signal handler may raise between the queueing call's return and the wait (a
+        # call is a check point): the task's own token still knows the request.
+        manager._task_abandon()
+        raise
 
 
 async def _acquire_many(manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> bool:
     deadline = _deadline(seconds)
-    got = manager._task_acquire_many(items, seconds == 0)
-    if got is True or got is False:
-        return bool(got)
-    return await _wait_for_grant(got, deadline)
+    try:
+        got = manager._task_acquire_many(items, seconds == 0)
+        if got is True or got is False:
+            return bool(got)
+        return await _wait_for_grant(got, deadline)
+    except BaseException:
+        manager._task_abandon()
+        raise
 
 
 class _AsyncHolding:
@@ -151,10 +163,7 @@ class AsyncKeyLock(Generic[K]):
         return bool(self._manager.locked(self._key))
 
     async def __aenter__(self) -> bool:
-        got = self._manager._task_acquire(self._key, WRITE, False, 1)
-        if got is not True:
-            await _wait_for_grant(got, -1.0)
-        return True
+        return await _acquire(self._manager, self._key, WRITE, -1.0)
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, traceback: TracebackType | None) -> None:

@@ -233,8 +233,21 @@ def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> 
                 del _to_wake[:]
             del _mutex[0]
         if woken is not None:
-            for waker in woken:
-                waker.post()  # never raises
+            _post_all(woken)
+
+
+def _post_all(woken: list[Waker]) -> None:
+    """Post every task a section woke; a post may run Python code that raises (ending a task
+    whose loop is closed warns): the others are posted all the same, then it is raised."""
+    failure: BaseException | None = None
+    for waker in woken:
+        try:
+            waker.post()
+        except BaseException as error:
+            if failure is None:
+                failure = error
+    if failure is not None:
+        raise failure
 
 
 def _is_plain(key: object) -> bool:
@@ -333,6 +346,8 @@ class _TaskWait:
         waker.lost = self._loop_closed
 
     def settle(self, consumed: bool, deadline: float) -> bool | None:
+        if self.request.state == _LEFT:  # a forked child dropped it (_keep_only)
+            return False
         verdict: bool | None = _section(self.manager._check_wait_section, self.request,
                                         None if deadline < 0 else deadline)
         if verdict is not None:
@@ -633,6 +648,14 @@ class _Engine:
             return verdict
         key, failure = verdict
         raise _failure(failure, key)
+
+    def _task_abandon(self) -> None:
+        try:
+            token = _task_token(create=False)
+        except RuntimeError:  # not in a task: it queued nothing
+            return
+        if token is not None and token.request is not None:
+            _section(self._abandon_section, token, None)
 
     def _task_release(self, key: Hashable, mode: int) -> None:
         token = _task_token(create=False)
@@ -1433,6 +1456,7 @@ class _Engine:
             for request in entry.queue:
                 if request.token is not survivor:
                     request.token.request = None
+                    (request.lead or request).state = _LEFT  # a task's wait sees it ended
             entry.queue = deque(request for request in entry.queue if request.token is survivor)
             if entry.owner is not None and entry.owner is not survivor:
                 self._disown(entry)
