@@ -12,6 +12,8 @@ from pathlib import Path
 
 import importlib.util
 
+import pytest
+
 import lockmgr
 
 PACKAGE = Path(lockmgr.__file__).resolve().parent  # what users' type checkers read
@@ -125,3 +127,57 @@ def test_synchronized_keeps_the_signature(tmp_path: Path) -> None:
         "def (natural_id: str, *, retries: int =) -> bool",
         "def (invoice: int) -> str",
     ], done.stdout
+
+
+AIO_SYNCHRONIZED = """
+import asyncio
+from lockmgr import AsyncLockManager, AsyncRWLockManager, LockManager, RWLockManager
+
+locks: LockManager[str] = LockManager()
+aio: AsyncLockManager[str] = locks.aio
+rw: RWLockManager[int] = RWLockManager()
+rw_aio: AsyncRWLockManager[int] = rw.aio
+
+@locks.aio.synchronized(lambda account, **_: f"account:{account}")
+async def debit(account: str, amount: int, *, note: str = "") -> float:
+    return float(amount)
+
+async def main() -> None:
+    balance: float = await debit("a", 5, note="rent")
+    task: asyncio.Task[float] = asyncio.create_task(debit("b", 1))
+    both: list[float] = list(await asyncio.gather(debit("c", 2), task))
+    async with aio.hold("a", timeout=1.0):
+        pass
+    async with aio["a"]:
+        pass
+    async with aio.hold_many(["a", "b"]):
+        pass
+    async with rw_aio.read(1), rw_aio.write(2):
+        pass
+    async with rw_aio.hold_many(reads=[1], writes=[2]):
+        pass
+    got: bool = await aio.acquire("a", timeout=0.5)
+    await debit(1, 5)  # E: Argument 1 to "debit" has incompatible type "int"
+    wrong: str = await debit("a", 1)  # E: Incompatible types in assignment (expression has type "float"
+    await aio.acquire(42)  # E: Argument 1 to "acquire" of "AsyncLockManager" has incompatible type "int"
+    await rw_aio.acquire_read("k")  # E: Argument 1 to "acquire_read" of "AsyncRWLockManager" has incompatible type "str"
+
+reveal_type(debit)
+
+@aio.synchronized(lambda account: account)  # E: has incompatible type
+def not_a_coroutine(account: str) -> int:
+    return 0
+"""
+
+
+@pytest.mark.skipif(not hasattr(lockmgr, "AsyncLockManager"),
+                    reason="lockmgr.AsyncLockManager (issue 14) is not built yet")
+def test_aio_synchronized_keeps_the_signature(tmp_path: Path) -> None:
+    """``locks.aio.synchronized`` on a coroutine function keeps its signature and returns a
+    coroutine (``asyncio.create_task`` and ``gather`` accept the call); the views are
+    generic in the key; a plain function is no coroutine function, a type error too."""
+    done = _check_errors(AIO_SYNCHRONIZED, tmp_path)
+    assert "Untyped decorator" not in done.stdout, done.stdout
+    revealed = _revealed(done)
+    assert revealed[0].startswith("def (account: str, amount: int, *, note: str =) -> "), done.stdout
+    assert revealed[0].endswith("Coroutine[Any, Any, float]"), done.stdout
