@@ -120,15 +120,18 @@ from cpython.pythread cimport (
     PyThread_tss_set,
     PyThread_type_lock,
 )
-from cpython.ref cimport Py_XDECREF
+from cpython.ref cimport Py_DECREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 import os
 from types import GenericAlias
 
+from lockmgr._aio import AsyncLockManager, AsyncRWLockManager
 from lockmgr._common import (
+    AWAIT_POST,
     HANDOFF_AFTER,
+    LOOP_THREAD,
     MAIN_THREAD_SLICE,
     PICKLE_ERROR,
     LockStats,
@@ -150,6 +153,9 @@ from lockmgr._common import (
     timed_out,
     wait_seconds,
     warn_abandoned,
+    Waker,
+    current_task_or_raise,
+    running_loop,
 )
 
 cdef extern from "Python.h":
@@ -355,5 +361,6 @@ include "core/structs.pxi"
 include "core/table.pxi"
 include "core/operations.pxi"
 include "core/runtime.pxi"
+include "core/tasks.pxi"
 include "core/engine.pxi"
 include "core/managers.pxi"

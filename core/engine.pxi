@@ -267,8 +267,10 @@ cdef class _Engine:
         return self._lock_key(key, &h)
 
     cdef int _peek(self, object key, Peek *seen) except -1:
+        return self._peek_as(existing_token(), key, seen)
+
+    cdef int _peek_as(self, Token *token, object key, Peek *seen) except -1:
         cdef Py_hash_t h = lockmgr_hash(key)
-        cdef Token *token = existing_token()
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
@@ -347,6 +349,7 @@ cdef class _Engine:
         op.count = count
         op.try_only = seconds == 0
         op.request = &request
+        request.waiter = NULL
         if outcome == SECTION:
             outcome = <Outcome>execute(&op)
         return self._resolve(&op, outcome, key, seconds)
@@ -367,6 +370,7 @@ cdef class _Engine:
         op.try_only = seconds == 0
         op.request = &request
         request.hold = NULL
+        request.waiter = NULL
         shard = shard_for(&self.table, h)
         lockmgr_spin_lock(&shard.mutex)
         outcome = fast_acquire_read(&self.table, shard, &lookup, token, &op.after)
@@ -515,7 +519,10 @@ cdef class _Engine:
 
     cdef Py_ssize_t _release_write(self, object key, Py_hash_t h, bint fully) except -1:
         """Undo one write level of ``key`` (``fully``: all of them; returns how many)."""
-        cdef Token *token = existing_token()
+        return self._release_write_as(existing_token(), key, h, fully)
+
+    cdef Py_ssize_t _release_write_as(self, Token *token, object key, Py_hash_t h,
+                                      bint fully) except -1:
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
@@ -537,7 +544,9 @@ cdef class _Engine:
         raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
 
     cdef int _release_read(self, object key, Py_hash_t h) except -1:
-        cdef Token *token = existing_token()
+        return self._release_read_as(existing_token(), key, h)
+
+    cdef int _release_read_as(self, Token *token, object key, Py_hash_t h) except -1:
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
@@ -558,8 +567,10 @@ cdef class _Engine:
     cdef int _release_many(self, list items) except -1:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
         asked) none, with NotOwnedError."""
+        return self._release_many_as(existing_token(), items)
+
+    cdef int _release_many_as(self, Token *token, list items) except -1:
         cdef Py_ssize_t n = len(items), i
-        cdef Token *token = existing_token()
         cdef Lookup *lookups = <Lookup*>PyMem_RawCalloc(n + 1, sizeof(Lookup))
         cdef Mode *modes = <Mode*>PyMem_RawCalloc(n + 1, sizeof(Mode))
         cdef Entry **entries = <Entry**>PyMem_RawCalloc(n + 1, sizeof(Entry*))
@@ -587,3 +598,157 @@ cdef class _Engine:
         if outcome == PINNED:
             raise pinned(items[op.result][0])
         return 0
+
+    # -- asyncio tasks as owners (lockmgr._aio states the protocol) -----------------------
+
+    def _task_acquire(self, key, int mode, bint try_only, Py_ssize_t count):
+        """Acquire for the current task: True, False (try-lock), or a queued _TaskWait."""
+        cdef Token *token = task_token(True)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        cdef Shard *shard
+        cdef Lookup lookup
+        cdef Op op
+        cdef Outcome outcome
+        cdef _TaskWait wait = None
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
+        ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
+        if mode == READ:
+            ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
+        lookup_init(&lookup, key, h)
+        after_init(&op.after, NULL, 0)
+        shard = shard_for(&self.table, h)
+        lockmgr_spin_lock(&shard.mutex)
+        if mode == READ:
+            outcome = fast_acquire_read(&self.table, shard, &lookup, token, &op.after)
+        else:
+            outcome = fast_acquire_write(&self.table, shard, &lookup, token, count, &op.after)
+        lockmgr_spin_unlock(&shard.mutex)
+        if outcome == SECTION:
+            wait = self._task_wait(1)
+            op_fill(&op, ACQUIRE_READ if mode == READ else ACQUIRE_WRITE, &self.table, token,
+                    &lookup, 1)
+            op.count = count
+            op.try_only = try_only
+            op.request = wait.request
+            outcome = <Outcome>execute(&op)
+        return self._task_outcome(&op, outcome, wait, key)
+
+    def _task_acquire_many(self, list items, bint try_only):
+        """``_acquire_many`` for the current task: True, False, or a queued _TaskWait."""
+        cdef Py_ssize_t n = len(items), i
+        cdef Token *token = task_token(n != 0)
+        cdef Lookup *lookups = NULL
+        cdef Entry **fresh = NULL
+        cdef _TaskWait wait
+        cdef Op op
+        cdef Outcome outcome
+        if n == 0:
+            return True
+        wait = self._task_wait(n)
+        try:
+            lookups = <Lookup*>PyMem_RawCalloc(n, sizeof(Lookup))
+            fresh = <Entry**>PyMem_RawCalloc(n, sizeof(Entry*))
+            if lookups is NULL or fresh is NULL:
+                raise MemoryError()
+            op_init(&op, ACQUIRE_MANY, &self.table, token, lookups, n)
+            op.try_only = try_only
+            op.request = wait.request
+            op.fresh = fresh
+            for i in range(n):
+                key, mode = items[i]  # ``items`` keeps the keys alive
+                lookup_init(lookups + i, key, lockmgr_hash(key))
+                wait.request[i].token = token
+                wait.request[i].lead = wait.request
+                wait.request[i].count = 1
+                wait.request[i].mode = READ if mode == READ else WRITE
+                fresh[i] = <Entry*>PyMem_RawMalloc(sizeof(Entry))
+                if fresh[i] is NULL:
+                    raise MemoryError()
+                if wait.request[i].mode == READ:
+                    wait.request[i].hold = <Hold*>PyMem_RawMalloc(sizeof(Hold))
+                    if wait.request[i].hold is NULL:
+                        raise MemoryError()
+            wait.request.nodes = n
+            outcome = <Outcome>execute(&op)
+            keys = tuple([key for key, _ in items]) if outcome in (NESTED, OVERFLOW) else None
+            return self._task_outcome(&op, outcome, wait, keys)
+        finally:
+            if fresh is not NULL:
+                for i in range(n):
+                    PyMem_RawFree(fresh[i])
+            PyMem_RawFree(lookups)
+            PyMem_RawFree(fresh)
+
+    cdef _TaskWait _task_wait(self, Py_ssize_t n):
+        """The memory and Waker of a task's request of ``n`` nodes, before its section
+        (which may queue it, and another thread grant it, at once)."""
+        cdef _TaskWait wait = _TaskWait.__new__(_TaskWait)
+        cdef Py_ssize_t i
+        wait.manager = self
+        wait.owner = task_owners[current_task_or_raise()]
+        wait.waker = Waker(running_loop())
+        if n == 1:
+            wait.request = &wait.single
+        else:
+            wait.nodes = <Request*>PyMem_RawCalloc(n, sizeof(Request))
+            if wait.nodes is NULL:
+                raise MemoryError()
+            wait.request = wait.nodes
+        wait.n = n
+        for i in range(n):
+            wait.request[i].waiter = <PyObject*>wait  # no reference: see Request.waiter
+        wait.queued = True  # from the section on, until it ends (settle or abandon)
+        return wait
+
+    cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, object key):
+        try:
+            if outcome != QUEUED and wait is not None:
+                wait.queued = False
+            finish(&op.after, op.token)
+            if outcome == DONE:
+                return True
+            if outcome == BUSY:
+                return False
+            if outcome == QUEUED:
+                return wait
+            if outcome == NESTED:
+                raise nested_wait(key)
+            if outcome == OVERFLOW:
+                raise count_overflow(key)
+            raise deadlock(cycle_list(&op.after))
+        finally:
+            PyMem_RawFree(op.after.cycle)
+
+    def _task_release(self, key, int mode):
+        cdef Token *token = task_token(False)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.stripe_keys is not None:
+            key = self._lock_key(key, &h)
+        if mode == READ:
+            self._release_read_as(token, key, h)
+        else:
+            self._release_write_as(token, key, h, False)
+
+    def _task_release_many(self, list items):
+        self._release_many_as(task_token(False), items)
+
+    def _task_release_all(self):
+        cdef Token *token = task_token(False)
+        cdef After after
+        cdef Py_ssize_t released
+        if token is NULL:
+            return 0
+        after_init(&after, NULL, 0)
+        lock()
+        released = release_token(token, &self.table, NULL, 0, &after)
+        unlock()
+        finish(&after, token)
+        return released
+
+    def _task_levels(self, key):
+        """The current task's write and read levels of ``key``."""
+        cdef Token *token = task_token(False)
+        cdef Peek seen
+        self._peek_as(token, key, &seen)
+        return (seen.count if seen.mine else 0), seen.my_reads

@@ -19,6 +19,11 @@ cdef class LockManager(_Engine):
         """True for strict FIFO hand-off, False for eventual fairness."""
         return self.table.fair
 
+    @property
+    def aio(self):
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncLockManager(self)
+
     def acquire(self, key, blocking=True, timeout=FOREVER):
         """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
 
@@ -109,7 +114,7 @@ cdef class LockManager(_Engine):
         self._peek(key, &seen)
         if seen.owner == 0:
             return None, 0
-        return seen.owner, seen.count
+        return (task_of(seen.owner) if seen.task else seen.owner), seen.count
 
     def _release_save(self, key):
         cdef Py_hash_t h = lockmgr_hash(key)
@@ -142,6 +147,11 @@ cdef class LockManager(_Engine):
 cdef class RWLockManager(_Engine):
     """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
     writer starvation, upgrades and downgrades within a thread."""
+
+    @property
+    def aio(self):
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncRWLockManager(self)
 
     def __cinit__(self, *, stripes=None):
         self._use_stripes(stripes)

@@ -82,6 +82,10 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
         own = thread.request
         if own is not NULL and (own.state == WAITING or own.state == WOKEN):
             closed = reach_request(&search, thread, own, True)
+        if not closed and thread.is_task:
+            # A task runs only when its loop's thread does: if that thread waits, so does
+            # the task (NULL ``waits_for``: the cycle shows LOOP_THREAD as its key).
+            closed = reach(&search, thread, loop_thread_of(&search, thread), NULL)
     if not closed:
         return QUEUED
     thread = me
@@ -98,10 +102,23 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
     while i:  # walk back, filling the cycle from its end: it starts with the refused request
         i -= 1
         after.cycle[i].ident = thread.reached_from.ident
-        after.cycle[i].key = thread.reached_via.key
-        lockmgr_incref(thread.reached_via.key)
+        after.cycle[i].is_task = thread.reached_from.is_task
+        after.cycle[i].key = loop_thread if thread.reached_via is NULL else thread.reached_via.key
+        lockmgr_incref(after.cycle[i].key)
         thread = thread.reached_from
     return DEADLOCK
+
+
+cdef Token* loop_thread_of(Search *search, Token *task) noexcept nogil:
+    """The token of the thread running ``task``'s loop if it waits in a synchronous acquire
+    (or is about to: the searching thread), else NULL."""
+    cdef unsigned long ident = <unsigned long>task.loop_ident
+    cdef Token *thread = waiting_threads
+    if not search.me.is_task and search.me.ident == ident:
+        return search.me
+    while thread is not NULL and thread.ident != ident:
+        thread = thread.waiting_next
+    return thread
 
 
 # -- fast paths ---------------------------------------------------------------------------
@@ -266,12 +283,15 @@ cdef Outcome queue_single(Table *table, Entry *entry, Token *token, Mode mode, P
                           bint upgrade, bint try_only, Request *request,
                           After *after) noexcept nogil:
     """The key is taken: give up (try-lock), refuse, or queue ``request``."""
+    cdef PyObject *waiter
     if try_only:
         entry.shard.timeouts += 1
         return BUSY
     if token.request is not NULL:
         return NESTED
+    waiter = request.waiter  # set by prepare: a task's wait, or NULL
     memset(request, 0, sizeof(Request))
+    request.waiter = waiter
     request.token = token
     request.entry = entry
     request.mode = mode
@@ -284,6 +304,7 @@ cdef Outcome queue_single(Table *table, Entry *entry, Token *token, Mode mode, P
 
 cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
     """Queue ``request`` (single, or a set's lead) unless that would close a cycle."""
+    global waiting_threads
     cdef Outcome outcome = refuse_if_cycle(request.token, request, after)
     cdef Py_ssize_t i
     cdef Request *node
@@ -305,6 +326,12 @@ cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
             pin(node)
     table.waiting += 1
     request.token.request = request
+    if not request.token.is_task:
+        request.token.waiting_prev = NULL
+        request.token.waiting_next = waiting_threads
+        if waiting_threads is not NULL:
+            waiting_threads.waiting_prev = request.token
+        waiting_threads = request.token
     return QUEUED
 
 
@@ -406,10 +433,25 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
 
 # -- waiting ------------------------------------------------------------------------------
 
+cdef void stop_waiting(Token *thread) noexcept nogil:
+    """Unlink a thread's token from ``waiting_threads``."""
+    global waiting_threads
+    if thread.waiting_prev is not NULL:
+        thread.waiting_prev.waiting_next = thread.waiting_next
+    elif waiting_threads == thread:
+        waiting_threads = thread.waiting_next
+    if thread.waiting_next is not NULL:
+        thread.waiting_next.waiting_prev = thread.waiting_prev
+    thread.waiting_prev = NULL
+    thread.waiting_next = NULL
+
+
 cdef void end_request(Table *table, Request *request, After *after) noexcept nogil:
     """The waiter's call is about to return: the request stops pointing at its entries."""
     cdef Py_ssize_t i
     request.token.request = NULL
+    if not request.token.is_task:
+        stop_waiting(request.token)
     for i in range(request.nodes):
         touched(request[i].entry).inflight -= 1
     for i in range(request.nodes):
@@ -839,6 +881,7 @@ cdef void look_at(Entry *entry, Token *token, Peek *seen) noexcept nogil:
     seen.found = True
     if entry.owner is not NULL:
         seen.owner = entry.owner.ident
+        seen.task = entry.owner.is_task
         seen.count = entry.count
         seen.mine = entry.owner == token
     seen.readers = entry.nreaders

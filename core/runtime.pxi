@@ -35,11 +35,15 @@ cdef int finish(After *after, Token *keeper) except -1:
     cdef Request *following
     cdef Entry *entry
     cdef PyThread_type_lock wakeup
+    cdef object failure = None
     after.woken = NULL
     while request is not NULL:
         following = request.wake_next  # read first: once posted, the request may be gone
-        wakeup = request.token.wakeup
-        PyThread_release_lock(wakeup)
+        if request.waiter is not NULL:
+            failure = post_task(request.waiter, failure)
+        else:
+            wakeup = request.token.wakeup
+            PyThread_release_lock(wakeup)
         request = following
     if after.resize is not NULL:
         resize_shards(after.resize)
@@ -52,7 +56,23 @@ cdef int finish(After *after, Token *keeper) except -1:
             keeper.spare_entry = entry
         else:
             PyMem_RawFree(entry)
+    if failure is not None:
+        raise failure
     return 0
+
+
+cdef object post_task(PyObject *waiter, object failure):
+    """Post a task's wait (its Waker never raises, but a signal handler may run inside it:
+    every other post is made all the same, and the first such exception is raised after);
+    drop the reference the waking section took, which may free the wait."""
+    try:
+        (<_TaskWait>waiter).waker.post()
+    except BaseException as error:
+        if failure is None:
+            failure = error
+    finally:
+        Py_DECREF(<object>waiter)
+    return failure
 
 
 cdef void resize_shards(Table *table) noexcept:
@@ -86,11 +106,14 @@ cdef void resize(Shard *shard) noexcept:
 
 
 cdef list cycle_list(After *after):
-    """The DEADLOCK cycle as ``[(thread ident, key), ...]``; drops the After's key refs."""
+    """The DEADLOCK cycle as ``[(owner, key), ...]``; drops the After's key refs."""
     cdef Py_ssize_t i
     cycle = []
     for i in range(after.cycle_length):
-        cycle.append((after.cycle[i].ident, <object>after.cycle[i].key))
+        owner = after.cycle[i].ident
+        if after.cycle[i].is_task:
+            owner = task_of(after.cycle[i].ident)
+        cycle.append((owner, <object>after.cycle[i].key))
         Py_XDECREF(after.cycle[i].key)
     return cycle
 
@@ -201,7 +224,7 @@ cdef enum:
     EXIT_ROUNDS = 100  # bounds a finalizer that takes a key again each time it is released
 
 
-cdef bint release_abandoned(Token *token) except -1:
+cdef bint release_abandoned(Token *token, object owner) except -1:
     """Release every key an ending thread holds, then drop them and warn; False if it held none."""
     cdef After after
     cdef PyObject **keys = NULL
@@ -226,7 +249,7 @@ cdef bint release_abandoned(Token *token) except -1:
         Py_XDECREF(keys[i])
     PyMem_RawFree(keys)
     if abandoned and not lockmgr_is_finalizing():
-        warn_abandoned(token.ident, abandoned)
+        warn_abandoned(owner, abandoned)
     return True
 
 
@@ -257,7 +280,7 @@ cdef class _ThreadExit:
             # filters) in this thread, with its token still its own: what that code takes
             # is released in the next round.
             for rounds in range(EXIT_ROUNDS):
-                if not release_abandoned(token):
+                if not release_abandoned(token, token.ident):
                     break
             free_token(token)
         if PyThread_tss_get(&token_key) == token:
@@ -278,6 +301,17 @@ def _before_fork():
 
 def _after_fork_in_parent():
     lockmgr_store_ssize(&forking_pid, 0)
+
+
+cdef void forget_waiting_threads(Token *survivor) noexcept nogil:
+    """In a forked child: only the forking thread may still be waiting."""
+    global waiting_threads
+    waiting_threads = NULL
+    if survivor is not NULL:
+        survivor.waiting_prev = NULL
+        survivor.waiting_next = NULL
+        if survivor.request is not NULL:
+            waiting_threads = survivor
 
 
 def _after_fork_in_child():
@@ -303,6 +337,7 @@ def _after_fork_in_child():
     while table is not NULL:
         keep_only(table, survivor, &after)
         table = table.next_table
+    forget_waiting_threads(survivor)
     unlock()
     lockmgr_store_ssize(&forking_pid, 0)
     after.resize = NULL  # no manager is held alive here: tables resize on their next use

@@ -38,14 +38,23 @@ cdef enum Outcome:  # what a section decided; the caller acts on it after the mu
 #            ``request`` is set, which turns its fast paths off), under engine_mutex.
 
 cdef struct Token:
-    # One per thread that used lockmgr; ownership means this object, never the ident.
-    unsigned long ident          # threading.get_ident() of its thread; set at creation
+    # One per thread that used lockmgr, and one per asyncio task that used an ``aio`` view
+    # (a task's "thread" below is the thread running its event loop, where it always runs);
+    # ownership means this object, never the ident.
+    unsigned long ident          # threading.get_ident() of its thread, or id() of its task;
+                                 # set at creation
+    bint is_task                 # set at creation: a task's token (owned by its _TaskOwner)
+    Py_ssize_t loop_ident        # a task's: the ident of the thread running its loop; set at
+                                 # creation (a deadlock search follows a task to that thread)
+    Token *waiting_prev          # engine: neighbour in ``waiting_threads`` while its thread
+    Token *waiting_next          # waits in a synchronous acquire (thread tokens only)
     Entry *held                  # lists: entries it write-holds in any manager (held_next)
     Hold *reads                  # lists: its read holds in any manager (token_next)
     Request *request             # engine, by its thread only: the request it waits in, or
                                  # NULL (its fast paths read it without the mutex)
-    PyThread_type_lock wakeup    # created by its thread before its first wait; posted by
-                                 # finishes, consumed by its thread: a binary semaphore
+    PyThread_type_lock wakeup    # threads: created by its thread before its first wait;
+                                 # posted by finishes, consumed by its thread: a binary
+                                 # semaphore (tasks are posted through Request.waiter)
     Entry *spare_entry           # its thread only: memory for the next entry it inserts
     Hold *spare_hold             # its thread only: memory for the next read hold it takes
     unsigned long long visit     # engine: number of the last deadlock search that reached it
@@ -88,6 +97,10 @@ cdef struct Request:
     Py_ssize_t nodes             # how many nodes the request has (1 for a single request)
     bint queued                  # multi-key: it waits in its entry's queue; else it
                                  # re-enters a key its thread holds (a pinned level)
+    PyObject *waiter             # a task's request: its _TaskWait (which holds this memory),
+                                 # set before queueing; a waking section takes a reference
+                                 # for its finish (which posts the task and drops it); NULL
+                                 # for a thread's
     Request *wake_next           # engine: next request in the After that is to wake it
     bint post_owed               # engine: set when a section schedules its wake-up post,
                                  # cleared by its waiter's section once it consumed it
@@ -147,8 +160,10 @@ cdef struct Table:
 
 
 cdef struct CycleStep:
-    unsigned long ident          # a thread of the cycle
-    PyObject *key                # strong reference: the key it waits for
+    unsigned long ident          # a thread of the cycle, or id() of a task (``is_task``)
+    bint is_task
+    PyObject *key                # strong reference: the key it waits for (LOOP_THREAD: a
+                                 # task waiting for its loop's thread)
 
 
 cdef struct After:
@@ -190,6 +205,10 @@ cdef Py_tss_t token_key                   # per thread: its Token*, or NULL befo
 cdef unsigned long long searches = 0      # engine: numbers deadlock searches (Token.visit)
 cdef Table *tables = NULL                 # engine: every live table (previous/next_table)
 cdef Shard *touched_shards = NULL         # engine: the shards the engine holder has taken
+cdef PyObject *loop_thread = <PyObject*>LOOP_THREAD  # lockmgr._common keeps it alive
+cdef Token *waiting_threads = NULL        # engine: thread tokens waiting in a synchronous
+                                          # acquire (Token.waiting_next); tasks follow their
+                                          # loop's thread through it in a deadlock search
 cdef size_t shard_count = 1               # shards per new table; set once at import
 cdef Py_ssize_t forking_pid = 0           # atomic: between os.fork()'s hooks, the parent's pid
 memset(&engine_mutex, 0, sizeof(engine_mutex))
@@ -217,5 +236,6 @@ cdef struct Peek:
     unsigned long owner  # the write holder's ident (0: none)
     Py_ssize_t count     # the write holder's level
     bint mine            # the caller is the write holder
+    bint task            # the write holder is a task (``owner`` is its id())
     Py_ssize_t readers   # read holds
     Py_ssize_t my_reads  # the caller's read level

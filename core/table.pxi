@@ -320,6 +320,8 @@ cdef void take(Entry *entry, Request *request) noexcept nogil:
 
 
 cdef inline void wake(Request *request, After *after) noexcept nogil:
+    if request.waiter is not NULL:  # a task's: its memory lives until the finish posted it
+        lockmgr_incref(request.waiter)
     request.post_owed = True
     request.wake_next = after.woken
     after.woken = request

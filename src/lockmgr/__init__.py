@@ -17,6 +17,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
+from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager
 from ._common import (
     AbandonedLockWarning,
     DeadlockError,
@@ -30,6 +31,9 @@ from ._common import (
 
 __all__ = [
     "AbandonedLockWarning",
+    "AsyncKeyLock",
+    "AsyncLockManager",
+    "AsyncRWLockManager",
     "DeadlockError",
     "KeyLock",
     "LockError",
@@ -100,7 +104,7 @@ else:
         implementation_reason = "the compiled core lockmgr._core"
 
 for _exported in (
-    AbandonedLockWarning, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
+    AbandonedLockWarning, AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
     NestedWaitError, NotOwnedError,
 ):
     _exported.__module__ = __name__

@@ -12,6 +12,7 @@ import operator
 import reprlib
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -23,7 +24,13 @@ if TYPE_CHECKING:
 __all__ = [
     "HANDOFF_AFTER",
     "MAIN_THREAD_SLICE",
+    "AWAIT_POST",
     "AbandonedLockWarning",
+    "LOOP_THREAD",
+    "Waker",
+    "current_task_or_raise",
+    "running_loop",
+    "describe_owner",
     "DeadlockError",
     "LockError",
     "LockLost",
@@ -106,11 +113,13 @@ class NotOwnedError(LockError, RuntimeError):
 class DeadlockError(LockError, RuntimeError):
     """Waiting for a key would close a cycle of threads waiting for each other.
 
-    ``cycle`` lists the cycle as ``(thread ident, key it waits for)`` pairs, starting with
-    the refused request; each thread waits for the next one (the last for the first).
+    ``cycle`` lists the cycle as ``(owner, key it waits for)`` pairs, starting with the
+    refused request; each owner waits for the next one (the last for the first). An owner
+    is a thread's ident or an asyncio task; a task whose event loop's thread is blocked in
+    a synchronous acquire waits for that thread, shown as the key ``LOOP_THREAD``.
     """
 
-    def __init__(self, message: str, cycle: list[tuple[int, Hashable]]) -> None:
+    def __init__(self, message: str, cycle: list[tuple[Any, Hashable]]) -> None:
         super().__init__(message)
         self.cycle = cycle
 
@@ -182,24 +191,136 @@ def hold_seconds(timeout: float | None) -> float:
     return wait_seconds(True, timeout)
 
 
-def deadlock(cycle: list[tuple[int, Hashable]]) -> DeadlockError:
+def describe_owner(owner: object) -> str:
+    """"thread 1234" for a thread's ident, "task 'name'" for an asyncio task."""
+    if isinstance(owner, int):
+        return f"thread {owner}"
+    get_name = getattr(owner, "get_name", None)
+    return f"task {get_name()!r}" if get_name is not None else f"task {owner!r}"
+
+
+def _cycle_step(owner: object, key: Hashable) -> str:
+    if key is LOOP_THREAD:
+        return f"{describe_owner(owner)} waits for its event loop's thread"
+    return f"{describe_owner(owner)} waits for key {_short.repr(key)}"
+
+
+def deadlock(cycle: list[tuple[Any, Hashable]]) -> DeadlockError:
     """The error for a wait that would close ``cycle`` (see DeadlockError.cycle)."""
-    steps = "; ".join(f"thread {ident} waits for key {_short.repr(key)}" for ident, key in cycle)
+    steps = "; ".join(_cycle_step(owner, key) for owner, key in cycle)
     return DeadlockError(
         f"waiting for key {_short.repr(cycle[0][1])} would deadlock: {steps}, "
-        f"held or queued ahead by the next thread in this list (the last by the first)",
+        f"held or queued ahead by the next owner in this list (the last by the first)",
         cycle,
     )
 
 
-def warn_abandoned(ident: int, keys: list[Hashable]) -> None:
-    """Report keys released because their thread ``ident`` ended while holding them."""
+def warn_abandoned(owner: object, keys: list[Hashable]) -> None:
+    """Report keys released because their owner (a thread's ident, or an asyncio task)
+    ended while holding them."""
     for key in keys:
         warnings.warn(
-            f"thread {ident} ended holding key {_short.repr(key)}; released it",
+            f"{describe_owner(owner)} ended holding key {_short.repr(key)}; released it",
             AbandonedLockWarning,
             stacklevel=1,
         )
+
+
+class _LoopThread:
+    """The "key" a task waits for in a deadlock cycle when what it needs is the thread that
+    runs its event loop (blocked in a synchronous acquire)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<its event loop's thread>"
+
+
+LOOP_THREAD: Any = _LoopThread()
+
+
+# -- asyncio tasks as owners -------------------------------------------------------------------
+
+#: What an engine's ``settle`` answers when a wake-up is already on its way to the task: it
+#: must wait for that wake-up (its ``Waker`` post) before its request may change again.
+AWAIT_POST = "await post"
+
+
+def current_task_or_raise() -> Any:
+    """The running asyncio task: the owner of every ``aio`` call (RuntimeError outside one)."""
+    try:
+        task = sys.modules["asyncio"].current_task()  # imported by whoever runs a loop
+    except (KeyError, RuntimeError):  # no asyncio yet, or no running loop
+        task = None
+    if task is None:
+        raise RuntimeError(
+            "lockmgr's aio methods must be called from an asyncio task (the task owns the "
+            "keys it acquires); threads use the manager's own methods"
+        )
+    return task
+
+
+def running_loop() -> Any:
+    """The running event loop (the caller runs in a task: asyncio is imported)."""
+    return sys.modules["asyncio"].get_running_loop()
+
+
+class Waker:
+    """How a lock table wakes one waiting task: the task sleeps on a future of its loop; a
+    grant or wake-up *posts* (from any thread, never inside a section); the task takes the
+    post before it looks at its request again. A binary semaphore, like a waiting thread's
+    wakeup lock, whose count is touched on the loop's thread only."""
+
+    __slots__ = ("future", "loop", "posts", "thread")
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.thread = threading.get_ident()  # the thread running the task (and its loop)
+        self.posts = 0  # loop thread only
+        self.future: Any = None  # loop thread only: what the task sleeps on
+
+    def post(self) -> None:
+        """Wake the task (any thread; never raises: it runs in a releasing call's finish)."""
+        try:
+            if threading.get_ident() == self.thread:
+                self._post_here()
+            else:
+                self.loop.call_soon_threadsafe(self._post_here)
+        except RuntimeError:
+            pass  # its loop is closed: the task can never run again to take the post
+
+    def _post_here(self) -> None:
+        self.posts += 1
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def take_post(self) -> bool:
+        if self.posts:
+            self.posts -= 1
+            return True
+        return False
+
+    async def sleep(self, deadline: float) -> None:
+        """Until a post is there, or the monotonic ``deadline`` (< 0: none) passed."""
+        if self.posts:
+            return
+        future = self.future = self.loop.create_future()
+        timer = None
+        if deadline >= 0:
+            timer = self.loop.call_later(max(deadline - time.monotonic(), 0.0), _settle_future,
+                                         future)
+        try:
+            await future
+        finally:
+            self.future = None
+            if timer is not None:
+                timer.cancel()
+
+
+def _settle_future(future: Any) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 MAX_STRIPES = 1 << 24

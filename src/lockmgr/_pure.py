@@ -98,8 +98,10 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, final
 
+from ._aio import AsyncLockManager, AsyncRWLockManager
 from ._common import (
     HANDOFF_AFTER,
+    LOOP_THREAD,
     MAIN_THREAD_SLICE,
     MAX_COUNT,
     PICKLE_ERROR,
@@ -124,6 +126,9 @@ from ._common import (
     timed_out,
     wait_seconds,
     warn_abandoned,
+    Waker,
+    current_task_or_raise,
+    running_loop,
 )
 
 __all__ = ["KeyLock", "LockManager", "RWLockManager"]
@@ -165,6 +170,7 @@ _WAIT_SLICE = MAIN_THREAD_SLICE  # the longest sleep of a waiter between two che
 
 _mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
 _retired: list[_Entry] = []  # entries dropped by the running section (see _section)
+_to_wake: list[Waker] = []  # tasks the running section granted or woke: posted after it
 _get_ident = threading.get_ident
 _yield_gil = time.sleep  # time.sleep(0): let the section's holder run
 
@@ -211,18 +217,26 @@ def _section(run: Callable[..., Any], *args: Any) -> Any:
 
 
 def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    woken = None
     try:
         while _mutex.setdefault(0, ident) != ident:
             _yield_gil(0)
         return run(*args)
     finally:
         # No call before ``del _mutex[0]``: an asynchronous exception cannot skip it. The
-        # entries the section dropped are freed with this frame, once the mutex is free.
+        # entries the section dropped are freed with this frame, once the mutex is free;
+        # the tasks it woke are posted then (waking a task runs its loop's code).
         if 0 in _mutex and _mutex[0] == ident:
             if _retired:
                 dropped = _retired[:]  # unused: it only keeps them alive until then
                 del _retired[:]
+            if _to_wake:
+                woken = _to_wake[:]
+                del _to_wake[:]
             del _mutex[0]
+        if woken is not None:
+            for waker in woken:
+                waker.post()  # never raises
 
 
 def _is_plain(key: object) -> bool:
@@ -236,7 +250,7 @@ def _is_plain(key: object) -> bool:
 class _Token:
     """The identity of one thread towards every manager; ownership means this object."""
 
-    __slots__ = ("held", "ident", "is_main", "reads", "request", "wakeup")
+    __slots__ = ("__weakref__", "held", "ident", "is_main", "reads", "request", "wakeup")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -250,6 +264,84 @@ class _Token:
     def consume_post(self) -> None:
         """The post of a transition seen in this section, unless a sleep consumed it."""
         self.wakeup.acquire(False)
+
+
+class _TaskWakeup:
+    """A task token's stand-in for a thread's wakeup lock: a section's post queues the
+    task's current Waker, posted once the section has ended (``_run_section``). A task
+    needs no post to see its state change: it reads its request in a section."""
+
+    __slots__ = ("waker",)
+
+    def __init__(self) -> None:
+        self.waker: Waker | None = None  # set by the task before each acquisition
+
+    def release(self) -> None:
+        if self.waker is not None:
+            _to_wake.append(self.waker)
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return True
+
+
+class _TaskToken(_Token):
+    """The identity of one asyncio task towards every manager (``ident`` is the task)."""
+
+    __slots__ = ("loop_ident",)
+
+    def __init__(self, task: Any) -> None:  # noqa: D107 - not a thread: no _Token.__init__
+        self.ident = task
+        self.is_main = False
+        self.held = {}
+        self.reads = {}
+        self.wakeup = _TaskWakeup()  # type: ignore[assignment]
+        self.request = None
+        self.loop_ident = _get_ident()  # the thread running its loop (a cycle may pass it)
+
+
+_task_tokens: dict[Any, _TaskToken] = {}  # running task -> its token (until it is done)
+
+
+def _task_token(create: bool = True) -> _TaskToken | None:
+    """The current task's token (RuntimeError outside a task); None if it has none yet and
+    ``create`` is false."""
+    task = current_task_or_raise()
+    token = _task_tokens.get(task)
+    if token is None and create:
+        token = _task_tokens[task] = _TaskToken(task)
+        task.add_done_callback(_task_done)
+    return token
+
+
+def _task_done(task: Any) -> None:
+    """A task ended: release what it still holds (with AbandonedLockWarning), as a thread's
+    exit does."""
+    token = _task_tokens.pop(task, None)
+    if token is not None:
+        for _ in range(_EXIT_ROUNDS):
+            if not _release_abandoned(token):
+                break
+
+
+class _TaskWait:
+    """A task's queued request (see lockmgr._aio for the protocol)."""
+
+    __slots__ = ("manager", "request", "waker")
+
+    def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
+        self.manager = manager
+        self.request = request
+        self.waker = waker
+
+    def settle(self, consumed: bool, deadline: float) -> bool | None:
+        verdict: bool | None = _section(self.manager._check_wait_section, self.request,
+                                        None if deadline < 0 else deadline)
+        if verdict is not None:
+            self.request.token.request = None
+        return verdict
+
+    def abandon(self) -> None:
+        _section(self.manager._abandon_section, self.request.token, None)
 
 
 class _ThreadExit:
@@ -316,6 +408,7 @@ def _holding_managers(token: _Token) -> list[weakref.ref[_Engine]]:
 
 
 _local = threading.local()
+_thread_tokens: weakref.WeakValueDictionary[int, _Token] = weakref.WeakValueDictionary()
 _exiting: dict[int, _Token] = {}  # ident -> token of a thread whose exit runs (_ThreadExit)
 _managers: weakref.WeakSet[_Engine] = weakref.WeakSet()  # every live manager (for fork)
 _fork_parent_pid = os.getpid()  # the process whose threads' exits release their keys
@@ -331,6 +424,7 @@ def _current_token() -> _Token:
     except AttributeError:
         token = _Token()
         _local.guard = _ThreadExit(token)
+        _thread_tokens[token.ident] = token  # a cycle through a task may pass this thread
     return token
 
 
@@ -381,6 +475,9 @@ class _Entry:
         self.count = 0  # the write holder's recursion level
         self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
+
+
+_LOOP_THREAD = _Entry(LOOP_THREAD, 0, True)  # what a task waits for in its loop's thread
 
 
 class _Unsure:
@@ -498,6 +595,60 @@ class _Engine:
         Levels a waiting ``acquire_many`` of this thread has pinned stay held."""
         token = _existing_token()
         return 0 if token is None else len(_section(self._release_held_section, token))
+
+    # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
+
+    def _task_acquire(self, key: Hashable, mode: int, try_only: bool, count: int) -> object:
+        token = _task_token()
+        assert token is not None
+        key = self._table_key(key)
+        seconds = 0.0 if try_only else -1.0
+        if mode == _WRITE:
+            return self._task_wait(token, self._run_on_key, self._take_write, key, token,
+                                   seconds, count)
+        return self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
+
+    def _task_acquire_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
+        if not items:
+            _task_token(create=False)  # outside a task: RuntimeError all the same
+            return True
+        token = _task_token()
+        assert token is not None
+        return self._task_wait(token, self._take_many, items, token, 0.0 if try_only else -1.0)
+
+    def _task_wait(self, token: _TaskToken, take: Callable[..., Any], *args: Any) -> object:
+        """``take(*args)`` for a task: True, False, or the _TaskWait of its queued request."""
+        waker = token.wakeup.waker = Waker(running_loop())  # type: ignore[attr-defined]
+        verdict = take(*args)
+        if type(verdict) is _Request:
+            return _TaskWait(self, verdict, waker)
+        if type(verdict) is bool:
+            return verdict
+        key, failure = verdict
+        raise _failure(failure, key)
+
+    def _task_release(self, key: Hashable, mode: int) -> None:
+        token = _task_token(create=False)
+        key = self._table_key(key)
+        run = self._release_write_on if mode == _WRITE else self._release_read_on
+        verdict = self._run_on_key(run, key, token)
+        if verdict is not None:
+            raise _failure(verdict, key)
+
+    def _task_release_many(self, items: list[tuple[Hashable, int]]) -> None:
+        token = _task_token(create=False)
+        if items:
+            self._release_many(items, token)
+
+    def _task_release_all(self) -> int:
+        token = _task_token(create=False)
+        return 0 if token is None else len(_section(self._release_held_section, token))
+
+    def _task_levels(self, key: Hashable) -> tuple[int, int]:
+        """The current task's write and read levels of ``key``."""
+        token = _task_token(create=False)
+        return self._run_on_key(  # type: ignore[no-any-return]
+            _levels_of, self._table_key(key), token)
 
     # -- finding entries ---------------------------------------------------------------------
 
@@ -804,7 +955,7 @@ class _Engine:
         self._waiting += 1
         return request
 
-    def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[int, Hashable]] | None:
+    def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[Any, Hashable]] | None:
         """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
         A waiting request waits for the holders it conflicts with and for the conflicting
@@ -814,6 +965,17 @@ class _Engine:
         """
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
+
+        def reach(thread: _Token, successor: _Token | None, waits_for: _Entry) -> bool:
+            if successor is None or successor is thread:
+                return False
+            if successor is me:
+                reached[me] = (thread, waits_for)
+                return True
+            if successor not in reached:
+                reached[successor] = (thread, waits_for)
+                stack.append(successor)
+            return False
 
         def reach_waited_for(
             thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool
@@ -827,16 +989,7 @@ class _Engine:
                         break
                     if mode == _WRITE or ahead.mode == _WRITE:
                         successors.append(ahead.token)
-            for successor in successors:
-                if successor is None or successor is thread:
-                    continue
-                if successor is me:
-                    reached[me] = (thread, waits_for)
-                    return True
-                if successor not in reached:
-                    reached[successor] = (thread, waits_for)
-                    stack.append(successor)
-            return False
+            return any(reach(thread, successor, waits_for) for successor in successors)
 
         def reach_request(thread: _Token, request: _Request, enqueued: bool) -> bool:
             return any(
@@ -851,6 +1004,10 @@ class _Engine:
             own = thread.request
             if own is not None and own.state in (_WAITING, _WOKEN):
                 closed = reach_request(thread, own, True)
+            if not closed and type(thread) is _TaskToken:
+                # A task runs only when its loop's thread does: if that thread waits, so
+                # does the task (the thread's wait is followed if it is one).
+                closed = reach(thread, _thread_tokens.get(thread.loop_ident), _LOOP_THREAD)
         if not closed:
             return None
         cycle = []
@@ -1030,10 +1187,12 @@ class _Engine:
             self._pass_on(entry)
         return None
 
-    def _release_many(self, items: list[tuple[Hashable, int]]) -> None:
+    def _release_many(self, items: list[tuple[Hashable, int]],
+                      token: _Token | None | bool = False) -> None:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
-        asked) none, with NotOwnedError."""
-        token = _existing_token()
+        asked) none, with NotOwnedError. ``token``: the owner (default: this thread)."""
+        if token is False:
+            token = _existing_token()
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
         known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
@@ -1284,6 +1443,13 @@ class _Engine:
 
 # Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.
 
+def _levels_of(entry: _Entry | None, key: object, key_hash: int, plain: bool,
+               token: _Token | None) -> tuple[int, int]:
+    if entry is None or token is None:
+        return 0, 0
+    return entry.count if entry.owner is token else 0, entry.readers.get(token, 0)
+
+
 def _written(entry: _Entry | None, *_: object) -> bool:
     return entry is not None and entry.owner is not None
 
@@ -1334,6 +1500,11 @@ class LockManager(_Engine, Generic[K]):
     def fair(self) -> bool:
         """True for strict FIFO hand-off, False for eventual fairness (see the README)."""
         return self._fair
+
+    @property
+    def aio(self) -> AsyncLockManager[K]:
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncLockManager(self)
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
@@ -1447,6 +1618,11 @@ class RWLockManager(_Engine, Generic[K]):
 
     def __init__(self, *, stripes: int | None = None) -> None:
         super().__init__(stripes)
+
+    @property
+    def aio(self) -> AsyncRWLockManager[K]:
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncRWLockManager(self)
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""

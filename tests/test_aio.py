@@ -1,0 +1,602 @@
+"""asyncio tasks and threads on one lock table (``locks.aio``), on both engines."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from conftest import PATIENCE, abandoned_warnings, wait_until
+from lockmgr import (
+    AsyncKeyLock,
+    AsyncLockManager,
+    AsyncRWLockManager,
+    DeadlockError,
+    LockTimeout,
+    NotOwnedError,
+)
+from lockmgr._common import LOOP_THREAD
+
+
+def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``main()`` as the task of a fresh event loop, bounded in time."""
+    async def bounded() -> Any:
+        return await asyncio.wait_for(main(), PATIENCE)
+    return asyncio.run(bounded())
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Let the loop run until ``condition`` (a real state: a queue length) holds."""
+    deadline = time.monotonic() + PATIENCE
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.001)
+
+
+def in_thread(func: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    box: list[Any] = []
+
+    def target() -> None:
+        try:
+            box.append(func())
+        except BaseException as error:  # handed to the test
+            box.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+async def joined(thread: threading.Thread) -> None:
+    await asyncio.to_thread(thread.join, PATIENCE)
+    assert not thread.is_alive()
+
+
+# -- the API -----------------------------------------------------------------------------
+
+
+def test_views_are_typed_per_manager_kind(impl) -> None:
+    locks, rw = impl.LockManager(), impl.RWLockManager()
+    assert isinstance(locks.aio, AsyncLockManager) and locks.aio.manager is locks
+    assert isinstance(rw.aio, AsyncRWLockManager) and rw.aio.manager is rw
+    assert isinstance(locks.aio["k"], AsyncKeyLock) and locks.aio["k"].key == "k"
+
+
+def test_a_task_owns_reentrantly_and_a_thread_is_another_owner(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        async with locks.aio["k"]:
+            async with locks.aio.hold("k"):
+                assert locks.aio.recursion_count("k") == 2
+            assert locks.aio.owned("k") and locks.aio.recursion_count("k") == 1
+            assert locks.owner("k") is asyncio.current_task()
+            # The thread running this task's loop is a different owner.
+            assert not locks.owned("k") and locks.recursion_count("k") == 0
+            with pytest.raises(NotOwnedError):
+                locks.release("k")
+            assert locks.acquire("k", blocking=False) is False
+            assert await asyncio.create_task(locks.aio.acquire("k", blocking=False)) is False
+            assert "k" in locks and locks.locked("k") and locks.aio.locked("k")
+            assert len(locks) == 1 == len(locks.aio) and "k" in locks.aio
+        assert not locks.locked("k") and len(locks) == 0
+        with pytest.raises(NotOwnedError):
+            locks.aio.release("k")
+
+    run(main)
+    stats = locks.stats()
+    assert (stats.held, stats.waiting, stats.acquisitions, stats.timeouts) == (0, 0, 2, 2)
+
+
+def test_every_aio_method_outside_a_task_raises_runtime_error(impl) -> None:
+    locks, rw = impl.LockManager(), impl.RWLockManager()
+    for call in (lambda: locks.aio.owned("k"), lambda: locks.aio.recursion_count("k"),
+                 lambda: locks.aio.release("k"), lambda: locks.aio.release_all(),
+                 lambda: locks.aio.release_many(["k"]), lambda: rw.aio.release_read("k"),
+                 lambda: rw.aio.owned("k")):
+        with pytest.raises(RuntimeError, match="asyncio task"):
+            call()
+    for coroutine in (locks.aio.acquire("k"), locks.aio.acquire_many(["k"]),
+                      locks.aio["k"].acquire(), rw.aio.acquire_read("k")):
+        with pytest.raises(RuntimeError, match="asyncio task"):
+            coroutine.send(None)
+        coroutine.close()
+    assert len(locks) == 0 and len(rw) == 0
+
+
+def test_bad_arguments_raise_as_the_sync_api_does_and_change_nothing(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        for kwargs, error in (({"blocking": False, "timeout": 1}, ValueError),
+                              ({"timeout": -2}, ValueError), ({"timeout": float("nan")}, ValueError),
+                              ({"timeout": "1"}, TypeError)):
+            with pytest.raises(error):
+                await locks.aio.acquire("k", **kwargs)
+            with pytest.raises(error):
+                locks.acquire("k", **kwargs)
+        with pytest.raises(TypeError):
+            await locks.aio.acquire(["unhashable"])
+        with pytest.raises(TypeError):
+            await locks.aio.acquire_many("ab")
+        with pytest.raises(TypeError):
+            locks.aio.hold("k", timeout="x")
+        with pytest.raises(TypeError):
+            locks.aio.synchronized(42)
+
+    run(main)
+    assert locks.stats().acquisitions == 0 and len(locks) == 0
+
+
+# -- one queue for tasks and threads ---------------------------------------------------------
+
+
+def test_tasks_and_threads_queue_fifo_on_one_key(impl) -> None:
+    locks = impl.LockManager()  # fair: a release hands the key to the oldest waiter
+    order: list[str] = []
+
+    async def main() -> None:
+        async def task(name: str) -> None:
+            async with locks.aio[("k",)]:
+                order.append(name)
+
+        def thread_body() -> None:
+            with locks[("k",)]:
+                order.append("thread")
+
+        await locks.aio.acquire(("k",))
+        first = asyncio.create_task(task("task 1"))
+        await until(lambda: locks.stats().waiting == 1, "task 1 waits")
+        thread, box = in_thread(thread_body)
+        await until(lambda: locks.stats().waiting == 2, "the thread waits")
+        second = asyncio.create_task(task("task 2"))
+        await until(lambda: locks.stats().waiting == 3, "task 2 waits")
+        locks.aio.release(("k",))
+        await asyncio.gather(first, second)
+        await joined(thread)
+        assert box == [None]
+
+    run(main)
+    assert order == ["task 1", "thread", "task 2"]
+    assert locks.stats().contended == 3 and len(locks) == 0
+
+
+def test_a_release_hands_the_key_to_a_waiting_task_before_it_returns(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        await locks.aio.acquire("k")
+        waiter = asyncio.create_task(locks.aio.acquire("k"))
+        await until(lambda: locks.stats().waiting == 1, "the task waits")
+        locks.aio.release("k")
+        # Handed over: neither this task nor a thread can take it now.
+        assert locks.locked("k") and locks.owner("k") is waiter
+        assert locks.acquire("k", blocking=False) is False
+        assert await waiter is True  # ended holding it: its done-callback released it
+        await until(lambda: not locks.locked("k"), "the ended task's key is released")
+
+    with abandoned_warnings() as caught:
+        run(main)
+    assert len(locks) == 0 and len(caught) == 1
+    assert str(caught[0].message).endswith("ended holding key 'k'; released it")
+
+
+def test_a_waiting_task_never_blocks_its_loop(impl) -> None:
+    locks = impl.LockManager()
+    ticks = 0
+
+    async def main() -> None:
+        nonlocal ticks
+        thread_holds, release = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with locks["k"]:
+                thread_holds.set()
+                release.wait(PATIENCE)
+
+        thread, _ = in_thread(holder)
+        await asyncio.to_thread(thread_holds.wait, PATIENCE)
+        waiter = asyncio.create_task(locks.aio.acquire("k"))
+        await until(lambda: locks.stats().waiting == 1, "the task waits")
+        for _ in range(20):
+            await asyncio.sleep(0)
+            ticks += 1
+        release.set()  # a grant from another thread wakes the loop
+        assert await waiter is True
+        await joined(thread)
+        await asyncio.sleep(0)  # the waiter's done-callback releases the key
+
+    with abandoned_warnings():
+        run(main)
+    assert ticks == 20 and len(locks) == 0
+
+
+def test_unfair_managers_grant_waiting_tasks_and_threads_eventually(impl) -> None:
+    locks = impl.LockManager(fair=False)
+    counter = {"n": 0}
+
+    async def main() -> None:
+        async def task() -> None:
+            for _ in range(50):
+                async with locks.aio["k"]:
+                    n = counter["n"]
+                    await asyncio.sleep(0)
+                    counter["n"] = n + 1
+
+        def thread_body() -> None:
+            for _ in range(50):
+                with locks["k"]:
+                    n = counter["n"]
+                    time.sleep(0)
+                    counter["n"] = n + 1
+
+        threads = [in_thread(thread_body)[0] for _ in range(2)]
+        await asyncio.gather(*(task() for _ in range(4)))
+        for thread in threads:
+            await joined(thread)
+
+    run(main)
+    assert counter["n"] == 300 and len(locks) == 0 and locks.stats().waiting == 0
+
+
+# -- cancellation and timeouts -----------------------------------------------------------------
+
+
+def test_a_cancelled_waiting_task_leaves_the_queue_with_nothing(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        await locks.aio.acquire("k")
+        waiter = asyncio.create_task(locks.aio.acquire("k"))
+        await until(lambda: locks.stats().waiting == 1, "the task waits")
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert locks.stats().waiting == 0 and locks.owner("k") is asyncio.current_task()
+        locks.aio.release("k")
+        assert not locks.locked("k")
+
+    run(main)
+    assert len(locks) == 0
+
+
+@pytest.mark.parametrize("next_waiter", ["task", "thread"])
+def test_a_grant_that_raced_a_cancellation_goes_to_the_next_waiter(impl, next_waiter) -> None:
+    """As asyncio.Lock: the key was handed to a task that was cancelled before it ran; the
+    task raises CancelledError and the key goes on, never lost, never left locked."""
+    locks = impl.LockManager()
+    got: list[str] = []
+
+    async def main() -> None:
+        await locks.aio.acquire("k")
+        cancelled = asyncio.create_task(locks.aio.acquire("k"))
+        await until(lambda: locks.stats().waiting == 1, "the first waiter waits")
+        if next_waiter == "task":
+            async def follow() -> None:
+                async with locks.aio["k"]:
+                    got.append("task")
+            following = asyncio.create_task(follow())
+        else:
+            thread, box = in_thread(lambda: (locks.acquire("k"), got.append("thread"),
+                                             locks.release("k")))
+        await until(lambda: locks.stats().waiting == 2, "the next waiter waits")
+        locks.aio.release("k")  # handed to ``cancelled``, which has not run yet
+        assert locks.owner("k") is cancelled
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        if next_waiter == "task":
+            await following
+        else:
+            await joined(thread)
+            assert box == [(True, None, None)]
+
+    run(main)
+    assert got == [next_waiter]
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_timeouts_give_up_and_leave_nothing_queued(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        async def other(call: Callable[[], Awaitable[Any]]) -> Any:
+            return await call()
+
+        await locks.aio.acquire("k")
+        assert await asyncio.create_task(other(lambda: locks.aio.acquire("k", timeout=0.05))) is False
+        with pytest.raises(LockTimeout) as raised:
+            await asyncio.create_task(other(lambda: locks.aio.hold("k", timeout=0.05).__aenter__()))
+        assert isinstance(raised.value, TimeoutError)
+        with pytest.raises(LockTimeout):
+            await asyncio.create_task(other(lambda: locks.aio.hold_many(["j", "k"], timeout=0.05).__aenter__()))
+        assert not locks.locked("j")
+        if sys.version_info >= (3, 11):
+            async def bounded() -> None:
+                async with asyncio.timeout(0.05):
+                    await locks.aio.acquire("k")
+            with pytest.raises(TimeoutError):
+                await asyncio.create_task(bounded())
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.create_task(other(lambda: locks.aio.acquire("k"))), 0.05)
+        assert locks.stats().waiting == 0
+        locks.aio.release("k")
+
+    run(main)
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_a_task_that_ends_holding_keys_releases_them_with_a_warning(impl) -> None:
+    locks, rw = impl.LockManager(), impl.RWLockManager()
+
+    async def main() -> None:
+        async def forgetful() -> None:
+            await locks.aio.acquire("a")
+            await locks.aio.acquire("a")
+            await rw.aio.acquire_read("b")
+
+        task = asyncio.create_task(forgetful(), name="forgetful")
+        waiter, box = in_thread(lambda: (locks.acquire("a", timeout=PATIENCE), locks.release("a")))
+        await task
+        await joined(waiter)
+        assert box == [(True, None)]
+
+    with abandoned_warnings() as caught:
+        run(main)
+    assert sorted(str(w.message) for w in caught) == [
+        "task 'forgetful' ended holding key 'a'; released it",
+        "task 'forgetful' ended holding key 'b'; released it",
+    ]
+    assert not rw.readers("b") and len(rw) == 0
+
+
+# -- deadlocks ---------------------------------------------------------------------------------
+
+
+def test_a_cycle_of_tasks_is_a_deadlock_error(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        first_waits = asyncio.Event()
+
+        async def first() -> None:
+            async with locks.aio["a"]:
+                await until(lambda: locks.locked("b"), "the second holds b")
+                first_waits.set()
+                async with locks.aio["b"]:
+                    pass
+
+        async def second() -> None:
+            async with locks.aio["b"]:
+                await first_waits.wait()
+                await until(lambda: locks.stats().waiting == 1, "the first waits for b")
+                with pytest.raises(DeadlockError) as raised:
+                    await locks.aio.acquire("a")
+                assert raised.value.cycle == [(asyncio.current_task(), "a"), (one, "b")]
+
+        one = asyncio.create_task(first(), name="one")
+        await asyncio.gather(one, second())
+
+    run(main)
+    assert locks.stats().deadlocks == 1 and len(locks) == 0
+
+
+def test_a_cycle_of_a_task_and_a_thread_is_a_deadlock_error(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        await locks.aio.acquire("a")
+        thread_holds = threading.Event()
+
+        def thread_body() -> None:
+            with locks["b"]:
+                thread_holds.set()
+                locks.acquire("a")  # waits for this task
+                locks.release("a")
+
+        thread, box = in_thread(thread_body)
+        await asyncio.to_thread(thread_holds.wait, PATIENCE)
+        await until(lambda: locks.stats().waiting == 1, "the thread waits for a")
+        with pytest.raises(DeadlockError) as raised:
+            await locks.aio.acquire("b")
+        assert raised.value.cycle == [(asyncio.current_task(), "b"), (thread.ident, "a")]
+        locks.aio.release("a")
+        await joined(thread)
+        assert box == [None]
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_a_loop_thread_blocking_on_a_key_of_its_own_task_is_a_deadlock_error(impl) -> None:
+    """The task can never run again to release it: the sync acquire fails at once."""
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        async def holder() -> None:
+            async with locks.aio["k"]:
+                await asyncio.sleep(PATIENCE)
+
+        task = asyncio.create_task(holder(), name="holder")
+        await until(lambda: locks.locked("k"), "the task holds k")
+        with pytest.raises(DeadlockError) as raised:
+            locks.acquire("k")  # a blocking call on the loop's own thread
+        assert raised.value.cycle == [(threading.get_ident(), "k"), (task, LOOP_THREAD)]
+        assert "waits for its event loop's thread" in str(raised.value)
+        assert locks.acquire("k", timeout=0) is False  # a try-lock never waits
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main)
+    assert len(locks) == 0
+
+
+# -- many loops, many keys, RW -------------------------------------------------------------------
+
+
+def test_several_event_loops_in_several_threads_at_once(impl) -> None:
+    locks = impl.LockManager()
+    counters = {key: 0 for key in range(5)}
+
+    def loop_thread() -> None:
+        async def bump(key: int) -> None:
+            for _ in range(20):
+                async with locks.aio.hold(key):
+                    value = counters[key]
+                    await asyncio.sleep(0)
+                    counters[key] = value + 1
+
+        async def main() -> None:
+            await asyncio.gather(*(bump(i % 5) for i in range(10)))
+
+        run(main)
+
+    def plain_thread() -> None:
+        for i in range(100):
+            with locks.hold(i % 5):
+                value = counters[i % 5]
+                time.sleep(0)
+                counters[i % 5] = value + 1
+
+    threads = [threading.Thread(target=loop_thread) for _ in range(3)]
+    threads.append(threading.Thread(target=plain_thread))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PATIENCE)
+        assert not thread.is_alive()
+    assert sum(counters.values()) == 3 * 10 * 20 + 100
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_acquire_many_is_atomic_across_tasks_and_threads_and_cancellable(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        thread_holds, release = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with locks["b"]:
+                thread_holds.set()
+                release.wait(PATIENCE)
+
+        thread, _ = in_thread(holder)
+        await asyncio.to_thread(thread_holds.wait, PATIENCE)
+        waiting = asyncio.create_task(locks.aio.acquire_many(["a", "b", "c"]))
+        await until(lambda: locks.stats().waiting == 1, "the set waits")
+        assert not locks.locked("a") and not locks.locked("c")  # all or nothing
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert locks.stats().waiting == 0
+        async with locks.aio.hold_many(["a", "c"]):
+            assert locks.aio.owned("a") and locks.aio.owned("c")
+        async def grab() -> bool:
+            got = await locks.aio.acquire_many(["c", "b", "a"], timeout=PATIENCE)
+            assert all(locks.owner(key) is asyncio.current_task() for key in "abc")
+            locks.aio.release_many(["a", "b", "c"])
+            return got
+
+        getting = asyncio.create_task(grab())
+        await until(lambda: locks.stats().waiting == 1, "the set waits again")
+        release.set()
+        assert await getting is True
+        await joined(thread)
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_rw_views_share_reads_among_tasks_and_threads(impl) -> None:
+    rw = impl.RWLockManager()
+
+    async def main() -> None:
+        async with rw.aio.read("k"):
+            assert rw.acquire_read("k", blocking=False)  # a thread reads beside the task
+            assert rw.readers("k") == 2 == rw.aio.readers("k")
+            rw.release_read("k")
+            writes, written = asyncio.Event(), asyncio.Event()
+
+            async def write() -> None:
+                async with rw.aio.write("k"):
+                    writes.set()
+                    await written.wait()
+
+            writer = asyncio.create_task(write())
+            await until(lambda: rw.stats().waiting == 1, "the writer waits")
+            assert not rw.acquire_read("k", blocking=False)  # FIFO: behind the writer
+            assert rw.aio.owned("k") and rw.aio.recursion_count("k") == 0
+        await writes.wait()
+        assert rw.write_locked("k") and rw.aio.write_locked("k")
+        with pytest.raises(NotOwnedError):
+            rw.aio.release_write("k")  # the writer task holds it, not this one
+        written.set()
+        await writer
+        async with rw.aio.hold_many(reads=["r"], writes=["w"]):
+            assert rw.readers("r") == 1 and rw.write_locked("w")
+        assert await rw.aio.acquire_write("k")
+        assert await asyncio.create_task(
+            rw.aio.acquire_many(reads=["k"], blocking=False)) is False
+        assert rw.aio.release_all() == 1
+
+    run(main)
+    assert len(rw) == 0
+
+
+def test_release_all_releases_only_the_current_tasks_keys(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        await locks.aio.acquire("a")
+        await locks.aio.acquire("a")
+        await locks.aio.acquire_many(["b", "c"])
+        assert locks.acquire("t")
+        assert locks.aio.release_all() == 3
+        assert locks.owned("t") and not locks.locked("a")
+        locks.release("t")
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_striped_managers_lock_stripes_for_tasks(impl) -> None:
+    locks = impl.LockManager(stripes=1)
+
+    async def main() -> None:
+        async with locks.aio["a"]:
+            assert locks.locked("b")  # the same stripe
+            assert await asyncio.create_task(locks.aio.acquire("b", blocking=False)) is False
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_synchronized_coroutines_hold_their_key_per_call(impl) -> None:
+    locks = impl.LockManager()
+    inside: list[int] = []
+
+    @locks.aio.synchronized(lambda account, amount: f"account:{account}")
+    async def deposit(account: int, amount: int) -> int:
+        inside.append(account)
+        assert locks.locked(f"account:{account}")
+        await asyncio.sleep(0)
+        inside.remove(account)
+        return amount
+
+    async def main() -> None:
+        results = await asyncio.gather(*(deposit(i % 2, i) for i in range(6)))
+        assert results == list(range(6)) and inside == []
+
+    run(main)
+    assert deposit.__name__ == "deposit" and len(locks) == 0
+    with pytest.raises(TypeError, match="coroutine function"):
+        locks.aio.synchronized(lambda: "k")(lambda: None)
+    with pytest.raises(TypeError):
+        locks.synchronized(lambda: "k")(deposit)  # the sync decorator refuses coroutines
