@@ -26,15 +26,9 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
-import lockmgr
 from conftest import PATIENCE
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(lockmgr.LockManager, "aio"), reason="issue 14: LockManager.aio is not built yet"
-)
 
 ACCOUNTS = 200
 INITIAL = 1_000

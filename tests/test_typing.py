@@ -12,8 +12,6 @@ from pathlib import Path
 
 import importlib.util
 
-import pytest
-
 import lockmgr
 
 PACKAGE = Path(lockmgr.__file__).resolve().parent  # what users' type checkers read
@@ -170,8 +168,6 @@ def not_a_coroutine(account: str) -> int:
 """
 
 
-@pytest.mark.skipif(not hasattr(lockmgr, "AsyncLockManager"),
-                    reason="lockmgr.AsyncLockManager (issue 14) is not built yet")
 def test_aio_synchronized_keeps_the_signature(tmp_path: Path) -> None:
     """``locks.aio.synchronized`` on a coroutine function keeps its signature and returns a
     coroutine (``asyncio.create_task`` and ``gather`` accept the call); the views are
