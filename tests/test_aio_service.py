@@ -30,22 +30,28 @@ from aiohttp import web
 
 from conftest import PATIENCE
 
-ACCOUNTS = 200
+CROWDED = 40  # accounts in the correctness test: transfers collide all the time
+SPREAD = 2_000  # accounts in the throughput test: a request rarely waits for another
 INITIAL = 1_000
-CLIENTS = 64  # requests in flight at once (one client task each)
+CLIENTS = 100  # requests in flight at once (one client task each)
 FEEDERS = 4  # synchronous transfers in flight at once (pool threads)
-HANDLER_HOLD = 0.020  # a handler holds both accounts across this long an await
-THREAD_HOLD = 0.002  # a pool thread holds both accounts while it sleeps this long
+#: (handler, thread) holds: a handler holds both accounts across an ``await asyncio.sleep``
+#: this long, a pool thread while it sleeps this long. The throughput test's requests hold
+#: long, so that the holding dominates each request's cost; the correctness test's are short,
+#: so that many transfers, of both kinds, meet on the same accounts within a short test.
+THROUGHPUT_HOLDS = (0.050, 0.002)
+CORRECTNESS_HOLDS = (0.002, 0.001)
 
 
-@dataclass
 class Bank:
     """The accounts, and what the test checks about them."""
 
-    balances: list[int] = field(default_factory=lambda: [INITIAL] * ACCOUNTS)
-    holder: list[object] = field(default_factory=lambda: [None] * ACCOUNTS)
-    overlaps: list[tuple[int, object, object]] = field(default_factory=list)
-    ledger: list[tuple[int, int, int, str]] = field(default_factory=list)
+    def __init__(self, accounts: int) -> None:
+        self.accounts = accounts
+        self.balances = [INITIAL] * accounts
+        self.holder: list[object] = [None] * accounts
+        self.overlaps: list[tuple[int, object, object]] = []
+        self.ledger: list[tuple[int, int, int, str]] = []
 
     def enter(self, src: int, dst: int, who: object) -> tuple[int, int]:
         """Mark both accounts held by ``who`` (noting any other holder found) and read them."""
@@ -62,18 +68,18 @@ class Bank:
         self.holder[src] = self.holder[dst] = None
 
     def expected(self) -> list[int]:
-        balances = [INITIAL] * ACCOUNTS
+        balances = [INITIAL] * self.accounts
         for src, dst, amount, _ in list(self.ledger):
             balances[src] -= amount
             balances[dst] += amount
         return balances
 
 
-def _plan(seed: int, count: int | None) -> Iterator[tuple[int, int, int]]:
+def _plan(seed: int, accounts: int, count: int | None) -> Iterator[tuple[int, int, int]]:
     """``count`` transfers (None: endless) between two distinct random accounts."""
     rng = random.Random(seed)
     for _ in itertools.repeat(None) if count is None else range(count):
-        src, dst = rng.sample(range(ACCOUNTS), 2)
+        src, dst = rng.sample(range(accounts), 2)
         yield src, dst, rng.randrange(1, 50)
 
 
@@ -88,8 +94,8 @@ class Run:
 
 
 async def _serve(locks: Any, bank: Bank, key: Callable[[int], Hashable],
-                 requests_each: int | None, transfers_each: int | None,
-                 window: float | None) -> Run:
+                 holds: tuple[float, float], requests_each: int | None,
+                 transfers_each: int | None, window: float | None) -> Run:
     """Start the service on an ephemeral port of 127.0.0.1, run CLIENTS client tasks and
     FEEDERS thread feeders against it, and stop them either after a fixed number of
     requests/transfers each (``window`` None) or when ``window`` seconds have passed (what
@@ -97,20 +103,23 @@ async def _serve(locks: Any, bank: Bank, key: Callable[[int], Hashable],
     run = Run()
     stopping = [False]
     aio = locks.aio
+    handler_hold, thread_hold = holds
 
     async def transfer(request: web.Request) -> web.Response:
         body = await request.json()
         src, dst, amount = body["src"], body["dst"], body["amount"]
         async with aio.hold_many([key(src), key(dst)], timeout=PATIENCE):
             read = bank.enter(src, dst, asyncio.current_task())
-            await asyncio.sleep(HANDLER_HOLD)  # the request's I/O, accounts held
+            if not stopping[0]:  # (once a timed run's window is over, the rest drains fast)
+                await asyncio.sleep(handler_hold)  # the request's I/O, accounts held
             bank.leave(src, dst, amount, read, "request")
         return web.json_response({"ok": True})
 
     def sync_transfer(src: int, dst: int, amount: int) -> None:
         with locks.hold_many([key(src), key(dst)], timeout=PATIENCE):
             read = bank.enter(src, dst, threading.current_thread())
-            time.sleep(THREAD_HOLD)  # blocking work, accounts held
+            if not stopping[0]:
+                time.sleep(thread_hold)  # blocking work, accounts held
             bank.leave(src, dst, amount, read, "thread")
 
     app = web.Application()
@@ -129,7 +138,7 @@ async def _serve(locks: Any, bank: Bank, key: Callable[[int], Hashable],
 
     async def client(seed: int) -> None:
         await go.wait()
-        for src, dst, amount in _plan(seed, requests_each):
+        for src, dst, amount in _plan(seed, bank.accounts, requests_each):
             if stopping[0]:
                 return
             payload = {"src": src, "dst": dst, "amount": amount}
@@ -147,7 +156,7 @@ async def _serve(locks: Any, bank: Bank, key: Callable[[int], Hashable],
 
     async def feeder(seed: int) -> None:
         await go.wait()
-        for src, dst, amount in _plan(seed, transfers_each):
+        for src, dst, amount in _plan(seed, bank.accounts, transfers_each):
             if stopping[0]:
                 return
             try:
@@ -178,15 +187,16 @@ async def _serve(locks: Any, bank: Bank, key: Callable[[int], Hashable],
     return run
 
 
-def _run_service(impl: ModuleType, key: Callable[[int], Hashable], *,
+def _run_service(impl: ModuleType, accounts: int, key: Callable[[int], Hashable],
+                 holds: tuple[float, float], *,
                  requests_each: int | None = None, transfers_each: int | None = None,
                  window: float | None = None) -> tuple[Run, Bank, Any]:
     locks = impl.LockManager()
-    bank = Bank()
+    bank = Bank(accounts)
 
     async def main() -> Run:
         return await asyncio.wait_for(
-            _serve(locks, bank, key, requests_each, transfers_each, window), PATIENCE * 6)
+            _serve(locks, bank, key, holds, requests_each, transfers_each, window), PATIENCE * 6)
 
     run = asyncio.run(main())
     return run, bank, locks
@@ -196,15 +206,15 @@ def _check(run: Run, bank: Bank, locks: Any) -> None:
     assert run.failures == [], run.failures[:5]
     assert bank.overlaps == [], f"two holders at once: {bank.overlaps[:5]}"
     assert bank.balances == bank.expected(), "an update was lost"
-    assert sum(bank.balances) == ACCOUNTS * INITIAL
+    assert sum(bank.balances) == bank.accounts * INITIAL
     assert len(locks) == 0 and locks.stats().waiting == 0, "something stayed held or queued"
 
 
 def test_transfers_from_handlers_and_threads_conserve_money(impl) -> None:
-    """A fixed load: 64 clients x 8 requests and 4 pool threads x 25 transfers, all on the
-    same 200 accounts. Every one completes, each exactly once, nothing is lost."""
-    run, bank, locks = _run_service(impl, lambda account: f"account:{account}",
-                                    requests_each=8, transfers_each=25)
+    """A fixed load: 100 clients x 8 requests and 4 pool threads x 25 transfers, all on the
+    same 40 accounts. Every one completes, each exactly once, nothing is lost."""
+    run, bank, locks = _run_service(impl, CROWDED, lambda account: f"account:{account}",
+                                    CORRECTNESS_HOLDS, requests_each=8, transfers_each=25)
     _check(run, bank, locks)
     kinds = [kind for *_, kind in bank.ledger]
     assert (kinds.count("request"), kinds.count("thread")) == (CLIENTS * 8, FEEDERS * 25)
@@ -217,17 +227,18 @@ WINDOW = 1.5  # seconds each service is measured for
 
 def test_per_account_locks_serve_8x_one_global_lock(impl) -> None:
     """The same service, the same load, measured for WINDOW seconds each: with one key per
-    account, then with one key for the whole bank. A request holds its accounts for 20 ms,
-    so the global key allows at most 50 requests/s (less, with the threads' transfers
-    queued among them); per-account keys let the 64 clients' requests overlap."""
-    per_account, bank, locks = _run_service(impl, lambda account: f"account:{account}",
-                                            window=WINDOW)
+    account, then with one key for the whole bank. A request holds its accounts for 50 ms,
+    so the global key allows at most 20 requests/s (less, with the threads' transfers
+    queued among them); per-account keys let the 100 clients' requests overlap."""
+    per_account, bank, locks = _run_service(impl, SPREAD, lambda account: f"account:{account}",
+                                            THROUGHPUT_HOLDS, window=WINDOW)
     _check(per_account, bank, locks)
-    global_key, bank, locks = _run_service(impl, lambda account: "bank", window=WINDOW)
+    global_key, bank, locks = _run_service(impl, SPREAD, lambda account: "bank",
+                                           THROUGHPUT_HOLDS, window=WINDOW)
     _check(global_key, bank, locks)
     fast = per_account.requests / per_account.seconds
     slow = global_key.requests / global_key.seconds
-    assert slow <= 1 / HANDLER_HOLD * 1.05, f"the global key let requests overlap: {slow:.0f}/s"
+    assert slow <= 1 / THROUGHPUT_HOLDS[0] * 1.05, f"the global key let requests overlap: {slow:.0f}/s"
     assert per_account.transfers > 0 and global_key.transfers > 0
     assert fast >= 8 * slow, (
         f"per-account {fast:.0f} requests/s is {fast / slow:.1f}x one global key's {slow:.0f}/s")
