@@ -99,6 +99,20 @@ waiter re-reads its state in a section after every wake-up and runs signal handl
 on 3.12+, the garbage collector) only while it is still waiting. Code that runs there may
 use any manager, with one rule: it may not start a second wait (NestedWaitError); see the
 README's "When things go wrong".
+
+Tasks
+-----
+An asyncio task that uses an ``aio`` view gets a token of its own (``core/tasks.pxi``): its
+"thread" is the one running its loop, where it always runs, so the rules above hold for it
+unchanged. Its request lives in a ``_TaskWait`` object instead of a C stack frame, and its
+wake-up is a ``Waker`` (``lockmgr._common``) rather than a lock: a waking section takes a
+reference to the ``_TaskWait`` (``Request.waiter``) and its finish posts the Waker — from
+the loop's thread directly, from any other through ``call_soon_threadsafe`` — and drops the
+reference, so the request's memory outlives every finish that may still read it. The post
+protocol is the threads' one (``post_owed``): a task whose request changed before its post
+arrived awaits the post (``AWAIT_POST``) before its request may change again. A task waits
+only for its loop's thread to run it, so the deadlock search follows a task to that thread
+when it waits in a synchronous acquire (``waiting_threads``).
 """
 
 cimport cython

@@ -699,12 +699,14 @@ cdef class _Engine:
         for i in range(n):
             wait.request[i].waiter = <PyObject*>wait  # no reference: see Request.waiter
         wait.queued = True  # from the section on, until it ends (settle or abandon)
+        wait.waker.lost = wait._loop_closed
         return wait
 
     cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, object key):
         try:
             if outcome != QUEUED and wait is not None:
                 wait.queued = False
+                wait.waker.lost = None
             finish(&op.after, op.token)
             if outcome == DONE:
                 return True

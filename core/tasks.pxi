@@ -19,6 +19,8 @@ cdef class _TaskOwner:
     def _task_done(self, task):
         cdef Token *token = self.token
         cdef int rounds
+        if token is NULL:  # ended already: its loop was found closed while it waited
+            return
         task_owners.pop(task, None)
         owners_by_ident.pop(token.ident, None)
         # What the released keys' finalizers and the warning filters run may use this task's
@@ -98,6 +100,7 @@ cdef class _TaskWait:
         unlock()
         if outcome == DONE or outcome == TIMED_OUT:
             self.queued = False
+            self.waker.lost = None
         finish(&after, token)
         if outcome == DONE:
             return True
@@ -110,9 +113,16 @@ cdef class _TaskWait:
         if self.queued:
             self._leave()
 
+    def _loop_closed(self):
+        """A grant found the task's loop closed: the task can never run again, so it is
+        ended here, as its done-callback would (AbandonedLockWarning for what it held)."""
+        self.abandon()
+        (<_TaskOwner>self.owner)._task_done((<_TaskOwner>self.owner).task)
+
     cdef int _leave(self) except -1:
         cdef After after
         after_init(&after, NULL, 0)
+        self.waker.lost = None
         lock()
         # A post still on its way holds its own reference to this object, and a request
         # that left is never woken again: nothing waits for that post.

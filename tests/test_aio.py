@@ -600,3 +600,121 @@ def test_synchronized_coroutines_hold_their_key_per_call(impl) -> None:
         locks.aio.synchronized(lambda: "k")(lambda: None)
     with pytest.raises(TypeError):
         locks.synchronized(lambda: "k")(deposit)  # the sync decorator refuses coroutines
+
+
+class SlowKey:
+    """A key whose equality is Python code: compared outside the table's sections."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SlowKey) and other.name == self.name
+
+
+def test_keys_compared_in_python_work_for_tasks(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        async with locks.aio[SlowKey("a")]:
+            assert locks.aio.owned(SlowKey("a")) and not locks.aio.owned(SlowKey("b"))
+            async with locks.aio[SlowKey("b")]:  # the same hash, another key
+                waiter = asyncio.create_task(locks.aio.acquire(SlowKey("a")))
+                await until(lambda: locks.stats().waiting == 1, "an equal key waits")
+        assert await waiter is True
+        await until(lambda: len(locks) == 0, "the ended waiter's key is released")
+
+    with abandoned_warnings():
+        run(main)
+
+
+def test_a_coroutine_closed_while_it_waits_leaves_the_queue(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        holder_holds, done = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with locks.aio["k"]:
+                holder_holds.set()
+                await done.wait()
+
+        task = asyncio.create_task(holder())
+        await holder_holds.wait()
+        waiting = locks.aio.acquire("k")  # driven by hand inside this task, then dropped
+        waiting.send(None)
+        assert locks.stats().waiting == 1
+        waiting.close()  # GeneratorExit at its await: the request leaves
+        assert locks.stats().waiting == 0
+        done.set()
+        await task
+        assert await locks.aio.acquire("k", blocking=False)
+        locks.aio.release("k")
+
+    run(main)
+    assert len(locks) == 0
+
+
+CHILD = """
+import asyncio, os, signal, sys, threading
+sys.path.insert(0, {tests!r})
+import importlib
+impl = importlib.import_module({module!r})
+locks = impl.LockManager()
+holds = threading.Event()
+stop = threading.Event()
+
+def holder():
+    with locks["k"]:
+        holds.set()
+        stop.wait(20)
+
+thread = threading.Thread(target=holder)
+thread.start()
+holds.wait(20)
+
+async def waits():
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, os.kill, os.getpid(), signal.SIGINT)  # Ctrl-C while it waits
+    await locks.aio.acquire("k")
+
+try:
+    asyncio.run(waits())
+except KeyboardInterrupt:
+    print("interrupted", locks.stats().waiting)
+
+# A loop closed while one of its tasks waits: that task can never run again, so the grant
+# that finds its loop closed ends it as its done-callback would.
+async def holds_then_waits():
+    await locks.aio.acquire("j")
+    await locks.aio.acquire("k")
+
+loop = asyncio.new_event_loop()
+task = loop.create_task(holds_then_waits(), name="stranded")
+loop.run_until_complete(asyncio.sleep(0.01))
+loop.close()
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    stop.set()
+    thread.join()
+print("after the closed loop", locks.locked("k"), locks.locked("j"), locks.stats().waiting)
+for message in sorted(str(w.message) for w in caught):
+    print(message)
+"""
+
+
+@pytest.mark.parametrize("module", ["lockmgr._core", "lockmgr._pure"])
+def test_ctrl_c_and_a_closed_loop_in_a_subprocess(module) -> None:
+    import os
+    import subprocess
+    code = CHILD.format(tests=os.path.dirname(__file__), module=module)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=PATIENCE * 3)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "interrupted 0", "after the closed loop False False 0",
+        "task 'stranded' ended holding key 'j'; released it"]

@@ -271,23 +271,30 @@ class Waker:
     post before it looks at its request again. A binary semaphore, like a waiting thread's
     wakeup lock, whose count is touched on the loop's thread only."""
 
-    __slots__ = ("future", "loop", "posts", "thread")
+    __slots__ = ("future", "loop", "lost", "posts", "thread")
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.thread = threading.get_ident()  # the thread running the task (and its loop)
         self.posts = 0  # loop thread only
         self.future: Any = None  # loop thread only: what the task sleeps on
+        # Set by the engine while the task waits: what to do if its loop is closed (the
+        # task can never run again): leave the queues, release what the task holds.
+        self.lost: Callable[[], object] | None = None
 
     def post(self) -> None:
-        """Wake the task (any thread; never raises: it runs in a releasing call's finish)."""
+        """Wake the task (any thread; it runs in a releasing call's finish)."""
         try:
+            if self.loop.is_closed():
+                raise RuntimeError("its event loop is closed")
             if threading.get_ident() == self.thread:
                 self._post_here()
             else:
                 self.loop.call_soon_threadsafe(self._post_here)
-        except RuntimeError:
-            pass  # its loop is closed: the task can never run again to take the post
+        except RuntimeError:  # closed (maybe just now): the task never runs again
+            lost, self.lost = self.lost, None
+            if lost is not None:
+                lost()
 
     def _post_here(self) -> None:
         self.posts += 1

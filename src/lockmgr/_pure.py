@@ -332,16 +332,25 @@ class _TaskWait:
         self.manager = manager
         self.request = request
         self.waker = waker
+        waker.lost = self._loop_closed
 
     def settle(self, consumed: bool, deadline: float) -> bool | None:
         verdict: bool | None = _section(self.manager._check_wait_section, self.request,
                                         None if deadline < 0 else deadline)
         if verdict is not None:
             self.request.token.request = None
+            self.waker.lost = None
         return verdict
 
     def abandon(self) -> None:
+        self.waker.lost = None
         _section(self.manager._abandon_section, self.request.token, None)
+
+    def _loop_closed(self) -> None:
+        """A grant found the task's loop closed: the task can never run again, so it is
+        ended here, as its done-callback would (AbandonedLockWarning for what it held)."""
+        self.abandon()
+        _task_done(self.request.token.ident)
 
 
 class _ThreadExit:
