@@ -91,3 +91,42 @@ def test_scaling_runs_one_two_and_cores_threads_and_reports_the_gil(
     first = printed.splitlines()[0]
     assert first.startswith("lockmgr-bench: ") and f"GIL {'on' if about['gil_enabled'] else 'off'}," in first
     assert "| scaling | 2-vs-1 (x) |" in printed
+
+
+def test_asyncio_scenarios_print_their_own_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 14: the asyncio scenarios run every asyncio implementation side by side and
+    print a second table, with ratios to one asyncio.Lock; every per-key lock is exclusive
+    and asyncio.Lock is FIFO (0 overtakes)."""
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "asyncio-hot-key", "--scenario", "asyncio-many-keys",
+                       "--impl", "asyncio.Lock", "--impl", "dict-of-asyncio-locks",
+                       "--impl", "asyncio-keyed-lock", "--json", str(out)]) == 0
+    rows = {(row["scenario"], row["impl"], row["metric"]): row["value"]
+            for row in json.loads(out.read_text())["results"]}
+    impls = ("asyncio.Lock", "dict-of-asyncio-locks", "asyncio-keyed-lock")
+    for impl in impls:
+        assert rows["asyncio-hot-key", impl, "throughput"] > 0
+        assert rows["asyncio-many-keys", impl, "throughput"] > 0
+        assert rows["asyncio-many-keys", impl, "not-exclusive"] == 0
+    assert rows["asyncio-hot-key", "asyncio.Lock", "max-overtaken"] == 0
+    printed = capsys.readouterr().out
+    assert "| scenario | metric | asyncio.Lock | dict-of-asyncio-locks | asyncio-keyed-lock |" in printed
+    assert "| asyncio-many-keys | throughput (holds/s) | " in printed and "x)" in printed
+
+
+@pytest.mark.compiled
+def test_asyncio_scenarios_measure_lockmgr(tmp_path: Path) -> None:
+    """lockmgr's aio view in the asyncio scenarios: exclusive per key, never overtaken in
+    strict mode, and nothing left after 200,000 distinct keys (the defaultdict keeps them)."""
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "asyncio-hot-key", "--scenario", "asyncio-many-keys",
+                       "--scenario", "asyncio-memory",
+                       "--impl", "lockmgr", "--impl", "dict-of-asyncio-locks",
+                       "--json", str(out)]) == 0
+    rows = {(row["scenario"], row["impl"], row["metric"]): row["value"]
+            for row in json.loads(out.read_text())["results"]}
+    assert rows["asyncio-hot-key", "lockmgr", "max-overtaken"] == 0
+    assert rows["asyncio-many-keys", "lockmgr", "not-exclusive"] == 0
+    metric = f"residue-after-{bench.ASYNC_MEMORY_KEYS}-keys"
+    assert rows["asyncio-memory", "lockmgr", metric] < 64 * 1024
+    assert rows["asyncio-memory", "dict-of-asyncio-locks", metric] > 100 * bench.ASYNC_MEMORY_KEYS

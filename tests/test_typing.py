@@ -50,3 +50,130 @@ def test_wrong_key_type_is_a_type_error(tmp_path: Path) -> None:
     bad.write_text(USE + 'locks.acquire("x")\n')
     done = _mypy(str(bad))
     assert done.returncode == 1 and 'incompatible type "str"' in done.stdout, done.stdout
+
+
+# -- synchronized keeps the decorated function's signature (issue 14) -----------------------
+
+
+def _expected_errors(module: str) -> dict[int, str]:
+    """``# E: text`` at the end of a line: mypy must report an error containing ``text``
+    on that line (1-based); no other line may have one."""
+    return {number: line.split("# E: ", 1)[1]
+            for number, line in enumerate(module.splitlines(), 1) if "# E: " in line}
+
+
+def _check_errors(module: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "use.py"
+    path.write_text(module)
+    done = _mypy(str(path))
+    found: dict[int, str] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith(f"{path}:") and ": error: " in line:
+            number = int(line[len(f"{path}:"):].split(":", 1)[0])
+            found[number] = found.get(number, "") + line
+    expected = _expected_errors(module)
+    for number, text in expected.items():
+        assert text in found.get(number, ""), f"line {number}: expected {text!r}\n{done.stdout}"
+    assert set(found) <= set(expected), f"unexpected errors:\n{done.stdout}"
+    return done
+
+
+def _revealed(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The revealed types, with ``builtins.`` left out (mypy before 2.0 writes it)."""
+    return [line.split("Revealed type is ", 1)[1].strip('"').replace("builtins.", "")
+            for line in done.stdout.splitlines() if "Revealed type is " in line]
+
+
+SYNCHRONIZED = """
+from lockmgr import LockManager
+from lockmgr.postgres import PgLockManager
+
+locks: LockManager[str] = LockManager()
+pg: PgLockManager[str] = PgLockManager("postgresql:///none")
+
+@locks.synchronized(lambda natural_id, **_: natural_id)
+def create_if_missing(natural_id: str, *, retries: int = 3) -> bool:
+    return natural_id != "" and retries > 0
+
+@pg.synchronized(lambda invoice: f"invoice:{invoice}")
+def pay(invoice: int) -> str:
+    return str(invoice)
+
+created: bool = create_if_missing("id-1", retries=2)
+paid: str = pay(881)
+reveal_type(create_if_missing)
+reveal_type(pay)
+create_if_missing(42)  # E: Argument 1 to "create_if_missing" has incompatible type "int"
+create_if_missing("id", retries="3")  # E: Argument "retries" to "create_if_missing" has incompatible type "str"
+wrong: str = create_if_missing("id")  # E: Incompatible types in assignment (expression has type "bool"
+pay()  # E: Missing positional argument "invoice" in call to "pay"
+
+def count(number: int) -> int:
+    return number
+
+locks.synchronized(count)  # E: Argument 1 to "synchronized" of "LockManager" has incompatible type
+"""
+
+
+def test_synchronized_keeps_the_signature(tmp_path: Path) -> None:
+    """Under --strict: no "Untyped decorator makes function untyped"; the decorated
+    function keeps its parameter names, kinds, defaults and result, so bad calls are type
+    errors; a key_func whose result is not the manager's key type is one too."""
+    done = _check_errors(SYNCHRONIZED, tmp_path)
+    assert "Untyped decorator" not in done.stdout, done.stdout
+    assert _revealed(done) == [
+        "def (natural_id: str, *, retries: int =) -> bool",
+        "def (invoice: int) -> str",
+    ], done.stdout
+
+
+AIO_SYNCHRONIZED = """
+import asyncio
+from lockmgr import AsyncLockManager, AsyncRWLockManager, LockManager, RWLockManager
+
+locks: LockManager[str] = LockManager()
+aio: AsyncLockManager[str] = locks.aio
+rw: RWLockManager[int] = RWLockManager()
+rw_aio: AsyncRWLockManager[int] = rw.aio
+
+@locks.aio.synchronized(lambda account, **_: f"account:{account}")
+async def debit(account: str, amount: int, *, note: str = "") -> float:
+    return float(amount)
+
+async def main() -> None:
+    balance: float = await debit("a", 5, note="rent")
+    task: asyncio.Task[float] = asyncio.create_task(debit("b", 1))
+    both: list[float] = list(await asyncio.gather(debit("c", 2), task))
+    async with aio.hold("a", timeout=1.0):
+        pass
+    async with aio["a"]:
+        pass
+    async with aio.hold_many(["a", "b"]):
+        pass
+    async with rw_aio.read(1), rw_aio.write(2):
+        pass
+    async with rw_aio.hold_many(reads=[1], writes=[2]):
+        pass
+    got: bool = await aio.acquire("a", timeout=0.5)
+    await debit(1, 5)  # E: Argument 1 to "debit" has incompatible type "int"
+    wrong: str = await debit("a", 1)  # E: Incompatible types in assignment (expression has type "float"
+    await aio.acquire(42)  # E: Argument 1 to "acquire" of "AsyncLockManager" has incompatible type "int"
+    await rw_aio.acquire_read("k")  # E: Argument 1 to "acquire_read" of "AsyncRWLockManager" has incompatible type "str"
+
+reveal_type(debit)
+
+@aio.synchronized(lambda account: account)  # E: has incompatible type
+def not_a_coroutine(account: str) -> int:
+    return 0
+"""
+
+
+def test_aio_synchronized_keeps_the_signature(tmp_path: Path) -> None:
+    """``locks.aio.synchronized`` on a coroutine function keeps its signature and returns a
+    coroutine (``asyncio.create_task`` and ``gather`` accept the call); the views are
+    generic in the key; a plain function is no coroutine function, a type error too."""
+    done = _check_errors(AIO_SYNCHRONIZED, tmp_path)
+    assert "Untyped decorator" not in done.stdout, done.stdout
+    revealed = _revealed(done)
+    assert revealed[0].startswith("def (account: str, amount: int, *, note: str =) -> "), done.stdout
+    assert revealed[0].endswith("Coroutine[Any, Any, float]"), done.stdout

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -450,15 +450,24 @@ class _Holder(Protocol):
     def hold(self, key: Any, timeout: float | None = None) -> AbstractContextManager[bool]: ...
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
-def synchronized(manager: _Holder, key_func: Callable[..., Hashable]) -> Callable[[F], F]:
-    """Decorator factory behind ``LockManager.synchronized``."""
+def synchronized(
+    manager: _Holder, key_func: Callable[..., Hashable]
+) -> Callable[[Callable[P, T]], Callable[P, T]]:
+    """Decorator factory behind ``LockManager.synchronized``.
+
+    The decorated function keeps its signature for type checkers (``ParamSpec``).
+    ``key_func`` is called with the same arguments, so it must accept them; its own
+    signature is not checked against the function's (a ``lambda natural_id, **_: ...``
+    must stay usable), only its result's type, by the managers' annotations.
+    """
     if not callable(key_func):
         raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
 
-    def decorate(func: F) -> F:
+    def decorate(func: Callable[P, T]) -> Callable[P, T]:
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(
                 "synchronized() holds a thread lock across the call; it cannot wrap "
@@ -466,10 +475,10 @@ def synchronized(manager: _Holder, key_func: Callable[..., Hashable]) -> Callabl
             )
 
         @functools.wraps(func)
-        def locked_call(*args: Any, **kwargs: Any) -> Any:
+        def locked_call(*args: P.args, **kwargs: P.kwargs) -> T:
             with manager.hold(key_func(*args, **kwargs)):
                 return func(*args, **kwargs)
 
-        return locked_call  # type: ignore[return-value]
+        return locked_call
 
     return decorate

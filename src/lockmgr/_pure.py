@@ -96,7 +96,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, ParamSpec, TypeVar, final
 
 from ._aio import AsyncLockManager, AsyncRWLockManager
 from ._common import (
@@ -134,6 +134,8 @@ from ._common import (
 __all__ = ["KeyLock", "LockManager", "RWLockManager"]
 
 K = TypeVar("K", bound=Hashable)
+P = ParamSpec("P")  # a synchronized function's parameters
+T = TypeVar("T")  # and its result
 
 _WAITING = 0  # queued, asleep or about to sleep
 _WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
@@ -1564,8 +1566,13 @@ class LockManager(_Engine, Generic[K]):
         """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
         return KeyLock(self, key)
 
-    def synchronized(self, key_func: Any) -> Any:
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+    def synchronized(
+        self, key_func: Callable[..., K]
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
+
+        The decorated function keeps its signature for type checkers.
+        """
         return synchronized(self, key_func)
 
     def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:

@@ -51,7 +51,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 try:
     import psycopg
@@ -84,6 +84,8 @@ from ._common import (
 __all__ = ["LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisory_key"]
 
 K = TypeVar("K", bound=Hashable)
+P = ParamSpec("P")  # a synchronized function's parameters
+T = TypeVar("T")  # and its result
 _Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
 
 # pg_locks rows of granted advisory locks (bigint keys use objsubid 1 and split the key into
@@ -919,8 +921,13 @@ class PgLockManager(_PgEngine[K]):
         return _Held(lambda: self.acquire(key, timeout=seconds), lambda: self.release(key),
                      (key,), seconds)
 
-    def synchronized(self, key_func: Any) -> Any:
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+    def synchronized(
+        self, key_func: Callable[..., K]
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
+
+        The decorated function keeps its signature for type checkers.
+        """
         return synchronized(self, key_func)
 
     def __getitem__(self, key: K) -> PgKeyLock[K]:
