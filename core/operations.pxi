@@ -70,6 +70,10 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
     cdef Request *own
     cdef bint closed
     cdef Py_ssize_t length = 0, i
+    if me.is_task and me.held is NULL and me.reads is NULL:
+        # Nobody can wait for a task that holds nothing and waits nowhere else: it is not
+        # a holder, only the newest of its queues, and no loop-thread edge leads to a task.
+        return QUEUED
     searches += 1
     search.number = searches
     search.me = me

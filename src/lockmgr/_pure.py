@@ -995,6 +995,8 @@ class _Engine:
         this engine; see the compiled core's ``find_cycle``, which this follows step for
         step.
         """
+        if type(me) is _TaskToken and not me.held and not me.reads:
+            return None  # nobody can wait for a task that holds nothing (see _core)
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
 
