@@ -58,6 +58,20 @@ async def joined(thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
+async def held_by_another_task(locks: Any, key: object) -> tuple[asyncio.Task[None], asyncio.Event]:
+    """A task holding ``key`` until the returned event is set."""
+    holds, done = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        async with locks.aio[key]:
+            holds.set()
+            await done.wait()
+
+    task = asyncio.create_task(holder())
+    await holds.wait()
+    return task, done
+
+
 # -- the API -----------------------------------------------------------------------------
 
 
@@ -635,15 +649,7 @@ def test_a_coroutine_closed_while_it_waits_leaves_the_queue(impl) -> None:
     locks = impl.LockManager()
 
     async def main() -> None:
-        holder_holds, done = asyncio.Event(), asyncio.Event()
-
-        async def holder() -> None:
-            async with locks.aio["k"]:
-                holder_holds.set()
-                await done.wait()
-
-        task = asyncio.create_task(holder())
-        await holder_holds.wait()
+        task, done = await held_by_another_task(locks, "k")
         waiting = locks.aio.acquire("k")  # driven by hand inside this task, then dropped
         waiting.send(None)
         assert locks.stats().waiting == 1
@@ -759,15 +765,7 @@ def test_a_queued_wait_dropped_in_a_reference_cycle_is_left_safely(impl) -> None
     locks = impl.LockManager()
 
     async def main() -> None:
-        holds, done = asyncio.Event(), asyncio.Event()
-
-        async def holder() -> None:
-            async with locks.aio["k"]:
-                holds.set()
-                await done.wait()
-
-        task = asyncio.create_task(holder())
-        await holds.wait()
+        task, done = await held_by_another_task(locks, "k")
         waiting = locks.aio.acquire("k")
         waiting.send(None)
         cycle = [waiting]

@@ -73,27 +73,24 @@ async def _wait_for_grant(wait: Any, deadline: float) -> bool:
 
 
 async def _acquire(manager: Any, key: Hashable, mode: int, seconds: float) -> bool:
+    return await _take(seconds, manager, manager._task_acquire, key, mode, seconds == 0, 1)
+
+
+async def _acquire_many(manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+    return await _take(seconds, manager, manager._task_acquire_many, items, seconds == 0)
+
+
+async def _take(seconds: float, manager: Any, acquire: Callable[..., Any], *args: Any) -> bool:
+    """``acquire(*args)`` for the current task, then its wait if it queued."""
     deadline = _deadline(seconds)
     try:
-        got = manager._task_acquire(key, mode, seconds == 0, 1)
+        got = acquire(*args)
         if got is True or got is False:
             return bool(got)
         return await _wait_for_grant(got, deadline)
     except BaseException:
         # A signal handler may raise between the queueing call's return and the wait (a
         # call is a check point): the task's own token still knows the request.
-        manager._task_abandon()
-        raise
-
-
-async def _acquire_many(manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> bool:
-    deadline = _deadline(seconds)
-    try:
-        got = manager._task_acquire_many(items, seconds == 0)
-        if got is True or got is False:
-            return bool(got)
-        return await _wait_for_grant(got, deadline)
-    except BaseException:
         manager._task_abandon()
         raise
 
