@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import warnings
 
 parser = argparse.ArgumentParser()
@@ -90,20 +91,27 @@ def lock_keys(name: str, keys: list[object]) -> list[object]:
 
 
 # Who is inside a critical section: (manager, table key) -> idents; list.append/remove are
-# atomic, so a handler nesting in its own thread never corrupts the record.
-writers: collections.defaultdict[tuple[str, object], list[int]] = collections.defaultdict(list)
-readers: collections.defaultdict[tuple[str, object], list[int]] = collections.defaultdict(list)
+# atomic, so a handler nesting in its own thread never corrupts the record. The lists are
+# made by dict.setdefault, atomic too: a defaultdict's factory may start a collection whose
+# callbacks let another thread in, which then installs its own list for the same slot, and
+# one of the two lists (with a reader in it) is overwritten.
+writers: dict[tuple[str, object], list[int]] = {}
+readers: dict[tuple[str, object], list[int]] = {}
 values: collections.Counter[tuple[str, object]] = collections.Counter()  # mix increments only
 violations: list[str] = []
+
+
+def inside(table: dict[tuple[str, object], list[int]], slot: tuple[str, object]) -> list[int]:
+    return table.setdefault(slot, [])
 
 
 def enter(name: str, keys: list[object], mode: str, context: str) -> None:
     me = threading.get_ident()
     for key in keys:
         slot = (name, key)
-        (writers if mode == "w" else readers)[slot].append(me)
-        others_writing = [i for i in writers[slot] if i != me]
-        others_reading = [i for i in readers[slot] if i != me] if mode == "w" else []
+        inside(writers if mode == "w" else readers, slot).append(me)
+        others_writing = [i for i in inside(writers, slot) if i != me]
+        others_reading = [i for i in inside(readers, slot) if i != me] if mode == "w" else []
         if others_writing or others_reading:
             violations.append(f"{context}: {mode} {slot!r} with others inside")
     if mode == "w" and context == "mix":
@@ -118,7 +126,7 @@ def enter(name: str, keys: list[object], mode: str, context: str) -> None:
 def leave(name: str, keys: list[object], mode: str) -> None:
     me = threading.get_ident()
     for key in keys:
-        (writers if mode == "w" else readers)[(name, key)].remove(me)
+        inside(writers if mode == "w" else readers, (name, key)).remove(me)
 
 
 def granted(name: str, keys: list[object], context: str) -> None:
@@ -354,7 +362,8 @@ def main() -> None:
         try:
             body(index)
         except BaseException as exc:  # reported, never swallowed
-            failures.append(f"thread {index}: {type(exc).__name__}: {exc}")
+            where = "".join(traceback.format_exception(exc)[-6:])
+            failures.append(f"thread {index}: {type(exc).__name__}: {exc}\n{where}")
 
     probe_held, probe_end = threading.Event(), threading.Event()
 
