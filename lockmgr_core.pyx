@@ -139,9 +139,11 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 import os
+import sys
 from types import GenericAlias
 
 from lockmgr._aio import AsyncLockManager, AsyncRWLockManager
+from lockmgr._aio import _take as aio_take, _wait_for_grant as wait_for_grant
 from lockmgr._common import (
     AWAIT_POST,
     HANDOFF_AFTER,
@@ -168,8 +170,7 @@ from lockmgr._common import (
     wait_seconds,
     warn_abandoned,
     Waker,
-    current_task_or_raise,
-    running_loop,
+    not_in_task,
 )
 
 cdef extern from "Python.h":
@@ -180,6 +181,7 @@ cdef extern from "Python.h":
         PyThread_type_lock lock, PY_TIMEOUT_T microseconds, int intr_flag) nogil
     int PyErr_CheckSignals() except -1
     PyObject *PyThreadState_GetDict()
+    PyObject *PyDict_GetItemWithError(object mapping, object key) except? NULL
     # Taking a reference runs no Python code and cannot fail: allowed inside sections.
     void lockmgr_incref "Py_INCREF"(PyObject *o) nogil
 

@@ -601,17 +601,67 @@ cdef class _Engine:
 
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) -----------------------
 
-    def _task_acquire(self, key, int mode, bint try_only, Py_ssize_t count):
-        """Acquire for the current task: True, False (try-lock), or a queued _TaskWait."""
-        cdef Token *token = task_token(True)
+    def _task_enter(self, key, int mode, double seconds, bint raises_timeout):
+        """Take ``key`` for the current task now; answer an awaitable of the outcome (see
+        lockmgr._aio)."""
         cdef Py_hash_t h = lockmgr_hash(key)
+        lock_key = self._lock_key(key, &h)
+        return self._task_enter_at(lock_key, h, key, mode, seconds, raises_timeout)
+
+    cdef object _task_enter_at(self, lock_key, Py_hash_t h, key, int mode, double seconds,
+                               bint raises_timeout):
+        got = self._task_take(lock_key, h, mode, seconds == 0, 1)
+        return self._task_awaitable(got, key, seconds, raises_timeout)
+
+    def _task_key_lock(self, key):
+        """``aio[key]``: the key's view for tasks."""
+        cdef AsyncKeyLock view = AsyncKeyLock.__new__(AsyncKeyLock)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        view.lock_key = self._lock_key(key, &h)
+        view.hash = h
+        view.key = key
+        view._manager = self
+        return view
+
+    def _task_enter_many(self, list items, double seconds, bint raises_timeout):
+        got = self._task_take_many(items, seconds == 0)
+        if got is True or not raises_timeout:
+            return self._task_awaitable(got, None, seconds, False)
+        return self._task_awaitable(got, tuple([key for key, _ in items]), seconds, True)
+
+    cdef object _task_awaitable(self, object got, object keys, double seconds,
+                                bint raises_timeout):
+        cdef _TaskWait wait
+        if got is True:
+            return READY_TRUE
+        if got is False:
+            if raises_timeout:
+                raise timed_out(keys, seconds)
+            return READY_FALSE
+        wait = <_TaskWait>got
+        wait.deadline = lockmgr_monotonic() + seconds if seconds > 0 else -1.0
+        wait.raises_timeout = raises_timeout
+        wait.keys = keys
+        wait.seconds = seconds
+        return wait
+
+    def _task_exit(self, key, int mode):
+        self._task_release(key, mode)
+        return READY_NONE
+
+    def _task_exit_many(self, list items):
+        self._release_many_as(task_token(False), items)
+        return READY_NONE
+
+    cdef object _task_take(self, key, Py_hash_t h, int mode, bint try_only, Py_ssize_t count):
+        """Acquire the table's ``key`` (hashing to ``h``) for the current task: True, False
+        (try-lock), or a queued _TaskWait."""
+        cdef Token *token = task_token(True)
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
         cdef Outcome outcome
         cdef _TaskWait wait = None
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
         ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
         if mode == READ:
             ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
@@ -634,7 +684,7 @@ cdef class _Engine:
             outcome = <Outcome>execute(&op)
         return self._task_outcome(&op, outcome, wait, key)
 
-    def _task_acquire_many(self, list items, bint try_only):
+    cdef object _task_take_many(self, list items, bint try_only):
         """``_acquire_many`` for the current task: True, False, or a queued _TaskWait."""
         cdef Py_ssize_t n = len(items), i
         cdef Token *token = task_token(n != 0)
@@ -732,14 +782,17 @@ cdef class _Engine:
             (<_TaskOwner>owner).wait.abandon()
 
     def _task_release(self, key, int mode):
-        cdef Token *token = task_token(False)
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
+        key = self._lock_key(key, &h)
+        self._task_release_at(key, h, mode)
+
+    cdef int _task_release_at(self, key, Py_hash_t h, int mode) except -1:
+        cdef Token *token = task_token(False)
         if mode == READ:
             self._release_read_as(token, key, h)
         else:
             self._release_write_as(token, key, h, False)
+        return 0
 
     def _task_release_many(self, list items):
         self._release_many_as(task_token(False), items)

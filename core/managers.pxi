@@ -367,3 +367,48 @@ cdef class KeyLock:
     def __repr__(self):
         owner, count = self.manager._owner_and_count(self.key)
         return key_lock_repr(self, self.key, owner, count)
+
+
+@cython.final
+@cython.freelist(16)
+cdef class AsyncKeyLock:
+    """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
+    (reentrant; ``async with`` acquires and releases it). The pure twin's is
+    ``lockmgr._aio.AsyncKeyLock``; this one takes the key in ``__aenter__`` without a
+    Python frame."""
+    cdef readonly object key       # the key
+    cdef readonly _Engine _manager # the manager whose table it is
+    cdef object lock_key           # the key the table uses: ``key``, or its stripe
+    cdef Py_hash_t hash            # hash(lock_key), computed when the view was made
+
+    __class_getitem__ = classmethod(GenericAlias)
+
+    async def acquire(self, blocking=True, timeout=-1):
+        """As ``AsyncLockManager.acquire`` for this view's key."""
+        return await aio_take(self._manager, self._manager._task_enter, self.key, WRITE,
+                              wait_seconds(blocking, timeout), False)
+
+    def release(self):
+        self._manager._task_release_at(self.lock_key, self.hash, WRITE)
+
+    def locked(self):
+        """Whether any thread or task holds the key."""
+        return bool(self._manager.locked(self.key))
+
+    def __aenter__(self):
+        try:
+            return self._manager._task_enter_at(self.lock_key, self.hash, self.key, WRITE, -1.0,
+                                                False)
+        except BaseException:
+            self._manager._task_abandon()  # it may have queued before what raised
+            raise
+
+    def __aexit__(self, exc_type, exc, traceback):
+        self._manager._task_release_at(self.lock_key, self.hash, WRITE)
+        return READY_NONE
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self):
+        return f"<lockmgr.AsyncKeyLock key={self.key!r} locked={self.locked()}>"

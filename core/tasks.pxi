@@ -5,6 +5,166 @@ cdef dict task_owners = {}  # running task -> its _TaskOwner, until the task is 
 cdef dict owners_by_ident = {}  # id(task) -> its _TaskOwner (owner() and cycles name tasks)
 
 
+# -- the current task and its loop, cheaply ---------------------------------------------------
+# Every aio call needs its task. From 3.12 asyncio.current_task() is C. Before, it is Python
+# code around get_running_loop(), which makes a getpid() system call each time (its fork
+# check): ~0.5 us on 3.11, more than an acquisition. There the thread state dict is read
+# directly: asyncio stores a new running-loop holder in it whenever a loop starts or stops
+# in that thread, so the loop found for one holder stays right until the holder changes.
+# The loop is cached beside the holder it was found for (a strong reference, so that no
+# later holder can get its address), and a fork invalidates every cache: a forked child
+# runs no loop, which get_running_loop's own check would say.
+
+cdef object asyncio_current_task = None  # asyncio.current_task (3.12+), once bound
+cdef object asyncio_running_loop = None  # asyncio.get_running_loop, once bound
+cdef dict asyncio_current_tasks = None   # before 3.12: loop -> its running task (asyncio's)
+cdef bint holders_readable = False       # before 3.12, with asyncio's C running-loop holder
+cdef str RUNNING_LOOP_HOLDER = "__asyncio_running_event_loop__"
+cdef str RUNNING_LOOP_CACHE = "lockmgr._core.running_loop"
+
+
+@cython.final
+cdef class _RunningLoop:
+    """One thread's last running-loop holder and its loop (in that thread's state dict)."""
+    cdef object holder      # asyncio's holder object, kept so its address is not reused
+    cdef object loop        # the loop it stands for, or None (no loop was running)
+    cdef size_t forks_seen  # forks_seen when it was found
+
+
+cdef bint bind_asyncio() except -1:
+    """Find asyncio's functions (imported by whoever runs a loop); False if not imported."""
+    global asyncio_current_task, asyncio_running_loop, asyncio_current_tasks
+    global holders_readable
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return False
+    events, tasks = sys.modules["asyncio.events"], sys.modules["asyncio.tasks"]
+    c_asyncio = sys.modules.get("_asyncio")
+    if sys.version_info < (3, 12):
+        asyncio_current_tasks = tasks._current_tasks
+        holders_readable = (c_asyncio is not None and
+                            events.get_running_loop is c_asyncio.get_running_loop)
+    asyncio_running_loop = events.get_running_loop
+    asyncio_current_task = tasks.current_task
+    return True
+
+
+cdef object running_loop_or_none():
+    """The loop running in this thread, or None."""
+    cdef PyObject *state
+    cdef PyObject *holder
+    cdef PyObject *cached
+    cdef _RunningLoop found
+    if asyncio_running_loop is None and not bind_asyncio():
+        return None
+    if not holders_readable:
+        try:
+            return asyncio_running_loop()
+        except RuntimeError:
+            return None
+    state = PyThreadState_GetDict()
+    if state is NULL:
+        return None
+    # Exact str keys: the lookups run no Python code and cannot fail.
+    holder = PyDict_GetItemWithError(<object>state, RUNNING_LOOP_HOLDER)
+    if holder is NULL:
+        return None
+    cached = PyDict_GetItemWithError(<object>state, RUNNING_LOOP_CACHE)
+    if (cached is not NULL and (<_RunningLoop>cached).holder is <object>holder
+            and (<_RunningLoop>cached).forks_seen == forks_seen):
+        return (<_RunningLoop>cached).loop
+    found = _RunningLoop.__new__(_RunningLoop)
+    found.holder = <object>holder
+    found.forks_seen = forks_seen
+    try:
+        found.loop = asyncio_running_loop()
+    except RuntimeError:
+        found.loop = None
+    (<dict>state)[RUNNING_LOOP_CACHE] = found
+    return found.loop
+
+
+cdef object current_task():
+    """The running asyncio task, or None."""
+    if asyncio_running_loop is None and not bind_asyncio():
+        return None
+    if asyncio_current_tasks is None:
+        try:
+            return asyncio_current_task()
+        except RuntimeError:  # no running loop
+            return None
+    loop = running_loop_or_none()
+    return None if loop is None else asyncio_current_tasks.get(loop)
+
+
+cdef object current_task_or_raise():
+    task = current_task()
+    if task is None:
+        not_in_task()
+    return task
+
+
+cdef object running_loop():
+    """The loop of the current task (the caller runs in one)."""
+    loop = running_loop_or_none()
+    if loop is None:
+        not_in_task()
+    return loop
+
+
+# -- outcomes known at once ---------------------------------------------------------------
+# ``async with aio[key]`` takes the key in ``__aenter__``; the awaitable it answers is, on the
+# uncontended path, one of these: awaiting it returns its value through the am_send slot
+# (3.10+), with no frame and no StopIteration.
+
+cdef extern from *:
+    """
+    typedef struct { PyObject_HEAD PyObject *value; } lockmgr_ready_object;
+
+    static void lockmgr_ready_dealloc(PyObject *self) {
+        Py_XDECREF(((lockmgr_ready_object *)self)->value);
+        PyObject_Free(self);
+    }
+    static PyObject *lockmgr_ready_self(PyObject *self) { return Py_NewRef(self); }
+    static PySendResult lockmgr_ready_send(PyObject *self, PyObject *arg, PyObject **result) {
+        *result = Py_NewRef(((lockmgr_ready_object *)self)->value);
+        return PYGEN_RETURN;
+    }
+    static PyObject *lockmgr_ready_next(PyObject *self) {  /* iterated without am_send */
+        PyErr_SetObject(PyExc_StopIteration, ((lockmgr_ready_object *)self)->value);
+        return NULL;
+    }
+    static PyAsyncMethods lockmgr_ready_async = {
+        lockmgr_ready_self, NULL, NULL, lockmgr_ready_send,
+    };
+    static PyTypeObject lockmgr_ready_type = {
+        PyVarObject_HEAD_INIT(NULL, 0)
+        .tp_name = "lockmgr._core.Ready",
+        .tp_doc = "An awaitable whose outcome is known already (its value, at once).",
+        .tp_basicsize = sizeof(lockmgr_ready_object),
+        .tp_dealloc = lockmgr_ready_dealloc,
+        .tp_flags = Py_TPFLAGS_DEFAULT,
+        .tp_as_async = &lockmgr_ready_async,
+        .tp_iter = lockmgr_ready_self,
+        .tp_iternext = lockmgr_ready_next,
+    };
+    static PyObject *lockmgr_ready_new(PyObject *value) {
+        lockmgr_ready_object *ready;
+        if (PyType_Ready(&lockmgr_ready_type) < 0)
+            return NULL;
+        ready = PyObject_New(lockmgr_ready_object, &lockmgr_ready_type);
+        if (ready != NULL)
+            ready->value = Py_NewRef(value);
+        return (PyObject *)ready;
+    }
+    """
+    object lockmgr_ready_new(object value)
+
+cdef object READY_TRUE = lockmgr_ready_new(True)
+cdef object READY_FALSE = lockmgr_ready_new(False)
+cdef object READY_NONE = lockmgr_ready_new(None)
+
+
 @cython.final
 cdef class _TaskOwner:
     """One asyncio task's token, from its first ``aio`` acquisition until it is done; its
@@ -25,6 +185,10 @@ cdef class _TaskOwner:
             return
         task_owners.pop(task, None)
         owners_by_ident.pop(token.ident, None)
+        if self.wait is not None:
+            # A done task awaits nothing: its wait was never awaited (an exception came
+            # between ``__aenter__`` and the await), so nobody else takes it out.
+            self.wait.abandon()
         # What the released keys' finalizers and the warning filters run may use this task's
         # token no more (the task is done), so the rounds only bound pathological loops.
         for rounds in range(EXIT_ROUNDS):
@@ -78,6 +242,12 @@ cdef class _TaskWait:
     cdef _TaskOwner owner       # the task's (keeps the token alive while it waits)
     cdef readonly object waker  # the task's Waker (see lockmgr._common.Waker)
     cdef bint queued            # its request is (or may still be) in the table's queues
+    # Set once queued, read by whoever awaits it (lockmgr._aio._wait_for_grant):
+    cdef readonly double deadline  # monotonic seconds when it times out; < 0: never
+    cdef bint raises_timeout    # hold(): running out of time raises LockTimeout, naming
+    cdef object keys            # these key(s) and
+    cdef double seconds         # this timeout; else the wait answers False
+    cdef object runner          # the coroutine that waits, once this is awaited
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -117,6 +287,49 @@ cdef class _TaskWait:
         """Leave the queues, or give back a grant that raced the exception ending the wait."""
         if self.queued:
             self._leave()
+
+    def timed_out(self):
+        """What a wait that timed out answers: False, or for ``hold()`` a LockTimeout."""
+        if not self.raises_timeout:
+            return False
+        raise timed_out(self.keys, self.seconds)
+
+    # Awaiting it runs lockmgr._aio._wait_for_grant. Being its own iterator (rather than
+    # handing out that coroutine) leaves no moment between ``__aenter__`` and the wait's
+    # own exception handling where a signal handler's exception could strand the request.
+
+    def __await__(self):
+        return self
+
+    def __next__(self):
+        return self.send(None)
+
+    def send(self, value):
+        if self.runner is None:
+            self.runner = wait_for_grant(self)
+        try:
+            return self.runner.send(value)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.abandon()
+            raise
+
+    def throw(self, *error):
+        if self.runner is None:
+            self.runner = wait_for_grant(self)
+        try:
+            return self.runner.throw(*error)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.abandon()
+            raise
+
+    def close(self):
+        if self.runner is not None:
+            self.runner.close()
+        self.abandon()
 
     def _loop_closed(self):
         """A grant found the task's loop closed: the task can never run again, so it is

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -13,7 +14,6 @@ import pytest
 
 from conftest import PATIENCE, abandoned_warnings, wait_until
 from lockmgr import (
-    AsyncKeyLock,
     AsyncLockManager,
     AsyncRWLockManager,
     DeadlockError,
@@ -79,7 +79,7 @@ def test_views_are_typed_per_manager_kind(impl) -> None:
     locks, rw = impl.LockManager(), impl.RWLockManager()
     assert isinstance(locks.aio, AsyncLockManager) and locks.aio.manager is locks
     assert isinstance(rw.aio, AsyncRWLockManager) and rw.aio.manager is rw
-    assert isinstance(locks.aio["k"], AsyncKeyLock) and locks.aio["k"].key == "k"
+    assert isinstance(locks.aio["k"], impl.AsyncKeyLock) and locks.aio["k"].key == "k"
 
 
 def test_a_task_owns_reentrantly_and_a_thread_is_another_owner(impl) -> None:
@@ -726,7 +726,21 @@ def test_ctrl_c_and_a_closed_loop_in_a_subprocess(module) -> None:
         "task 'stranded' ended holding key 'j'; released it"]
 
 
-def test_an_exception_between_queueing_and_waiting_leaves_nothing_queued(impl) -> None:
+ACQUIRING_STYLES = {
+    "acquire": lambda locks: locks.aio.acquire("k"),
+    "async-with": lambda locks: _entered(locks.aio["k"]),
+    "hold": lambda locks: _entered(locks.aio.hold("k", timeout=PATIENCE)),
+    "hold_many": lambda locks: _entered(locks.aio.hold_many(["k", "j"])),
+}
+
+
+async def _entered(manager: Any) -> None:
+    async with manager:
+        raise AssertionError("entered although the wait was interrupted")
+
+
+@pytest.mark.parametrize("style", list(ACQUIRING_STYLES))
+def test_an_exception_between_queueing_and_waiting_leaves_nothing_queued(impl, style) -> None:
     """A signal handler may raise at the first check point after the queueing call returns
     (simulated with a trace function at ``_wait_for_grant``'s start): the request leaves."""
     locks = impl.LockManager()
@@ -737,25 +751,110 @@ def test_an_exception_between_queueing_and_waiting_leaves_nothing_queued(impl) -
             raise KeyboardInterrupt("a handler's exception at the first check point")
 
     async def main() -> None:
-        async def holder() -> None:
-            async with locks.aio["k"]:
-                await until(lambda: locks.stats().waiting == 0 and interrupted, "interrupted")
-
-        interrupted: list[BaseException] = []
-        task = asyncio.create_task(holder())
-        await until(lambda: locks.locked("k"), "the holder holds k")
+        task, done = await held_by_another_task(locks, "k")
         sys.settrace(tracer)
         try:
-            await locks.aio.acquire("k")
-        except KeyboardInterrupt as error:
-            interrupted.append(error)
+            with pytest.raises(KeyboardInterrupt):
+                await ACQUIRING_STYLES[style](locks)
         finally:
             sys.settrace(None)
-        assert locks.stats().waiting == 0
+        assert locks.stats().waiting == 0 and not locks.locked("j")
+        done.set()
         await task
 
     run(main)
     assert len(locks) == 0
+
+
+def test_a_task_done_without_awaiting_its_entered_wait_leaves_the_queue(impl) -> None:
+    """``__aenter__`` queues at once; a task that never awaits what it answered (an
+    exception came in between) leaves the queue when it is done, with nothing held."""
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        task, done = await held_by_another_task(locks, "k")
+
+        async def enters_and_drops() -> None:
+            locks.aio["k"].__aenter__()  # queued; never awaited
+
+        await asyncio.create_task(enters_and_drops())
+        await until(lambda: locks.stats().waiting == 0, "the done task's request left")
+        done.set()
+        await task
+        assert not locks.locked("k")
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_each_loop_a_thread_runs_has_its_own_tasks(impl) -> None:
+    """The current task is looked up per running loop: a loop stopped and started again, or
+    another loop run in between on the same thread, never lends its tasks to the other."""
+    locks = impl.LockManager()
+    loop = asyncio.new_event_loop()
+    holds, done = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        async with locks.aio["k"]:
+            holds.set()
+            await done.wait()
+
+    async def other_loop() -> tuple[bool, bool]:
+        return locks.aio.owned("k"), await locks.aio.acquire("k", blocking=False)
+
+    async def release() -> None:
+        done.set()
+        await holding
+
+    try:
+        holding = loop.create_task(holder())
+        loop.run_until_complete(holds.wait())
+        with pytest.raises(RuntimeError):  # no loop runs here now
+            locks.aio.owned("k")
+        assert asyncio.run(other_loop()) == (False, False)
+        loop.run_until_complete(release())
+    finally:
+        loop.close()
+    assert len(locks) == 0
+
+
+FORK_CHILD = """
+import asyncio, os, sys
+sys.path.insert(0, {tests!r})
+import importlib
+impl = importlib.import_module({module!r})
+locks = impl.LockManager()
+
+def answer(call):
+    try:
+        return repr(call())
+    except RuntimeError:
+        return "RuntimeError"
+
+async def main():
+    await locks.aio.acquire("k")
+    pid = os.fork()
+    if pid == 0:  # the child: whatever asyncio says about its task, aio says too
+        asyncio_says = answer(lambda: asyncio.current_task() is not None)
+        aio_says = answer(lambda: locks.aio.recursion_count("k") >= 0)
+        os._exit(0 if asyncio_says.replace("True", "ok") == aio_says.replace("True", "ok") else 3)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+    locks.aio.release("k")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+@pytest.mark.parametrize("module", ["lockmgr._core", "lockmgr._pure"])
+def test_a_forked_child_finds_its_task_as_asyncio_does(module) -> None:
+    import subprocess
+    code = FORK_CHILD.format(tests=os.path.dirname(__file__), module=module)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=PATIENCE * 3)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["child 0"]
 
 
 def test_a_queued_wait_dropped_in_a_reference_cycle_is_left_safely(impl) -> None:

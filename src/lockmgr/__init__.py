@@ -17,7 +17,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager
+from ._aio import AsyncLockManager, AsyncRWLockManager
 from ._common import (
     AbandonedLockWarning,
     DeadlockError,
@@ -71,7 +71,7 @@ def _in_subinterpreter() -> bool:
 
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from ._pure import KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
 
     implementation = "python"
     implementation_reason = "LOCKMGR_NO_EXTENSIONS is set: the pure-Python twin was asked for"
@@ -81,7 +81,7 @@ elif _in_subinterpreter():
     # CPython refuses it in an isolated subinterpreter; in a legacy one Cython would load it
     # into whichever interpreter imports it first, and refuse it everywhere else, the main
     # interpreter included. Choosing here keeps it the main interpreter's, always.
-    from ._pure import KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
 
     implementation = "python"
     implementation_reason = (
@@ -90,9 +90,9 @@ elif _in_subinterpreter():
     )
 else:
     try:
-        from ._core import KeyLock, LockManager, RWLockManager
+        from ._core import AsyncKeyLock, KeyLock, LockManager, RWLockManager
     except ImportError as error:  # pragma: no cover - built without a compiler, or on PyPy
-        from ._pure import KeyLock, LockManager, RWLockManager
+        from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
 
         implementation = "python"
         implementation_reason = (
@@ -104,7 +104,7 @@ else:
         implementation_reason = "the compiled core lockmgr._core"
 
 for _exported in (
-    AbandonedLockWarning, AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
+    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
     NestedWaitError, NotOwnedError,
 ):
     _exported.__module__ = __name__

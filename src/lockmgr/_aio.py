@@ -5,18 +5,27 @@ wait-for graph as the manager's threads: a task and a thread exclude each other 
 queue FIFO together, and a cycle among them is a DeadlockError. Both engines implement the
 ``_task_*`` methods these classes call, with the same semantics:
 
-- ``_task_acquire(key, mode, try_only, count)`` and ``_task_acquire_many(items, try_only)``
-  answer True (held), False (a try-lock found it taken) or a *wait*: the request is queued
-  and ``wait.waker`` is how a grant reaches the task (posted after the granting section);
+- ``_task_enter(key, mode, seconds, raises_timeout)`` and
+  ``_task_enter_many(items, seconds, raises_timeout)`` acquire for the current task at
+  once and answer an awaitable of the outcome: a ready one (True, or False when a try-lock
+  found the key taken; with ``raises_timeout`` that is LockTimeout, raised at once), or the
+  *wait* of the queued request. Awaiting a wait runs ``_wait_for_grant``: True, or once
+  ``seconds`` ran out False (LockTimeout with ``raises_timeout``); any exception takes the
+  request out of the queues first. ``wait.waker`` is how a grant reaches the task (posted
+  after the granting section);
 - ``wait.settle(consumed, deadline)`` (``consumed``: the task took a post) answers True
-  (granted: the call's outcome), False (timed out: it left the queues), None (still
-  waiting) or ``AWAIT_POST`` (a wake-up is on its way: wait for it, whatever the deadline);
+  (granted), False (timed out: it left the queues), None (still waiting) or ``AWAIT_POST``
+  (a wake-up is on its way: wait for it, whatever the deadline); ``wait.deadline`` and
+  ``wait.timed_out()`` (False, or raises the LockTimeout) complete it;
 - ``wait.abandon()`` takes the request out of the queues, or gives back a grant that raced
   the exception (a cancellation): the key goes to the next waiter; ``_task_abandon()`` does
-  the same for the current task's request, if it has one (an exception between the queueing
-  call and the wait);
-- ``_task_release``, ``_task_release_many``, ``_task_release_all`` and ``_task_levels`` are the
-  sync methods with the current task as owner.
+  the same for the current task's request, if it has one (an exception between the
+  acquiring call and the await); a task that is done abandons a wait it never awaited;
+- ``_task_key_lock(key)`` is ``aio[key]``: an ``AsyncKeyLock`` (the core has its own);
+- ``_task_exit(key, mode)`` and ``_task_exit_many(items)`` release and answer a ready
+  awaitable of None (``__aexit__``); ``_task_release``, ``_task_release_many``,
+  ``_task_release_all`` and ``_task_levels`` are the sync methods with the current task as
+  owner.
 
 Every method raises RuntimeError outside a running task.
 """
@@ -25,19 +34,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
-from collections.abc import Callable, Coroutine, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ._common import (
     AWAIT_POST,
+    PICKLE_ERROR,
     READ,
     WRITE,
     LockStats,
     hold_seconds,
     many_items,
     rw_items,
-    timed_out,
     wait_seconds,
 )
 
@@ -51,46 +59,41 @@ T = TypeVar("T")
 __all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
 
 
-def _deadline(seconds: float) -> float:
-    return time.monotonic() + seconds if seconds > 0 else -1.0
-
-
-async def _wait_for_grant(wait: Any, deadline: float) -> bool:
-    """Sleep until the queued request of ``wait`` is granted (True) or times out (False).
-    Any exception (a cancellation) takes it out of the queues, or passes a grant that raced
-    the exception on to the next waiter, before it propagates."""
-    waker = wait.waker
+async def _wait_for_grant(wait: Any) -> bool:
+    """Sleep until the queued request of ``wait`` is granted (True) or times out
+    (``wait.timed_out()``). Any exception (a cancellation) takes it out of the queues, or
+    passes a grant that raced the exception on to the next waiter, before it propagates."""
+    waker, deadline = wait.waker, wait.deadline
     outcome: object = None
     try:
         while True:
             await waker.sleep(-1.0 if outcome is AWAIT_POST else deadline)
             outcome = wait.settle(waker.take_post(), deadline)
-            if outcome is True or outcome is False:
-                return bool(outcome)
+            if outcome is True:
+                return True
+            if outcome is False:
+                return bool(wait.timed_out())
     except BaseException:
         wait.abandon()
         raise
 
 
-async def _acquire(manager: Any, key: Hashable, mode: int, seconds: float) -> bool:
-    return await _take(seconds, manager, manager._task_acquire, key, mode, seconds == 0, 1)
-
-
-async def _acquire_many(manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> bool:
-    return await _take(seconds, manager, manager._task_acquire_many, items, seconds == 0)
-
-
-async def _take(seconds: float, manager: Any, acquire: Callable[..., Any], *args: Any) -> bool:
-    """``acquire(*args)`` for the current task, then its wait if it queued."""
-    deadline = _deadline(seconds)
+def _enter(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any) -> Awaitable[bool]:
+    """``enter(*args)`` (an acquisition that answers an awaitable) for ``__aenter__``."""
     try:
-        got = acquire(*args)
-        if got is True or got is False:
-            return bool(got)
-        return await _wait_for_grant(got, deadline)
+        return enter(*args)
     except BaseException:
-        # A signal handler may raise between the queueing call's return and the wait (a
-        # call is a check point): the task's own token still knows the request.
+        # A signal handler may raise once the queueing call returned (a call is a check
+        # point): the task's own token still knows the request.
+        manager._task_abandon()
+        raise
+
+
+async def _take(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+    """The coroutine of an ``acquire``: ``enter(*args)``, then its wait if it queued."""
+    try:
+        return await enter(*args)
+    except BaseException:
         manager._task_abandon()
         raise
 
@@ -106,13 +109,12 @@ class _AsyncHolding:
         self._seconds = seconds
         self._mode = mode
 
-    async def __aenter__(self) -> bool:
-        if not await _acquire(self._manager, self._key, self._mode, self._seconds):
-            raise timed_out(self._key, self._seconds)
-        return True
+    def __aenter__(self) -> Awaitable[bool]:
+        manager = self._manager
+        return _enter(manager, manager._task_enter, self._key, self._mode, self._seconds, True)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._manager._task_release(self._key, self._mode)
+    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit(self._key, self._mode)  # type: ignore[no-any-return]
 
 
 class _AsyncHoldingMany:
@@ -125,13 +127,12 @@ class _AsyncHoldingMany:
         self._items = items
         self._seconds = seconds
 
-    async def __aenter__(self) -> bool:
-        if not await _acquire_many(self._manager, self._items, self._seconds):
-            raise timed_out(tuple(key for key, _ in self._items), self._seconds)
-        return True
+    def __aenter__(self) -> Awaitable[bool]:
+        manager = self._manager
+        return _enter(manager, manager._task_enter_many, self._items, self._seconds, True)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._manager._task_release_many(self._items)
+    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit_many(self._items)  # type: ignore[no-any-return]
 
 
 class AsyncKeyLock(Generic[K]):
@@ -150,7 +151,9 @@ class AsyncKeyLock(Generic[K]):
 
     async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         """As ``AsyncLockManager.acquire`` for this view's key."""
-        return await _acquire(self._manager, self._key, WRITE, wait_seconds(blocking, timeout))
+        manager = self._manager
+        return await _take(manager, manager._task_enter, self._key, WRITE,
+                           wait_seconds(blocking, timeout), False)
 
     def release(self) -> None:
         self._manager._task_release(self._key, WRITE)
@@ -159,12 +162,16 @@ class AsyncKeyLock(Generic[K]):
         """Whether any thread or task holds the key."""
         return bool(self._manager.locked(self._key))
 
-    async def __aenter__(self) -> bool:
-        return await _acquire(self._manager, self._key, WRITE, -1.0)
+    def __aenter__(self) -> Awaitable[bool]:
+        manager = self._manager
+        return _enter(manager, manager._task_enter, self._key, WRITE, -1.0, False)
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, traceback: TracebackType | None) -> None:
-        self._manager._task_release(self._key, WRITE)
+    def __aexit__(self, exc_type: type[BaseException] | None,
+                  exc: BaseException | None, traceback: TracebackType | None) -> Awaitable[None]:
+        return self._manager._task_exit(self._key, WRITE)  # type: ignore[no-any-return]
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_ERROR)
 
     def __repr__(self) -> str:
         return f"<lockmgr.AsyncKeyLock key={self._key!r} locked={self.locked()}>"
@@ -215,7 +222,9 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         """Lock ``key`` for the current task: True once held (reentrant), False if
         ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first. The
         event loop runs other tasks meanwhile; a cancellation leaves nothing acquired."""
-        return await _acquire(self._manager, key, WRITE, wait_seconds(blocking, timeout))
+        manager = self._manager
+        return await _take(manager, manager._task_enter, key, WRITE,
+                           wait_seconds(blocking, timeout), False)
 
     def release(self, key: K) -> None:
         """Undo one ``acquire`` of ``key`` (NotOwnedError if the current task does not hold it)."""
@@ -226,14 +235,15 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         return _AsyncHolding(self._manager, key, hold_seconds(timeout), WRITE)
 
     def __getitem__(self, key: K) -> AsyncKeyLock[K]:
-        return AsyncKeyLock(self._manager, key)
+        return self._manager._task_key_lock(key)  # type: ignore[no-any-return]
 
     async def acquire_many(self, keys: Iterable[K], blocking: bool = True,
                            timeout: float = -1) -> bool:
         """Lock every key of ``keys`` at once, or none (as ``LockManager.acquire_many``)."""
-        seconds = wait_seconds(blocking, timeout)
-        return await _acquire_many(self._manager, many_items(keys, self._manager._table_key),
-                                   seconds)
+        manager = self._manager
+        return await _take(manager, manager._task_enter_many,
+                           many_items(keys, manager._table_key), wait_seconds(blocking, timeout),
+                           False)
 
     def release_many(self, keys: Iterable[K]) -> None:
         self._manager._task_release_many(many_items(keys, self._manager._table_key))
@@ -272,10 +282,14 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     __slots__ = ()
 
     async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        return await _acquire(self._manager, key, READ, wait_seconds(blocking, timeout))
+        manager = self._manager
+        return await _take(manager, manager._task_enter, key, READ,
+                           wait_seconds(blocking, timeout), False)
 
     async def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        return await _acquire(self._manager, key, WRITE, wait_seconds(blocking, timeout))
+        manager = self._manager
+        return await _take(manager, manager._task_enter, key, WRITE,
+                           wait_seconds(blocking, timeout), False)
 
     def release_read(self, key: K) -> None:
         self._manager._task_release(key, READ)
@@ -291,9 +305,10 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
 
     async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                            blocking: bool = True, timeout: float = -1) -> bool:
-        seconds = wait_seconds(blocking, timeout)
-        return await _acquire_many(
-            self._manager, rw_items(reads, writes, self._manager._table_key), seconds)
+        manager = self._manager
+        return await _take(manager, manager._task_enter_many,
+                           rw_items(reads, writes, manager._table_key),
+                           wait_seconds(blocking, timeout), False)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         self._manager._task_release_many(rw_items(reads, writes, self._manager._table_key))

@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -29,6 +29,7 @@ __all__ = [
     "LOOP_THREAD",
     "Waker",
     "current_task_or_raise",
+    "not_in_task",
     "running_loop",
     "describe_owner",
     "DeadlockError",
@@ -253,11 +254,15 @@ def current_task_or_raise() -> Any:
     except (KeyError, RuntimeError):  # no asyncio yet, or no running loop
         task = None
     if task is None:
-        raise RuntimeError(
-            "lockmgr's aio methods must be called from an asyncio task (the task owns the "
-            "keys it acquires); threads use the manager's own methods"
-        )
+        not_in_task()
     return task
+
+
+def not_in_task() -> NoReturn:
+    raise RuntimeError(
+        "lockmgr's aio methods must be called from an asyncio task (the task owns the "
+        "keys it acquires); threads use the manager's own methods"
+    )
 
 
 def running_loop() -> Any:

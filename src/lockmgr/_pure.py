@@ -95,10 +95,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, final
 
-from ._aio import AsyncLockManager, AsyncRWLockManager
+from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _wait_for_grant
 from ._common import (
     HANDOFF_AFTER,
     LOOP_THREAD,
@@ -131,7 +131,7 @@ from ._common import (
     running_loop,
 )
 
-__all__ = ["KeyLock", "LockManager", "RWLockManager"]
+__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager"]
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
@@ -331,21 +331,76 @@ def _task_done(task: Any) -> None:
     exit does."""
     token = _task_tokens.pop(task, None)
     if token is not None:
+        if token.request is not None:
+            # A done task awaits nothing: its wait was never awaited (an exception came
+            # between ``__aenter__`` and the await), so nobody else takes it out.
+            _section(token.request.manager._abandon_section, token, None)
         for _ in range(_EXIT_ROUNDS):
             if not _release_abandoned(token):
                 break
 
 
+class _Ready:
+    """An awaitable whose outcome is known already: awaiting it returns ``value`` at once."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.value
+        yield  # a generator that returns before its first yield
+
+
+_READY_TRUE, _READY_FALSE, _READY_NONE = _Ready(True), _Ready(False), _Ready(None)
+
+
+def _task_awaitable(got: object, keys: object, seconds: float,
+                    raises_timeout: bool) -> Awaitable[bool]:
+    """What ``_task_enter`` answers for the outcome ``got`` of an acquisition."""
+    if got is True:
+        return _READY_TRUE
+    if got is False:
+        if raises_timeout:
+            raise timed_out(keys, seconds)
+        return _READY_FALSE
+    assert type(got) is _TaskWait
+    got.deadline = time.monotonic() + seconds if seconds > 0 else -1.0
+    got.raises_timeout, got.keys, got.seconds = raises_timeout, keys, seconds
+    return got
+
+
 class _TaskWait:
     """A task's queued request (see lockmgr._aio for the protocol)."""
 
-    __slots__ = ("manager", "request", "waker")
+    __slots__ = ("deadline", "keys", "manager", "raises_timeout", "request", "seconds", "waker")
 
     def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
         self.manager = manager
         self.request = request
         self.waker = waker
         waker.lost = self._loop_closed
+        self.deadline = -1.0  # _task_awaitable sets these
+        self.raises_timeout = False
+        self.keys: object = None
+        self.seconds = -1.0
+
+    def __await__(self) -> Generator[Any, None, bool]:
+        # _wait_for_grant abandons on any exception, but only once inside its ``try``; this
+        # frame narrows the gap after ``__aenter__`` to its own first instruction (the
+        # compiled core's wait has none: it is a C iterator). A task done with a wait it
+        # never awaited abandons it (_task_done).
+        try:
+            return (yield from _wait_for_grant(self).__await__())
+        except BaseException:
+            self.abandon()
+            raise
+
+    def timed_out(self) -> bool:
+        if self.raises_timeout:
+            raise timed_out(self.keys, self.seconds)
+        return False
 
     def settle(self, consumed: bool, deadline: float) -> bool | None:
         if self.request.state == _LEFT:  # a forked child dropped it (_keep_only)
@@ -622,7 +677,30 @@ class _Engine:
 
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
 
-    def _task_acquire(self, key: Hashable, mode: int, try_only: bool, count: int) -> object:
+    def _task_enter(self, key: Hashable, mode: int, seconds: float,
+                    raises_timeout: bool) -> Awaitable[bool]:
+        got = self._task_take(key, mode, seconds == 0, 1)
+        return _task_awaitable(got, key, seconds, raises_timeout)
+
+    def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
+                         raises_timeout: bool) -> Awaitable[bool]:
+        got = self._task_take_many(items, seconds == 0)
+        if got is True or not raises_timeout:
+            return _task_awaitable(got, None, seconds, False)
+        return _task_awaitable(got, tuple(key for key, _ in items), seconds, True)
+
+    def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
+        return AsyncKeyLock(self, key)
+
+    def _task_exit(self, key: Hashable, mode: int) -> Awaitable[None]:
+        self._task_release(key, mode)
+        return _READY_NONE
+
+    def _task_exit_many(self, items: list[tuple[Hashable, int]]) -> Awaitable[None]:
+        self._task_release_many(items)
+        return _READY_NONE
+
+    def _task_take(self, key: Hashable, mode: int, try_only: bool, count: int) -> object:
         token = _task_token()
         assert token is not None
         key = self._table_key(key)
@@ -632,7 +710,7 @@ class _Engine:
                                    seconds, count)
         return self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
 
-    def _task_acquire_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
+    def _task_take_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
         if not items:
             _task_token(create=False)  # outside a task: RuntimeError all the same
             return True
