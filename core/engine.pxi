@@ -615,13 +615,7 @@ cdef class _Engine:
 
     def _task_key_lock(self, key):
         """``aio[key]``: the key's view for tasks."""
-        cdef AsyncKeyLock view = AsyncKeyLock.__new__(AsyncKeyLock)
-        cdef Py_hash_t h = lockmgr_hash(key)
-        view.lock_key = self._lock_key(key, &h)
-        view.hash = h
-        view.key = key
-        view._manager = self
-        return view
+        return AsyncKeyLock(self, key)
 
     def _task_enter_many(self, list items, double seconds, bint raises_timeout):
         got = self._task_take_many(items, seconds == 0)
@@ -656,12 +650,15 @@ cdef class _Engine:
     cdef object _task_take(self, key, Py_hash_t h, int mode, bint try_only, Py_ssize_t count):
         """Acquire the table's ``key`` (hashing to ``h``) for the current task: True, False
         (try-lock), or a queued _TaskWait."""
-        cdef Token *token = task_token(True)
+        cdef _TaskOwner owner = task_owner(True)
+        cdef Token *token = owner.token
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
         cdef Outcome outcome
         cdef _TaskWait wait = None
+        if owner.wait is not None:
+            owner.abandon_stranded()
         ensure_memory(<void**>&token.spare_entry, sizeof(Entry))
         if mode == READ:
             ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
@@ -675,7 +672,7 @@ cdef class _Engine:
             outcome = fast_acquire_write(&self.table, shard, &lookup, token, count, &op.after)
         lockmgr_spin_unlock(&shard.mutex)
         if outcome == SECTION:
-            wait = self._task_wait(1)
+            wait = self._task_wait(owner, 1)
             op_fill(&op, ACQUIRE_READ if mode == READ else ACQUIRE_WRITE, &self.table, token,
                     &lookup, 1)
             op.count = count
@@ -687,7 +684,8 @@ cdef class _Engine:
     cdef object _task_take_many(self, list items, bint try_only):
         """``_acquire_many`` for the current task: True, False, or a queued _TaskWait."""
         cdef Py_ssize_t n = len(items), i
-        cdef Token *token = task_token(n != 0)
+        cdef _TaskOwner owner = task_owner(n != 0)
+        cdef Token *token
         cdef Lookup *lookups = NULL
         cdef Entry **fresh = NULL
         cdef _TaskWait wait
@@ -695,7 +693,10 @@ cdef class _Engine:
         cdef Outcome outcome
         if n == 0:
             return True
-        wait = self._task_wait(n)
+        token = owner.token
+        if owner.wait is not None:
+            owner.abandon_stranded()
+        wait = self._task_wait(owner, n)
         try:
             lookups = <Lookup*>PyMem_RawCalloc(n, sizeof(Lookup))
             fresh = <Entry**>PyMem_RawCalloc(n, sizeof(Entry*))
@@ -730,13 +731,13 @@ cdef class _Engine:
             PyMem_RawFree(lookups)
             PyMem_RawFree(fresh)
 
-    cdef _TaskWait _task_wait(self, Py_ssize_t n):
+    cdef _TaskWait _task_wait(self, _TaskOwner owner, Py_ssize_t n):
         """The memory and Waker of a task's request of ``n`` nodes, before its section
         (which may queue it, and another thread grant it, at once)."""
         cdef _TaskWait wait = _TaskWait.__new__(_TaskWait)
         cdef Py_ssize_t i
         wait.manager = self
-        wait.owner = task_owners[current_task_or_raise()]
+        wait.owner = owner
         wait.waker = Waker(running_loop())
         if n == 1:
             wait.request = &wait.single
@@ -750,7 +751,8 @@ cdef class _Engine:
             wait.request[i].waiter = <PyObject*>wait  # no reference: see Request.waiter
         wait.queued = True  # from the section on, until it ends (settle or abandon)
         wait.waker.lost = wait._loop_closed
-        wait.owner.wait = wait
+        if owner.wait is None:  # else the table refuses this one (NestedWaitError)
+            owner.wait = wait
         return wait
 
     cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, object key):
@@ -773,13 +775,14 @@ cdef class _Engine:
             PyMem_RawFree(op.after.cycle)
 
     def _task_abandon(self):
-        """Abandon the current task's queued wait, if it has one (idempotent)."""
+        """An exception ended an acquisition of the current task: abandon the wait it may
+        have queued, if nothing awaits it (idempotent)."""
         try:
             owner = task_owners.get(current_task_or_raise())
         except RuntimeError:  # not in a task: it queued nothing
             return
-        if owner is not None and (<_TaskOwner>owner).wait is not None:
-            (<_TaskOwner>owner).wait.abandon()
+        if owner is not None:
+            (<_TaskOwner>owner).abandon_stranded()
 
     def _task_release(self, key, int mode):
         cdef Py_hash_t h = lockmgr_hash(key)

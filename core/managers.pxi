@@ -381,6 +381,13 @@ cdef class AsyncKeyLock:
     cdef object lock_key           # the key the table uses: ``key``, or its stripe
     cdef Py_hash_t hash            # hash(lock_key), computed when the view was made
 
+    def __cinit__(self, _Engine manager not None, key):
+        cdef Py_hash_t h = lockmgr_hash(key)
+        self.lock_key = manager._lock_key(key, &h)
+        self.hash = h
+        self.key = key
+        self._manager = manager
+
     __class_getitem__ = classmethod(GenericAlias)
 
     async def acquire(self, blocking=True, timeout=-1):

@@ -316,7 +316,7 @@ cdef void forget_waiting_threads(Token *survivor) noexcept nogil:
 
 def _after_fork_in_child():
     """The child holds only what the forking thread held; the rest is free, queues are empty."""
-    global touched_shards, forks_seen
+    global touched_shards, process_pid
     cdef Token *survivor = existing_token()
     cdef Table *table
     cdef After after
@@ -340,7 +340,7 @@ def _after_fork_in_child():
     forget_waiting_threads(survivor)
     unlock()
     lockmgr_store_ssize(&forking_pid, 0)
-    forks_seen += 1  # no loop runs in the child (tasks.pxi)
+    process_pid = os.getpid()  # a loop that ran in the parent does not run here (tasks.pxi)
     after.resize = NULL  # no manager is held alive here: tables resize on their next use
     finish(&after, survivor)
 

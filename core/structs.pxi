@@ -211,8 +211,8 @@ cdef Token *waiting_threads = NULL        # engine: thread tokens waiting in a s
                                           # loop's thread through it in a deadlock search
 cdef size_t shard_count = 1               # shards per new table; set once at import
 cdef Py_ssize_t forking_pid = 0           # atomic: between os.fork()'s hooks, the parent's pid
-cdef size_t forks_seen = 0                # a forked child's after-fork hook counts it (GIL or
-                                          # stopped world); tasks.pxi's loop caches compare it
+cdef long process_pid = os.getpid()       # this process's; a forked child's after-fork hook
+                                          # sets it (GIL or stopped world); tasks.pxi reads it
 memset(&engine_mutex, 0, sizeof(engine_mutex))
 if sizeof(Shard) > SHARD_BYTES:
     raise ImportError("lockmgr._core: a Shard does not fit SHARD_BYTES on this platform")

@@ -8,33 +8,43 @@ cdef dict owners_by_ident = {}  # id(task) -> its _TaskOwner (owner() and cycles
 # -- the current task and its loop, cheaply ---------------------------------------------------
 # Every aio call needs its task. From 3.12 asyncio.current_task() is C. Before, it is Python
 # code around get_running_loop(), which makes a getpid() system call each time (its fork
-# check): ~0.5 us on 3.11, more than an acquisition. There the thread state dict is read
-# directly: asyncio stores a new running-loop holder in it whenever a loop starts or stops
-# in that thread, so the loop found for one holder stays right until the holder changes.
-# The loop is cached beside the holder it was found for (a strong reference, so that no
-# later holder can get its address), and a fork invalidates every cache: a forked child
-# runs no loop, which get_running_loop's own check would say.
+# check): ~0.5 us on 3.11, more than an acquisition. There asyncio keeps the running loop
+# in a holder object in the thread state dict, replaced whenever a loop starts or stops in
+# that thread; its C layout (the loop, and the pid that set it) is read here directly,
+# with the fork check against a pid the after-fork hook keeps, so nothing is cached and no
+# loop is kept alive. The layout is trusted only once one reading agreed with
+# get_running_loop(); any other holder type, or a disagreement, means asyncio's own call.
+
+cdef extern from *:
+    """
+    typedef struct {  /* _asynciomodule.c's PyRunningLoopHolder, 3.7 to 3.11 */
+        PyObject_HEAD
+        PyObject *rl_loop;
+    #if defined(HAVE_GETPID) && !defined(MS_WINDOWS)
+        pid_t rl_pid;
+    #endif
+    } lockmgr_loop_holder;
+    #define lockmgr_holder_loop(h) (((lockmgr_loop_holder *)(h))->rl_loop)
+    #if defined(HAVE_GETPID) && !defined(MS_WINDOWS)
+    #  define lockmgr_holder_pid(h) ((long)((lockmgr_loop_holder *)(h))->rl_pid)
+    #else
+    #  define lockmgr_holder_pid(h) (-1L)
+    #endif
+    """
+    PyObject *lockmgr_holder_loop(PyObject *holder)
+    long lockmgr_holder_pid(PyObject *holder)
 
 cdef object asyncio_current_task = None  # asyncio.current_task (3.12+), once bound
 cdef object asyncio_running_loop = None  # asyncio.get_running_loop, once bound
 cdef dict asyncio_current_tasks = None   # before 3.12: loop -> its running task (asyncio's)
-cdef bint holders_readable = False       # before 3.12, with asyncio's C running-loop holder
+cdef object holder_type = None           # before 3.12, asyncio's C running-loop holder type
+cdef int holder_trust = 0                # 1: its layout agreed with asyncio; -1: it did not
 cdef str RUNNING_LOOP_HOLDER = "__asyncio_running_event_loop__"
-cdef str RUNNING_LOOP_CACHE = "lockmgr._core.running_loop"
-
-
-@cython.final
-cdef class _RunningLoop:
-    """One thread's last running-loop holder and its loop (in that thread's state dict)."""
-    cdef object holder      # asyncio's holder object, kept so its address is not reused
-    cdef object loop        # the loop it stands for, or None (no loop was running)
-    cdef size_t forks_seen  # forks_seen when it was found
 
 
 cdef bint bind_asyncio() except -1:
     """Find asyncio's functions (imported by whoever runs a loop); False if not imported."""
-    global asyncio_current_task, asyncio_running_loop, asyncio_current_tasks
-    global holders_readable
+    global asyncio_current_task, asyncio_running_loop, asyncio_current_tasks, holder_trust
     asyncio = sys.modules.get("asyncio")
     if asyncio is None:
         return False
@@ -42,46 +52,59 @@ cdef bint bind_asyncio() except -1:
     c_asyncio = sys.modules.get("_asyncio")
     if sys.version_info < (3, 12):
         asyncio_current_tasks = tasks._current_tasks
-        holders_readable = (c_asyncio is not None and
-                            events.get_running_loop is c_asyncio.get_running_loop)
+        if c_asyncio is None or events.get_running_loop is not c_asyncio.get_running_loop:
+            holder_trust = -1  # the Python implementation keeps no holder
     asyncio_running_loop = events.get_running_loop
     asyncio_current_task = tasks.current_task
     return True
 
 
+cdef object asyncio_says_running_loop():
+    try:
+        return asyncio_running_loop()
+    except RuntimeError:
+        return None
+
+
 cdef object running_loop_or_none():
     """The loop running in this thread, or None."""
+    global holder_type, holder_trust
     cdef PyObject *state
     cdef PyObject *holder
-    cdef PyObject *cached
-    cdef _RunningLoop found
+    cdef PyObject *loop
     if asyncio_running_loop is None and not bind_asyncio():
         return None
-    if not holders_readable:
-        try:
-            return asyncio_running_loop()
-        except RuntimeError:
-            return None
+    if asyncio_current_tasks is None or holder_trust < 0:
+        return asyncio_says_running_loop()
     state = PyThreadState_GetDict()
     if state is NULL:
         return None
-    # Exact str keys: the lookups run no Python code and cannot fail.
+    # An exact str key: the lookup runs no Python code and cannot fail.
     holder = PyDict_GetItemWithError(<object>state, RUNNING_LOOP_HOLDER)
     if holder is NULL:
         return None
-    cached = PyDict_GetItemWithError(<object>state, RUNNING_LOOP_CACHE)
-    if (cached is not NULL and (<_RunningLoop>cached).holder is <object>holder
-            and (<_RunningLoop>cached).forks_seen == forks_seen):
-        return (<_RunningLoop>cached).loop
-    found = _RunningLoop.__new__(_RunningLoop)
-    found.holder = <object>holder
-    found.forks_seen = forks_seen
-    try:
-        found.loop = asyncio_running_loop()
-    except RuntimeError:
-        found.loop = None
-    (<dict>state)[RUNNING_LOOP_CACHE] = found
-    return found.loop
+    if holder_trust == 0:
+        if type(<object>holder).__name__ != "_RunningLoopHolder":
+            holder_trust = -1
+            return asyncio_says_running_loop()
+        expected = asyncio_says_running_loop()
+        if expected is None:
+            return None  # nothing to compare with yet
+        loop = lockmgr_holder_loop(holder)
+        if loop is not <PyObject*>expected or lockmgr_holder_pid(holder) not in (-1, process_pid):
+            holder_trust = -1
+            return expected
+        holder_type = type(<object>holder)
+        holder_trust = 1
+        return expected
+    if type(<object>holder) is not holder_type:
+        return asyncio_says_running_loop()
+    loop = lockmgr_holder_loop(holder)
+    if loop is NULL or loop is <PyObject*>None:
+        return None
+    if lockmgr_holder_pid(holder) != process_pid and lockmgr_holder_pid(holder) != -1:
+        return None  # set in the parent of this forked child: it runs no loop here
+    return <object>loop
 
 
 cdef object current_task():
@@ -172,11 +195,22 @@ cdef class _TaskOwner:
     cdef Token *token   # the task's token (Token.is_task); freed once the task is done
     cdef object task    # the task (a strong reference: ``task_owners`` is released when done)
     cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
-                        # (whatever happens to the coroutine's frame meanwhile)
+                        # (whatever happens to the coroutine's frame meanwhile); a task has
+                        # one at a time (the table refuses a second: NestedWaitError)
 
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
             free_token(self.token)
+
+    cdef int abandon_stranded(self) except -1:
+        """Abandon the task's wait if nothing ever awaited it: an exception came between the
+        call that queued it and the await (a signal handler's, at a check point in Python
+        code), or a caller dropped what ``__aenter__`` answered. Called when the task starts
+        another acquisition or an exception ends one; a wait being awaited is left alone
+        (code running inside it, as a finalizer, may start an acquisition of its own)."""
+        if self.wait is not None and self.wait.runner is None:
+            self.wait.abandon()
+        return 0
 
     def _task_done(self, task):
         cdef Token *token = self.token
@@ -186,8 +220,7 @@ cdef class _TaskOwner:
         task_owners.pop(task, None)
         owners_by_ident.pop(token.ident, None)
         if self.wait is not None:
-            # A done task awaits nothing: its wait was never awaited (an exception came
-            # between ``__aenter__`` and the await), so nobody else takes it out.
+            # A done task awaits nothing: its wait was stranded (see abandon_stranded).
             self.wait.abandon()
         # What the released keys' finalizers and the warning filters run may use this task's
         # token no more (the task is done), so the rounds only bound pathological loops.
@@ -202,12 +235,19 @@ cdef class _TaskOwner:
 cdef Token* task_token(bint create) except? NULL:
     """The current task's token (RuntimeError outside a running task); NULL if it has none
     and ``create`` is false."""
+    owner = task_owner(create)
+    return NULL if owner is None else owner.token
+
+
+cdef _TaskOwner task_owner(bint create):
+    """The current task's owner (RuntimeError outside a running task); None if it has none
+    and ``create`` is false."""
     task = current_task_or_raise()
     owner = task_owners.get(task)
     if owner is not None:
-        return (<_TaskOwner>owner).token
+        return <_TaskOwner>owner
     if not create:
-        return NULL
+        return None
     cdef Token *token = <Token*>PyMem_RawCalloc(1, sizeof(Token))
     if token is NULL:
         raise MemoryError()
@@ -220,7 +260,7 @@ cdef Token* task_token(bint create) except? NULL:
     task.add_done_callback(created._task_done)
     task_owners[task] = created
     owners_by_ident[token.ident] = created
-    return token
+    return created
 
 
 cdef object task_of(unsigned long ident):
@@ -299,13 +339,16 @@ cdef class _TaskWait:
     # own exception handling where a signal handler's exception could strand the request.
 
     def __await__(self):
+        if self.runner is not None:
+            raise RuntimeError("this acquisition's wait was awaited already")
+        self.runner = wait_for_grant(self)
         return self
 
     def __next__(self):
         return self.send(None)
 
     def send(self, value):
-        if self.runner is None:
+        if self.runner is None:  # driven without await
             self.runner = wait_for_grant(self)
         try:
             return self.runner.send(value)

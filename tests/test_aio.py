@@ -787,6 +787,63 @@ def test_a_task_done_without_awaiting_its_entered_wait_leaves_the_queue(impl) ->
     assert len(locks) == 0
 
 
+def test_a_stranded_wait_leaves_the_queue_at_the_tasks_next_acquisition(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        task, done = await held_by_another_task(locks, "k")
+        entered = locks.aio["k"].__aenter__()  # queued; dropped unawaited, as after an error
+        assert locks.stats().waiting == 1
+        del entered
+        assert await locks.aio.acquire("j")  # the task moves on: its stranded request leaves
+        assert locks.stats().waiting == 0
+        locks.aio.release("j")
+        done.set()
+        await task
+        assert not locks.locked("k") and not locks.aio.owned("k")
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_a_wait_is_awaited_once(impl) -> None:
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        task, done = await held_by_another_task(locks, "k")
+        entered = locks.aio["k"].__aenter__()
+        asyncio.get_running_loop().call_soon(done.set)
+        assert await entered is True
+        with pytest.raises(RuntimeError, match="awaited already"):
+            await entered
+        assert locks.aio.recursion_count("k") == 1
+        locks.aio.release("k")
+        await task
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_key_views_can_be_made_directly_and_keep_no_loop_alive(impl) -> None:
+    import gc
+    import weakref
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        async with impl.AsyncKeyLock(locks, "k") as got:
+            assert got is True and locks.aio.owned("k")
+        return None
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(main())
+    loop.close()
+    gone = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert gone() is None, "the closed loop is still referenced"
+    assert len(locks) == 0
+
+
 def test_each_loop_a_thread_runs_has_its_own_tasks(impl) -> None:
     """The current task is looked up per running loop: a loop stopped and started again, or
     another loop run in between on the same thread, never lends its tasks to the other."""

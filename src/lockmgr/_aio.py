@@ -78,22 +78,14 @@ async def _wait_for_grant(wait: Any) -> bool:
         raise
 
 
-def _enter(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any) -> Awaitable[bool]:
-    """``enter(*args)`` (an acquisition that answers an awaitable) for ``__aenter__``."""
-    try:
-        return enter(*args)
-    except BaseException:
-        # A signal handler may raise once the queueing call returned (a call is a check
-        # point): the task's own token still knows the request.
-        manager._task_abandon()
-        raise
-
-
 async def _take(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
     """The coroutine of an ``acquire``: ``enter(*args)``, then its wait if it queued."""
     try:
         return await enter(*args)
     except BaseException:
+        # Also where a signal handler may raise once the queueing call returned (a call is
+        # a check point): the task's own token still knows the request. Each ``__aenter__``
+        # below has this ``try`` of its own, around its call, for the same reason.
         manager._task_abandon()
         raise
 
@@ -111,7 +103,12 @@ class _AsyncHolding:
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
-        return _enter(manager, manager._task_enter, self._key, self._mode, self._seconds, True)
+        try:
+            return manager._task_enter(  # type: ignore[no-any-return]
+                self._key, self._mode, self._seconds, True)
+        except BaseException:
+            manager._task_abandon()
+            raise
 
     def __aexit__(self, *exc_info: object) -> Awaitable[None]:
         return self._manager._task_exit(self._key, self._mode)  # type: ignore[no-any-return]
@@ -129,7 +126,12 @@ class _AsyncHoldingMany:
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
-        return _enter(manager, manager._task_enter_many, self._items, self._seconds, True)
+        try:
+            return manager._task_enter_many(  # type: ignore[no-any-return]
+                self._items, self._seconds, True)
+        except BaseException:
+            manager._task_abandon()
+            raise
 
     def __aexit__(self, *exc_info: object) -> Awaitable[None]:
         return self._manager._task_exit_many(self._items)  # type: ignore[no-any-return]
@@ -164,7 +166,11 @@ class AsyncKeyLock(Generic[K]):
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
-        return _enter(manager, manager._task_enter, self._key, WRITE, -1.0, False)
+        try:
+            return manager._task_enter(self._key, WRITE, -1.0, False)  # type: ignore[no-any-return]
+        except BaseException:
+            manager._task_abandon()
+            raise
 
     def __aexit__(self, exc_type: type[BaseException] | None,
                   exc: BaseException | None, traceback: TracebackType | None) -> Awaitable[None]:

@@ -300,7 +300,7 @@ class _TaskWakeup:
 class _TaskToken(_Token):
     """The identity of one asyncio task towards every manager (``ident`` is the task)."""
 
-    __slots__ = ("loop_ident",)
+    __slots__ = ("loop_ident", "wait")
 
     def __init__(self, task: Any) -> None:  # noqa: D107 - not a thread: no _Token.__init__
         self.ident = task
@@ -310,6 +310,20 @@ class _TaskToken(_Token):
         self.wakeup = _TaskWakeup()  # type: ignore[assignment]
         self.request = None
         self.loop_ident = _get_ident()  # the thread running its loop (a cycle may pass it)
+        # Its queued request's wait, until settle or abandon ends it (one at a time: the
+        # table refuses a second with NestedWaitError).
+        self.wait: _TaskWait | None = None
+
+
+def _abandon_stranded(token: _TaskToken) -> None:
+    """Abandon the task's wait if nothing ever awaited it: an exception came between the
+    call that queued it and the await (a signal handler's, at a check point), or a caller
+    dropped what ``__aenter__`` answered. Called when the task starts another acquisition
+    or an exception ends one; a wait being awaited is left alone (code running inside it,
+    as a finalizer, may start an acquisition of its own)."""
+    wait = token.wait
+    if wait is not None and not wait.awaited:
+        wait.abandon()
 
 
 _task_tokens: dict[Any, _TaskToken] = {}  # running task -> its token (until it is done)
@@ -331,10 +345,8 @@ def _task_done(task: Any) -> None:
     exit does."""
     token = _task_tokens.pop(task, None)
     if token is not None:
-        if token.request is not None:
-            # A done task awaits nothing: its wait was never awaited (an exception came
-            # between ``__aenter__`` and the await), so nobody else takes it out.
-            _section(token.request.manager._abandon_section, token, None)
+        if token.wait is not None:  # a done task awaits nothing: it was stranded
+            token.wait.abandon()
         for _ in range(_EXIT_ROUNDS):
             if not _release_abandoned(token):
                 break
@@ -374,12 +386,14 @@ def _task_awaitable(got: object, keys: object, seconds: float,
 class _TaskWait:
     """A task's queued request (see lockmgr._aio for the protocol)."""
 
-    __slots__ = ("deadline", "keys", "manager", "raises_timeout", "request", "seconds", "waker")
+    __slots__ = ("awaited", "deadline", "keys", "manager", "raises_timeout", "request",
+                 "seconds", "waker")
 
     def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
         self.manager = manager
         self.request = request
         self.waker = waker
+        self.awaited = False
         waker.lost = self._loop_closed
         self.deadline = -1.0  # _task_awaitable sets these
         self.raises_timeout = False
@@ -387,6 +401,12 @@ class _TaskWait:
         self.seconds = -1.0
 
     def __await__(self) -> Generator[Any, None, bool]:
+        if self.awaited:
+            raise RuntimeError("this acquisition's wait was awaited already")
+        self.awaited = True
+        return self._awaiting()
+
+    def _awaiting(self) -> Generator[Any, None, bool]:
         # _wait_for_grant abandons on any exception, but only once inside its ``try``; this
         # frame narrows the gap after ``__aenter__`` to its own first instruction (the
         # compiled core's wait has none: it is a C iterator). A task done with a wait it
@@ -408,13 +428,21 @@ class _TaskWait:
         verdict: bool | None = _section(self.manager._check_wait_section, self.request,
                                         None if deadline < 0 else deadline)
         if verdict is not None:
-            self.request.token.request = None
-            self.waker.lost = None
+            self._ended()
         return verdict
 
     def abandon(self) -> None:
-        self.waker.lost = None
         _section(self.manager._abandon_section, self.request.token, None)
+        self._ended()
+
+    def _ended(self) -> None:
+        token = self.request.token
+        assert type(token) is _TaskToken
+        if token.request is self.request:
+            token.request = None
+        if token.wait is self:
+            token.wait = None
+        self.waker.lost = None
 
     def _loop_closed(self) -> None:
         """A grant found the task's loop closed: the task can never run again, so it is
@@ -690,6 +718,7 @@ class _Engine:
         return _task_awaitable(got, tuple(key for key, _ in items), seconds, True)
 
     def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
+        hash(key)  # an unhashable key fails here, as it does in the core
         return AsyncKeyLock(self, key)
 
     def _task_exit(self, key: Hashable, mode: int) -> Awaitable[None]:
@@ -703,6 +732,7 @@ class _Engine:
     def _task_take(self, key: Hashable, mode: int, try_only: bool, count: int) -> object:
         token = _task_token()
         assert token is not None
+        _abandon_stranded(token)
         key = self._table_key(key)
         seconds = 0.0 if try_only else -1.0
         if mode == _WRITE:
@@ -716,14 +746,18 @@ class _Engine:
             return True
         token = _task_token()
         assert token is not None
+        _abandon_stranded(token)
         return self._task_wait(token, self._take_many, items, token, 0.0 if try_only else -1.0)
 
     def _task_wait(self, token: _TaskToken, take: Callable[..., Any], *args: Any) -> object:
         """``take(*args)`` for a task: True, False, or the _TaskWait of its queued request."""
-        waker = token.wakeup.waker = Waker(running_loop())  # type: ignore[attr-defined]
+        if token.wait is None:  # else the table refuses to queue this one: its waker stays
+            token.wakeup.waker = Waker(running_loop())  # type: ignore[attr-defined]
         verdict = take(*args)
         if type(verdict) is _Request:
-            return _TaskWait(self, verdict, waker)
+            waker = token.wakeup.waker  # type: ignore[attr-defined]
+            token.wait = _TaskWait(self, verdict, waker)
+            return token.wait
         if type(verdict) is bool:
             return verdict
         key, failure = verdict
@@ -734,8 +768,8 @@ class _Engine:
             token = _task_token(create=False)
         except RuntimeError:  # not in a task: it queued nothing
             return
-        if token is not None and token.request is not None:
-            _section(self._abandon_section, token, None)
+        if token is not None:
+            _abandon_stranded(token)
 
     def _task_release(self, key: Hashable, mode: int) -> None:
         token = _task_token(create=False)
