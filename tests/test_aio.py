@@ -58,6 +58,20 @@ async def joined(thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
+async def held_by_a_thread(locks: Any, key: object) -> tuple[threading.Thread, threading.Event]:
+    """A thread holding ``key`` until the returned event is set."""
+    holds, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with locks[key]:
+            holds.set()
+            release.wait(PATIENCE)
+
+    thread, _ = in_thread(holder)
+    await asyncio.to_thread(holds.wait, PATIENCE)
+    return thread, release
+
+
 async def held_by_another_task(locks: Any, key: object) -> tuple[asyncio.Task[None], asyncio.Event]:
     """A task holding ``key`` until the returned event is set."""
     holds, done = asyncio.Event(), asyncio.Event()
@@ -207,15 +221,7 @@ def test_a_waiting_task_never_blocks_its_loop(impl) -> None:
 
     async def main() -> None:
         nonlocal ticks
-        thread_holds, release = threading.Event(), threading.Event()
-
-        def holder() -> None:
-            with locks["k"]:
-                thread_holds.set()
-                release.wait(PATIENCE)
-
-        thread, _ = in_thread(holder)
-        await asyncio.to_thread(thread_holds.wait, PATIENCE)
+        thread, release = await held_by_a_thread(locks, "k")
         waiter = asyncio.create_task(locks.aio.acquire("k"))
         await until(lambda: locks.stats().waiting == 1, "the task waits")
         for _ in range(20):
@@ -494,15 +500,7 @@ def test_acquire_many_is_atomic_across_tasks_and_threads_and_cancellable(impl) -
     locks = impl.LockManager()
 
     async def main() -> None:
-        thread_holds, release = threading.Event(), threading.Event()
-
-        def holder() -> None:
-            with locks["b"]:
-                thread_holds.set()
-                release.wait(PATIENCE)
-
-        thread, _ = in_thread(holder)
-        await asyncio.to_thread(thread_holds.wait, PATIENCE)
+        thread, release = await held_by_a_thread(locks, "b")
         waiting = asyncio.create_task(locks.aio.acquire_many(["a", "b", "c"]))
         await until(lambda: locks.stats().waiting == 1, "the set waits")
         assert not locks.locked("a") and not locks.locked("c")  # all or nothing
