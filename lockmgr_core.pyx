@@ -100,6 +100,18 @@ on 3.12+, the garbage collector) only while it is still waiting. Code that runs 
 use any manager, with one rule: it may not start a second wait (NestedWaitError); see the
 README's "When things go wrong".
 
+Seeing contention
+-----------------
+What ``snapshot()``, ``metrics()`` and the slow-wait log read is kept by sections too: hold
+start times (``held_since``, shard), the histograms and the hot-key slots (``Table``,
+engine). They are written only where a request waits or a queue exists, so fast paths pay
+one store at most. A snapshot copies into memory prepare allocated (and again, larger, if
+the table grew); a hot key evicted in a section is dropped by its finish; records, ``repr``s
+and logging run in ``lockmgr._observe`` after the section. Wait observers (lockmgr.otel) are
+read and replaced under ``engine_mutex`` (a reference taken, nothing else). The hot-key
+slots are C references the manager types' ``tp_traverse``/``tp_clear`` show to the garbage
+collector (``core/managers.pxi``), which runs while no section can be under way.
+
 Tasks
 -----
 An asyncio task that uses an ``aio`` view gets a token of its own (``core/tasks.pxi``): its
@@ -135,6 +147,7 @@ from cpython.pythread cimport (
     PyThread_type_lock,
 )
 from cpython.ref cimport Py_DECREF, Py_XDECREF
+from cpython.weakref cimport PyWeakref_NewRef
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
@@ -144,11 +157,21 @@ from types import GenericAlias
 
 from lockmgr._aio import AsyncLockManager, AsyncRWLockManager
 from lockmgr._aio import _take as aio_take, _wait_for_grant as wait_for_grant
+from lockmgr._observe import (
+    HISTOGRAM_BOUNDS,
+    HOT_KEY_SLOTS as HOT_KEY_SLOTS_SHARED,
+    build_metrics,
+    build_snapshot,
+    log_slow_wait,
+    log_wait_end,
+    log_waits_after_seconds,
+)
 from lockmgr._common import (
     AWAIT_POST,
     HANDOFF_AFTER,
     LOOP_THREAD,
     MAIN_THREAD_SLICE,
+    NOT_ENTERED,
     PICKLE_ERROR,
     LockStats,
     count_overflow,
@@ -159,6 +182,7 @@ from lockmgr._common import (
     many_items,
     nested_wait,
     not_owned,
+    not_this_tasks_block,
     pinned,
     restored_count,
     rw_items,
@@ -174,6 +198,8 @@ from lockmgr._common import (
 )
 
 cdef extern from "Python.h":
+    ctypedef struct PyFrameObject
+    PyFrameObject *PyEval_GetFrame()  # borrowed; the Python frame running (a C call has none)
     ctypedef long long PY_TIMEOUT_T
     const PY_TIMEOUT_T PY_TIMEOUT_MAX
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -184,6 +210,13 @@ cdef extern from "Python.h":
     PyObject *PyDict_GetItemWithError(object mapping, object key) except? NULL
     # Taking a reference runs no Python code and cannot fail: allowed inside sections.
     void lockmgr_incref "Py_INCREF"(PyObject *o) nogil
+    # The garbage collector's slots, for the references a table holds in C (hot keys).
+    ctypedef int (*visitproc)(PyObject *, void *) noexcept
+    ctypedef int (*traverseproc)(PyObject *, visitproc, void *) noexcept
+    ctypedef int (*inquiry)(PyObject *) noexcept
+    ctypedef struct GCSlots "PyTypeObject":
+        traverseproc tp_traverse
+        inquiry tp_clear
 
 cdef extern from *:
     """

@@ -139,6 +139,69 @@ cdef inline int finish_if_needed(After *after, Token *keeper) except -1:
     return finish(after, keeper)
 
 
+# -- copies for lockmgr._observe (prepare and finish of snapshot, metrics, the slow-wait log) --
+
+cdef object token_owner(Token *token):
+    """What a record names as a token's owner: the thread's ident, or the task."""
+    return task_of(token.ident) if token.is_task else token.ident
+
+
+cdef int make_copy_room(Copy *copy) except -1:
+    """Room for what the last section said it needs, and some more (it may grow)."""
+    PyMem_RawFree(copy.keys)
+    PyMem_RawFree(copy.parties)
+    copy.key_room = copy.party_room = 0
+    copy.keys = <KeyCopy*>PyMem_RawMalloc((copy.nkeys + 8) * sizeof(KeyCopy))
+    copy.parties = <Party*>PyMem_RawMalloc((copy.nparties + 16) * sizeof(Party))
+    if copy.keys is NULL or copy.parties is NULL:
+        raise MemoryError()
+    copy.key_room = copy.nkeys + 8
+    copy.party_room = copy.nparties + 16
+    copy.nkeys = copy.nparties = 0
+    return 0
+
+
+cdef list copied_keys(Copy *copy):
+    """The copy as lockmgr._observe.build_snapshot takes it; the keys' references are the
+    list's now."""
+    cdef Py_ssize_t i, j, first = 0
+    cdef KeyCopy *key
+    cdef Party *party
+    raw = []
+    try:
+        for i in range(copy.nkeys):
+            key = copy.keys + i
+            holders, waiters = [], []
+            for j in range(first, first + key.holders + key.waiters):
+                party = copy.parties + j
+                owner = task_of(party.ident) if party.is_task else party.ident
+                if j < first + key.holders:
+                    holders.append((owner, party.is_task, party.mode, party.count, party.since))
+                else:
+                    waiters.append((owner, party.is_task, party.mode, party.since))
+            first += key.holders + key.waiters
+            raw.append((<object>key.key, holders, waiters))
+    finally:
+        for i in range(copy.nkeys):
+            Py_XDECREF(copy.keys[i].key)
+            copy.keys[i].key = NULL
+    return raw
+
+
+cdef void free_copy(Copy *copy) noexcept:
+    cdef Py_ssize_t i
+    if copy.fits:
+        for i in range(copy.nkeys):  # not handed over (an error came first)
+            Py_XDECREF(copy.keys[i].key)
+    PyMem_RawFree(copy.keys)
+    PyMem_RawFree(copy.parties)
+
+
+cdef tuple histogram_tuple(Histogram *histogram):
+    return ([histogram.counts[i] for i in range(HISTOGRAM_BUCKETS)], histogram.count,
+            histogram.sum, histogram.max)
+
+
 # -- the engine ---------------------------------------------------------------------------
 
 cdef class _Engine:
@@ -146,9 +209,10 @@ cdef class _Engine:
     # Keeps ``table`` off the cache line of the object's header, whose shared reference
     # count other threads write (a view of a key holds a reference) on free-threaded builds.
     cdef char header_gap[64]
-    cdef Table table                      # this manager's lock table (see struct Table)
-    cdef tuple stripe_keys                # striped: one Stripe key per stripe; None: exact keys
-    cdef size_t stripe_mask               # striped: stripe count - 1 (the count is a power of two)
+    cdef Table table                      # this manager's lock table (see struct Table; a
+                                          # striped one's stripes are ``table.stripes``)
+    cdef tuple observers                  # callables told of each granted wait (lockmgr.otel);
+                                          # read and replaced with engine_mutex held
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -162,6 +226,7 @@ cdef class _Engine:
         self.table.shards = <Shard*>((<size_t>memory + SHARD_BYTES - 1) & ~(<size_t>SHARD_BYTES - 1))
         self.table.shard_mask = shard_count - 1
         self.table.fair = True
+        self.table.log_after = -1.0
         for i in range(shard_count):
             shard = shard_at(&self.table, i)
             shard.buckets = <Entry**>PyMem_RawCalloc(MIN_BUCKETS, sizeof(Entry*))
@@ -196,7 +261,20 @@ cdef class _Engine:
         for i in range(room):
             Py_XDECREF(keys[i])
         PyMem_RawFree(keys)
+        for i in range(HOT_KEY_SLOTS):  # nobody else uses a table being freed
+            Py_XDECREF(self.table.hot[i].key)
         self._free_shards()
+        self._free_stripes()  # after tear_down: no entry holds one any more
+
+    cdef void _free_stripes(self) noexcept:
+        cdef PyObject **stripes = self.table.stripes
+        cdef size_t i
+        if stripes is NULL:
+            return
+        self.table.stripes = NULL
+        for i in range(self.table.stripe_mask + 1):
+            Py_XDECREF(stripes[i])
+        PyMem_RawFree(stripes)
 
     cdef void _free_shards(self) noexcept:
         cdef size_t i
@@ -222,8 +300,9 @@ cdef class _Engine:
         for i in range(self.table.shard_mask + 1):
             buckets += shard_at(&self.table, i).mask + 1
         unlock()
+        stripes = 0 if self.table.stripes is NULL else self.table.stripe_mask + 1
         return (sizeof(LockManager) + (self.table.shard_mask + 2) * SHARD_BYTES
-                + buckets * sizeof(Entry*) + entries * sizeof(Entry))
+                + buckets * sizeof(Entry*) + entries * sizeof(Entry) + stripes * sizeof(PyObject*))
 
     def __len__(self):
         """Keys currently held (with stripes: stripes)."""
@@ -236,35 +315,48 @@ cdef class _Engine:
     @property
     def stripes(self):
         """How many stripes keys map onto, or None: one lock per key."""
-        return None if self.stripe_keys is None else len(self.stripe_keys)
+        return None if self.table.stripes is NULL else self.table.stripe_mask + 1
 
     def stripe_of(self, key):
         """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
-        if self.stripe_keys is None:
+        if self.table.stripes is NULL:
             return None
-        return spread(lockmgr_hash(key)) & self.stripe_mask
+        return spread(lockmgr_hash(key)) & self.table.stripe_mask
 
     cdef int _use_stripes(self, stripes) except -1:
+        """Make the table striped (at creation): one Stripe object per stripe, kept in C by
+        the table until it is freed, so that no collector's clear can drop them under the
+        entries that hold them borrowed."""
+        cdef size_t index
         count = stripe_count(stripes)
-        if count is not None:
-            self.stripe_keys = tuple([Stripe(index) for index in range(count)])
-            self.stripe_mask = count - 1
+        if count is None:
+            return 0
+        self.table.stripes = <PyObject**>PyMem_RawCalloc(count, sizeof(PyObject*))
+        if self.table.stripes is NULL:
+            raise MemoryError()
+        self.table.stripe_mask = count - 1
+        for index in range(count):
+            stripe = Stripe(index)
+            lockmgr_incref(<PyObject*>stripe)
+            self.table.stripes[index] = <PyObject*>stripe
         return 0
 
-    cdef inline object _lock_key(self, object key, Py_hash_t *h):
-        """The key the table uses for ``key`` (hashed to ``h[0]``): the key itself, or its
-        stripe; ``h[0]`` becomes that key's hash."""
+    cdef inline PyObject* _lock_key(self, object key, Py_hash_t *h) noexcept:
+        """The key the table uses for ``key`` (hashed to ``h[0]``), borrowed: the key itself
+        (the caller's), or its stripe (the table's, alive as long as the manager); ``h[0]``
+        becomes that key's hash. No reference is taken: without a GIL, threads using keys of
+        different stripes would otherwise write the stripes' shared reference counts."""
         cdef size_t index
-        if self.stripe_keys is None:
-            return key
-        index = spread(h[0]) & self.stripe_mask
+        if self.table.stripes is NULL:
+            return <PyObject*>key
+        index = spread(h[0]) & self.table.stripe_mask
         h[0] = <Py_hash_t>index
-        return self.stripe_keys[index]
+        return self.table.stripes[index]
 
     def _table_key(self, key):
         """``_lock_key`` for Python callers (the multi-key argument normalisers)."""
         cdef Py_hash_t h = lockmgr_hash(key)
-        return self._lock_key(key, &h)
+        return <object>self._lock_key(key, &h)
 
     cdef int _peek(self, object key, Peek *seen) except -1:
         return self._peek_as(existing_token(), key, seen)
@@ -275,9 +367,8 @@ cdef class _Engine:
         cdef Lookup lookup
         cdef Op op
         cdef Outcome outcome
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        lookup_init(&lookup, key, h)
+        cdef PyObject *lock_key = self._lock_key(key, &h)  # before ``h`` is read: it sets it
+        lookup_init(&lookup, lock_key, h)
         shard = shard_for(&self.table, h)
         lockmgr_spin_lock(&shard.mutex)
         outcome = fast_peek(shard, &lookup, token, seen)
@@ -303,6 +394,108 @@ cdef class _Engine:
             deadlocks=counters[5],
         )
 
+    # -- seeing contention (lockmgr._observe) ---------------------------------------------
+
+    @property
+    def log_waits_after(self):
+        """Seconds after which a waiting request logs a WARNING (None: never)."""
+        return None if self.table.log_after < 0 else self.table.log_after
+
+    def snapshot(self):
+        """Every key held or waited on, with its holders and its queue, at one instant."""
+        cdef Copy copy
+        memset(&copy, 0, sizeof(Copy))
+        try:
+            while True:
+                lock()
+                copy_table(&self.table, &copy)
+                unlock()
+                if copy.fits:
+                    return build_snapshot(copied_keys(&copy), copy.now)
+                make_copy_room(&copy)
+        finally:
+            free_copy(&copy)
+
+    def metrics(self):
+        """The ``stats()`` counters, wait- and hold-time histograms and the hot keys, read
+        at one instant."""
+        cdef unsigned long long counters[6]
+        cdef Histogram waits, holds
+        cdef HotSlot hot[HOT_KEY_SLOTS]
+        cdef Py_ssize_t i
+        lock()
+        copy_metrics(&self.table, counters, &waits, &holds, hot)
+        unlock()
+        try:
+            return build_metrics(
+                [counters[i] for i in range(6)], histogram_tuple(&waits),
+                histogram_tuple(&holds),
+                [(<object>hot[i].key, hot[i].waited, hot[i].error)
+                 for i in range(HOT_KEY_SLOTS) if hot[i].key is not NULL])
+        finally:
+            for i in range(HOT_KEY_SLOTS):
+                Py_XDECREF(hot[i].key)
+
+    def _add_wait_observer(self, observer):
+        """Call ``observer(seconds)`` after every wait that was granted (lockmgr.otel), in
+        the waiting thread or task, before its acquisition returns; what it raises ends the
+        acquisition (the key is given back)."""
+        self._replace_observers(lambda observers: observers + (observer,))
+
+    def _remove_wait_observer(self, observer):
+        self._replace_observers(
+            lambda observers: tuple([other for other in observers if other is not observer]))
+
+    cdef int _replace_observers(self, change) except -1:
+        """Observers change while other threads may read them (free-threaded): swapped under
+        the mutex, the old tuple dropped after it."""
+        cdef tuple old, new
+        while True:
+            old = self._observers_now()
+            new = change(old or ())
+            lock()
+            if self.observers is old:
+                self.observers = new  # the field's reference to ``old`` moves to the local
+                unlock()
+                return 0
+            unlock()  # another thread changed them meanwhile: again
+
+    cdef tuple _observers_now(self):
+        cdef tuple observers
+        lock()
+        observers = self.observers  # a reference taken, nothing else
+        unlock()
+        return observers
+
+    cdef int _observe_wait(self, Request *request) except -1:
+        observers = self._observers_now()
+        if observers:
+            waited = max(request.ended - request.since, 0.0)
+            for observer in observers:
+                observer(waited)
+        return 0
+
+    cdef object _log_slow_wait(self, Request *request):
+        """The WARNING of a request still waiting after ``log_waits_after``; answers the keys
+        it waits for (for the INFO line once it ends)."""
+        cdef Copy copy
+        memset(&copy, 0, sizeof(Copy))
+        try:
+            while True:
+                lock()
+                copy_request(&copy, request)
+                unlock()
+                if copy.fits:
+                    break
+                make_copy_room(&copy)
+            raw = copied_keys(&copy)
+            ahead = [copy.keys[i].ahead for i in range(copy.nkeys)]
+        finally:
+            free_copy(&copy)
+        log_slow_wait(token_owner(request.token), max(copy.now - request.since, 0.0),
+                      build_snapshot(raw, copy.now), ahead)
+        return [key for key, _, _ in raw]
+
     def release_all(self):
         """Release every key of this manager the calling thread holds, all levels; returns how many.
 
@@ -323,7 +516,7 @@ cdef class _Engine:
 
     # -- acquiring ------------------------------------------------------------------------
 
-    cdef bint _acquire_write(self, object key, Py_hash_t h, double seconds,
+    cdef bint _acquire_write(self, PyObject *key, Py_hash_t h, double seconds,
                              Py_ssize_t count) except -1:
         """Acquire ``count`` write levels of ``key``, waiting at most ``seconds`` (-1: forever)."""
         cdef Token *token = current_token()
@@ -354,7 +547,7 @@ cdef class _Engine:
             outcome = <Outcome>execute(&op)
         return self._resolve(&op, outcome, key, seconds)
 
-    cdef bint _acquire_read(self, object key, Py_hash_t h, double seconds) except -1:
+    cdef bint _acquire_read(self, PyObject *key, Py_hash_t h, double seconds) except -1:
         cdef Token *token = current_token()
         cdef Shard *shard
         cdef Lookup lookup
@@ -375,6 +568,8 @@ cdef class _Engine:
         lockmgr_spin_lock(&shard.mutex)
         outcome = fast_acquire_read(&self.table, shard, &lookup, token, &op.after)
         lockmgr_spin_unlock(&shard.mutex)
+        if outcome == DONE and op.after.resize is NULL:  # nothing left for finish
+            return True
         if outcome == SECTION:
             outcome = <Outcome>execute(&op)
         try:
@@ -412,7 +607,7 @@ cdef class _Engine:
             op.fresh = fresh
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
-                lookup_init(lookups + i, key, lockmgr_hash(key))
+                lookup_init(lookups + i, <PyObject*>key, lockmgr_hash(key))
                 nodes[i].token = token
                 nodes[i].lead = nodes
                 nodes[i].count = 1
@@ -427,7 +622,7 @@ cdef class _Engine:
             nodes.nodes = n
             outcome = <Outcome>execute(&op)
             keys = tuple([key for key, _ in items]) if outcome in (NESTED, OVERFLOW) else None
-            return self._resolve(&op, outcome, keys, seconds)
+            return self._resolve(&op, outcome, <PyObject*>keys, seconds)
         finally:
             if nodes is not NULL:
                 for i in range(n):
@@ -439,8 +634,9 @@ cdef class _Engine:
             PyMem_RawFree(nodes)
             PyMem_RawFree(fresh)
 
-    cdef bint _resolve(self, Op *op, Outcome outcome, object key, double seconds) except -1:
-        """Act on what an acquiring section decided (off the fast path)."""
+    cdef bint _resolve(self, Op *op, Outcome outcome, PyObject *key, double seconds) except -1:
+        """Act on what an acquiring section decided (off the fast path); ``key`` (borrowed)
+        is what errors name."""
         try:
             finish(&op.after, op.token)
             if outcome == DONE:
@@ -450,9 +646,9 @@ cdef class _Engine:
             if outcome == QUEUED:
                 return self._wait(op.request, seconds)
             if outcome == NESTED:
-                raise nested_wait(key)
+                raise nested_wait(<object>key)
             if outcome == OVERFLOW:
-                raise count_overflow(key)
+                raise count_overflow(<object>key)
             raise deadlock(cycle_list(&op.after))
         finally:
             PyMem_RawFree(op.after.cycle)
@@ -461,28 +657,44 @@ cdef class _Engine:
         """Sleep until the queued ``request`` is granted or its time runs out."""
         cdef Token *token = request.token
         cdef double deadline = -1.0
+        cdef double log_at = -1.0  # when the slow-wait log is due (< 0: not, or done)
         cdef PY_TIMEOUT_T microseconds
         cdef PyLockStatus status
         cdef Outcome outcome
+        logged_keys = None  # the keys a logged wait waits for
         if seconds > 0:
             deadline = request.since + seconds
+        if self.table.log_after >= 0:
+            log_at = request.since + self.table.log_after
         try:
             while True:
-                microseconds = sleep_microseconds(deadline)
+                microseconds = sleep_microseconds(
+                    log_at if log_at >= 0 and (deadline < 0 or log_at < deadline) else deadline)
                 with nogil:
                     status = PyThread_acquire_lock_timed(token.wakeup, microseconds, 1)
                 outcome = self._settle(request, status == PY_LOCK_ACQUIRED, deadline, False)
                 if outcome == TIMED_OUT:
-                    return False
+                    break  # it left the queues: nothing may abandon it again
                 # Handlers (and on 3.12+ the GC) run here; one that raises ends the wait,
                 # and a grant that raced it is passed on.
                 PyErr_CheckSignals()
                 if outcome == DONE:
+                    self._observe_wait(request)
+                    if logged_keys is not None:
+                        log_wait_end(token_owner(token), logged_keys,
+                                     max(request.ended - request.since, 0.0), True)
                     self._complete(request)
                     return True
+                if log_at >= 0 and lockmgr_monotonic() >= log_at:
+                    log_at = -1.0
+                    logged_keys = self._log_slow_wait(request)
         except BaseException:
             self._settle(request, False, deadline, True)
             raise
+        if logged_keys is not None:
+            log_wait_end(token_owner(token), logged_keys,
+                         max(request.ended - request.since, 0.0), False)
+        return False
 
     cdef Outcome _settle(self, Request *request, bint consumed, double deadline,
                          bint abandoning) except *:
@@ -517,11 +729,11 @@ cdef class _Engine:
 
     # -- releasing ------------------------------------------------------------------------
 
-    cdef Py_ssize_t _release_write(self, object key, Py_hash_t h, bint fully) except -1:
+    cdef Py_ssize_t _release_write(self, PyObject *key, Py_hash_t h, bint fully) except -1:
         """Undo one write level of ``key`` (``fully``: all of them; returns how many)."""
         return self._release_write_as(existing_token(), key, h, fully)
 
-    cdef Py_ssize_t _release_write_as(self, Token *token, object key, Py_hash_t h,
+    cdef Py_ssize_t _release_write_as(self, Token *token, PyObject *key, Py_hash_t h,
                                       bint fully) except -1:
         cdef Shard *shard
         cdef Lookup lookup
@@ -541,12 +753,12 @@ cdef class _Engine:
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return op.result
-        raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
+        raise not_owned(<object>key) if outcome == NOT_OWNED else pinned(<object>key)
 
-    cdef int _release_read(self, object key, Py_hash_t h) except -1:
+    cdef int _release_read(self, PyObject *key, Py_hash_t h) except -1:
         return self._release_read_as(existing_token(), key, h)
 
-    cdef int _release_read_as(self, Token *token, object key, Py_hash_t h) except -1:
+    cdef int _release_read_as(self, Token *token, PyObject *key, Py_hash_t h) except -1:
         cdef Shard *shard
         cdef Lookup lookup
         cdef Op op
@@ -562,7 +774,7 @@ cdef class _Engine:
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return 0
-        raise not_owned(key) if outcome == NOT_OWNED else pinned(key)
+        raise not_owned(<object>key) if outcome == NOT_OWNED else pinned(<object>key)
 
     cdef int _release_many(self, list items) except -1:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
@@ -584,7 +796,7 @@ cdef class _Engine:
             op.entries = entries
             for i in range(n):
                 key, mode = items[i]
-                lookup_init(lookups + i, key, lockmgr_hash(key))
+                lookup_init(lookups + i, <PyObject*>key, lockmgr_hash(key))
                 modes[i] = READ if mode == READ else WRITE
             if n:
                 outcome = <Outcome>execute(&op)
@@ -601,24 +813,30 @@ cdef class _Engine:
 
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) -----------------------
 
-    def _task_enter(self, key, int mode, double seconds, bint raises_timeout):
+    def _task_enter(self, key, int mode, double seconds, bint raises_timeout,
+                    _Blocks inside=None, frame=None):
         """Take ``key`` for the current task now; answer an awaitable of the outcome (see
         lockmgr._aio)."""
         cdef Py_hash_t h = lockmgr_hash(key)
-        lock_key = self._lock_key(key, &h)
-        return self._task_enter_at(lock_key, h, key, mode, seconds, raises_timeout)
-
-    cdef object _task_enter_at(self, lock_key, Py_hash_t h, key, int mode, double seconds,
-                               bint raises_timeout):
-        got = self._task_take(lock_key, h, mode, seconds == 0, 1)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        cdef _TaskOwner owner = task_owner(True)
+        got = self._task_take(owner, lock_key, h, mode, seconds == 0, 1)
+        count_block_in(got, owner, inside, frame)
         return self._task_awaitable(got, key, seconds, raises_timeout)
 
     def _task_key_lock(self, key):
         """``aio[key]``: the key's view for tasks."""
         return AsyncKeyLock(self, key)
 
-    def _task_enter_many(self, list items, double seconds, bint raises_timeout):
+    def _task_blocks(self):
+        """A record of the blocks an ``async with`` object runs (see lockmgr._aio)."""
+        return _Blocks.__new__(_Blocks)
+
+    def _task_enter_many(self, list items, double seconds, bint raises_timeout,
+                         _Blocks inside=None, frame=None):
         got = self._task_take_many(items, seconds == 0)
+        if inside is not None:
+            count_block_in(got, task_owner(False), inside, frame)
         if got is True or not raises_timeout:
             return self._task_awaitable(got, None, seconds, False)
         return self._task_awaitable(got, tuple([key for key, _ in items]), seconds, True)
@@ -634,23 +852,35 @@ cdef class _Engine:
             return READY_FALSE
         wait = <_TaskWait>got
         wait.deadline = lockmgr_monotonic() + seconds if seconds > 0 else -1.0
+        wait.log_at = -1.0
+        if self.table.log_after >= 0:
+            wait.log_at = wait.request.since + self.table.log_after
         wait.raises_timeout = raises_timeout
         wait.keys = keys
         wait.seconds = seconds
         return wait
 
-    def _task_exit(self, key, int mode):
-        self._task_release(key, mode)
+    def _task_exit(self, _Blocks inside not None, frame, kind, key, int mode):
+        """The exit of a block: see lockmgr._aio."""
+        cdef Py_hash_t h
+        cdef PyObject *lock_key
+        cdef Token *token
+        if exit_releases(inside, frame, kind, key, &token):
+            h = lockmgr_hash(key)
+            lock_key = self._lock_key(key, &h)
+            self._task_release_at(token, lock_key, h, mode)
         return READY_NONE
 
-    def _task_exit_many(self, list items):
-        self._release_many_as(task_token(False), items)
+    def _task_exit_many(self, _Blocks inside not None, frame, kind, list items):
+        cdef Token *token
+        if items and exit_releases(inside, frame, kind, items[0][0], &token):
+            self._release_many_as(token, items)
         return READY_NONE
 
-    cdef object _task_take(self, key, Py_hash_t h, int mode, bint try_only, Py_ssize_t count):
-        """Acquire the table's ``key`` (hashing to ``h``) for the current task: True, False
-        (try-lock), or a queued _TaskWait."""
-        cdef _TaskOwner owner = task_owner(True)
+    cdef object _task_take(self, _TaskOwner owner, PyObject *key, Py_hash_t h, int mode,
+                           bint try_only, Py_ssize_t count):
+        """Acquire the table's ``key`` (hashing to ``h``) for the current task, whose owner
+        is ``owner``: True, False (try-lock), or a queued _TaskWait."""
         cdef Token *token = owner.token
         cdef Shard *shard
         cdef Lookup lookup
@@ -708,7 +938,7 @@ cdef class _Engine:
             op.fresh = fresh
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
-                lookup_init(lookups + i, key, lockmgr_hash(key))
+                lookup_init(lookups + i, <PyObject*>key, lockmgr_hash(key))
                 wait.request[i].token = token
                 wait.request[i].lead = wait.request
                 wait.request[i].count = 1
@@ -723,7 +953,7 @@ cdef class _Engine:
             wait.request.nodes = n
             outcome = <Outcome>execute(&op)
             keys = tuple([key for key, _ in items]) if outcome in (NESTED, OVERFLOW) else None
-            return self._task_outcome(&op, outcome, wait, keys)
+            return self._task_outcome(&op, outcome, wait, <PyObject*>keys)
         finally:
             if fresh is not NULL:
                 for i in range(n):
@@ -755,7 +985,7 @@ cdef class _Engine:
             owner.wait = wait
         return wait
 
-    cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, object key):
+    cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, PyObject *key):
         try:
             if outcome != QUEUED and wait is not None:
                 wait._ended()
@@ -767,9 +997,9 @@ cdef class _Engine:
             if outcome == QUEUED:
                 return wait
             if outcome == NESTED:
-                raise nested_wait(key)
+                raise nested_wait(<object>key)
             if outcome == OVERFLOW:
-                raise count_overflow(key)
+                raise count_overflow(<object>key)
             raise deadlock(cycle_list(&op.after))
         finally:
             PyMem_RawFree(op.after.cycle)
@@ -786,11 +1016,11 @@ cdef class _Engine:
 
     def _task_release(self, key, int mode):
         cdef Py_hash_t h = lockmgr_hash(key)
-        key = self._lock_key(key, &h)
-        self._task_release_at(key, h, mode)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._task_release_at(task_token(False), lock_key, h, mode)
 
-    cdef int _task_release_at(self, key, Py_hash_t h, int mode) except -1:
-        cdef Token *token = task_token(False)
+    cdef int _task_release_at(self, Token *token, PyObject *key, Py_hash_t h,
+                              int mode) except -1:
         if mode == READ:
             self._release_read_as(token, key, h)
         else:

@@ -10,8 +10,9 @@ cdef class LockManager(_Engine):
     Memory grows only with the keys currently held or waited on.
     """
 
-    def __cinit__(self, *, fair=True, stripes=None):
+    def __cinit__(self, *, fair=True, stripes=None, log_waits_after=None):
         self.table.fair = bool(fair)
+        self.table.log_after = log_waits_after_seconds(log_waits_after)
         self._use_stripes(stripes)
 
     @property
@@ -34,16 +35,14 @@ cdef class LockManager(_Engine):
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        return self._acquire_write(key, h, seconds, 1)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        return self._acquire_write(lock_key, h, seconds, 1)
 
     def release(self, key):
         """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        self._release_write(key, h, False)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._release_write(lock_key, h, False)
 
     def hold(self, key, timeout=None):
         """A context manager holding ``key`` for its block.
@@ -118,27 +117,25 @@ cdef class LockManager(_Engine):
 
     def _release_save(self, key):
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        return self._release_fully(key, h)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        return self._release_fully(lock_key, h)
 
     def _acquire_restore(self, key, state):
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        self._acquire_write(key, h, -1.0, restored_count(state))
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._acquire_write(lock_key, h, -1.0, restored_count(state))
 
     cdef KeyLock _view(self, key):
         cdef KeyLock view = KeyLock.__new__(KeyLock)
         cdef Py_hash_t h = lockmgr_hash(key)
         view.key = key
-        view.lock_key = self._lock_key(key, &h)
+        view.lock_key = self._lock_key(key, &h)  # borrowed: see KeyLock.lock_key
         view.hash = h
         view.manager = self
         view.seconds = -1.0
         return view
 
-    cdef tuple _release_fully(self, object key, Py_hash_t h):
+    cdef tuple _release_fully(self, PyObject *key, Py_hash_t h):
         cdef Py_ssize_t levels = self._release_write(key, h, True)
         return levels, existing_token().ident
 
@@ -153,7 +150,8 @@ cdef class RWLockManager(_Engine):
         """This manager's table for asyncio tasks: the current task owns what it acquires."""
         return AsyncRWLockManager(self)
 
-    def __cinit__(self, *, stripes=None):
+    def __cinit__(self, *, stripes=None, log_waits_after=None):
+        self.table.log_after = log_waits_after_seconds(log_waits_after)
         self._use_stripes(stripes)
 
     def acquire_read(self, key, blocking=True, timeout=FOREVER):
@@ -162,9 +160,8 @@ cdef class RWLockManager(_Engine):
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        return self._acquire_read(key, h, seconds)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        return self._acquire_read(lock_key, h, seconds)
 
     def acquire_write(self, key, blocking=True, timeout=FOREVER):
         """Take ``key`` for writing (an upgrade if the caller reads it)."""
@@ -172,23 +169,20 @@ cdef class RWLockManager(_Engine):
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        return self._acquire_write(key, h, seconds, 1)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        return self._acquire_write(lock_key, h, seconds, 1)
 
     def release_read(self, key):
         """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        self._release_read(key, h)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._release_read(lock_key, h)
 
     def release_write(self, key):
         """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
         cdef Py_hash_t h = lockmgr_hash(key)
-        if self.stripe_keys is not None:
-            key = self._lock_key(key, &h)
-        self._release_write(key, h, False)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._release_write(lock_key, h, False)
 
     def read(self, key, timeout=None):
         """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
@@ -242,7 +236,8 @@ cdef class RWLockManager(_Engine):
         cdef _Holding holding = _Holding.__new__(_Holding)
         cdef Py_hash_t h = lockmgr_hash(key)
         holding.seconds = hold_seconds(timeout)
-        holding.key = self._lock_key(key, &h)
+        holding.key = key
+        holding.lock_key = self._lock_key(key, &h)  # borrowed: see _Holding.lock_key
         holding.hash = h
         holding.manager = self
         holding.mode = mode
@@ -254,25 +249,28 @@ cdef class RWLockManager(_Engine):
 cdef class _Holding:
     """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
     cdef RWLockManager manager  # whose key
-    cdef object key             # the key
-    cdef Py_hash_t hash         # hash(key)
+    cdef object key             # the key as given
+    cdef PyObject *lock_key     # the key the table uses, borrowed: ``key`` itself, or its
+                                # stripe, which ``manager`` keeps (no shared reference count
+                                # is written for it); what errors name
+    cdef Py_hash_t hash         # hash(lock_key)
     cdef double seconds         # how long ``with`` waits: -1 forever
     cdef Mode mode              # READ or WRITE
 
     def __enter__(self):
         if self.mode == READ:
-            acquired = self.manager._acquire_read(self.key, self.hash, self.seconds)
+            acquired = self.manager._acquire_read(self.lock_key, self.hash, self.seconds)
         else:
-            acquired = self.manager._acquire_write(self.key, self.hash, self.seconds, 1)
+            acquired = self.manager._acquire_write(self.lock_key, self.hash, self.seconds, 1)
         if not acquired:
-            raise timed_out(self.key, self.seconds)
+            raise timed_out(<object>self.lock_key, self.seconds)
         return True
 
     def __exit__(self, exc_type, exc, traceback):
         if self.mode == READ:
-            self.manager._release_read(self.key, self.hash)
+            self.manager._release_read(self.lock_key, self.hash)
         else:
-            self.manager._release_write(self.key, self.hash, False)
+            self.manager._release_write(self.lock_key, self.hash, False)
 
 
 @cython.final
@@ -306,16 +304,20 @@ cdef class KeyLock:
     """
     cdef readonly LockManager manager  # the manager whose key this is
     cdef readonly object key           # the key
-    cdef object lock_key               # the key the table uses: ``key``, or its stripe
+    cdef PyObject *lock_key            # the key the table uses, borrowed: ``key`` itself, or
+                                       # its stripe, which ``manager`` keeps (no shared
+                                       # reference count is written for it)
     cdef Py_hash_t hash                # hash(lock_key), computed when the view was made
     cdef double seconds                # how long ``with`` waits: -1 forever (hold() sets it)
     cdef object __weakref__
 
     def __init__(self, LockManager manager not None, key):
         cdef Py_hash_t h = lockmgr_hash(key)
-        self.key = key
+        # ``lock_key`` first: replacing ``key`` or ``manager`` may free the old ones (and run
+        # a ``__del__``), while the new ones are kept alive by this call's arguments.
         self.lock_key = manager._lock_key(key, &h)
         self.hash = h
+        self.key = key
         self.manager = manager
         self.seconds = -1.0
 
@@ -369,16 +371,91 @@ cdef class KeyLock:
         return key_lock_repr(self, self.key, owner, count)
 
 
+cdef class _Blocks:
+    """lockmgr._common.BlocksInside in C, for the compiled core's ``async with`` objects:
+    which task runs each block of one object, by the frame running it. Most objects have
+    one block at a time, which needs no dict.
+
+    A frame's entry is changed by the code running that frame, but a stranded task's frame
+    is closed by whoever collects it, in any thread: free-threaded, the record is changed
+    in a critical section of this object (nothing on a GIL build)."""
+    cdef object frame              # the frame running a block (None: none is)
+    cdef object task_ref           # a weak reference to the task that block runs for
+    cdef Py_ssize_t depth          # how many blocks of the object that frame is inside
+    cdef dict others               # the other frames inside at once: frame -> [weak
+                                   # reference to the task, depth] (None until needed)
+
+    cdef int count_in(self, frame, task_ref) except -1:
+        """A block running in ``frame`` for the task ``task_ref`` refers to holds what it
+        asked for."""
+        with cython.critical_section(self):
+            if self.frame is frame:
+                self.depth += 1
+            elif self.frame is None and not (self.others and frame in self.others):
+                self.frame = frame
+                self.task_ref = task_ref
+                self.depth = 1
+            else:
+                if self.others is None:
+                    self.others = {}
+                entry = self.others.get(frame)
+                if entry is None:
+                    self.others[frame] = [task_ref, 1]
+                else:
+                    entry[1] += 1
+        return 0
+
+    cdef object leave_block(self, frame, current_ref):
+        """A weak reference to the task whose block in ``frame`` exits (its _TaskOwner's
+        ``task_ref``); NOT_ENTERED if none was counted in there: entered in another frame,
+        whose entry, one of the running task's (``current_ref``: its ``task_ref``, None if
+        it has none), goes instead (see BlocksInside)."""
+        entered = NOT_ENTERED
+        with cython.critical_section(self):
+            if frame is not None and self.frame is frame:
+                entered = self.task_ref
+                self.count_down_first()
+            elif self.others and frame in self.others:
+                entered = self.others[frame][0]
+                self.count_down_other(frame)
+            elif current_ref is not None and self.task_ref is current_ref:
+                self.count_down_first()
+            elif current_ref is not None and self.others:
+                for other, entry in list(self.others.items()):
+                    if entry[0] is current_ref:
+                        self.count_down_other(other)
+                        break
+        return entered
+
+    cdef int count_down_first(self) except -1:
+        self.depth -= 1
+        if self.depth == 0:
+            self.frame = self.task_ref = None
+        return 0
+
+    cdef int count_down_other(self, frame) except -1:
+        entry = self.others[frame]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.others[frame]
+        return 0
+
+
 @cython.final
 @cython.freelist(16)
-cdef class AsyncKeyLock:
+cdef class AsyncKeyLock(_Blocks):
     """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
     (reentrant; ``async with`` acquires and releases it). The pure twin's is
     ``lockmgr._aio.AsyncKeyLock``; this one takes the key in ``__aenter__`` without a
-    Python frame."""
+    Python frame.
+
+    One view may serve many tasks: its exit releases for the task whose block it is, told
+    by the frame running the block (its ``_Blocks`` record: the base class, so that a view
+    needs no second object)."""
     cdef readonly object key       # the key
     cdef readonly _Engine _manager # the manager whose table it is
-    cdef object lock_key           # the key the table uses: ``key``, or its stripe
+    cdef PyObject *lock_key        # the key the table uses, borrowed: ``key`` itself, or its
+                                   # stripe, which ``_manager`` keeps
     cdef Py_hash_t hash            # hash(lock_key), computed when the view was made
 
     def __cinit__(self, _Engine manager not None, key):
@@ -396,22 +473,27 @@ cdef class AsyncKeyLock:
                               wait_seconds(blocking, timeout), False)
 
     def release(self):
-        self._manager._task_release_at(self.lock_key, self.hash, WRITE)
+        self._manager._task_release_at(task_token(False), self.lock_key, self.hash, WRITE)
 
     def locked(self):
         """Whether any thread or task holds the key."""
         return bool(self._manager.locked(self.key))
 
     def __aenter__(self):
+        cdef _TaskOwner owner
         try:
-            return self._manager._task_enter_at(self.lock_key, self.hash, self.key, WRITE, -1.0,
-                                                False)
+            owner = task_owner(True)
+            got = self._manager._task_take(owner, self.lock_key, self.hash, WRITE, False, 1)
+            count_block_in(got, owner, self, running_frame())
+            return self._manager._task_awaitable(got, self.key, -1.0, False)
         except BaseException:
             self._manager._task_abandon()  # it may have queued before what raised
             raise
 
     def __aexit__(self, exc_type, exc, traceback):
-        self._manager._task_release_at(self.lock_key, self.hash, WRITE)
+        cdef Token *token
+        if exit_releases(self, running_frame(), exc_type, self.key, &token):
+            self._manager._task_release_at(token, self.lock_key, self.hash, WRITE)
         return READY_NONE
 
     def __reduce__(self):
@@ -419,3 +501,62 @@ cdef class AsyncKeyLock:
 
     def __repr__(self):
         return f"<lockmgr.AsyncKeyLock key={self.key!r} locked={self.locked()}>"
+
+
+# -- the references a table holds in C, shown to the garbage collector ---------------------
+# A hot-key slot keeps its key alive for the manager's life; a key that refers back to its
+# manager would make a cycle the collector cannot see through Cython's own tp_traverse (it
+# knows the object fields only). So every manager type's traverse also visits the slots,
+# and its clear empties them first. Nothing runs a section meanwhile: the collector holds
+# the GIL (or, free-threaded, has stopped the world), and sections never allocate.
+
+cdef traverseproc cython_traverse = (<GCSlots*>_Engine).tp_traverse
+cdef inquiry cython_clear = (<GCSlots*>_Engine).tp_clear
+cdef Py_ssize_t table_offset = 0  # where a manager object keeps its Table
+
+
+cdef inline Table* table_of(PyObject *manager) noexcept:
+    return <Table*>(<char*>manager + table_offset)
+
+
+cdef int traverse_manager(PyObject *manager, visitproc visit, void *arg) noexcept:
+    cdef Table *table = table_of(manager)
+    cdef Py_ssize_t i
+    cdef int failed = cython_traverse(manager, visit, arg)
+    for i in range(HOT_KEY_SLOTS):
+        if failed:
+            return failed
+        if table.hot[i].key is not NULL:
+            failed = visit(table.hot[i].key, arg)
+    return failed
+
+
+cdef int clear_manager(PyObject *manager) noexcept:
+    cdef Table *table = table_of(manager)
+    cdef PyObject *keys[HOT_KEY_SLOTS]
+    cdef Py_ssize_t i
+    lock()
+    for i in range(HOT_KEY_SLOTS):
+        keys[i] = table.hot[i].key
+        table.hot[i].key = NULL
+        table.hot[i].waited = table.hot[i].error = 0.0
+    unlock()
+    for i in range(HOT_KEY_SLOTS):  # after the mutex: a key's __del__ may use a manager
+        Py_XDECREF(keys[i])
+    return cython_clear(manager)
+
+
+cdef int show_tables_to_the_collector() except -1:
+    global table_offset
+    cdef LockManager probe = LockManager()
+    table_offset = <char*>&probe.table - <char*><PyObject*>probe
+    for kind in (_Engine, LockManager, RWLockManager):
+        if (<GCSlots*>kind).tp_traverse != cython_traverse or (<GCSlots*>kind).tp_clear != cython_clear:
+            raise ImportError(f"lockmgr._core: {kind.__name__} does not use the engine's "
+                              "garbage-collector slots")
+        (<GCSlots*>kind).tp_traverse = traverse_manager
+        (<GCSlots*>kind).tp_clear = clear_manager
+    return 0
+
+
+show_tables_to_the_collector()

@@ -326,6 +326,7 @@ cdef Outcome queue(Table *table, Request *request, After *after) noexcept nogil:
         node.entry.inflight += 1
         if node.queued:
             enqueue(node.entry, node)
+            time_holds(node.entry, request.since)
         else:
             pin(node)
     table.waiting += 1
@@ -534,8 +535,11 @@ cdef Outcome settle(Table *table, Request *request, bint consumed, double deadli
             grant_nodes(request, True)
             table.waiting -= 1
     if request.state == GRANTED:  # the waiter runs handlers, then completes or undoes it
+        request.ended = lockmgr_monotonic()
         return DONE
     if deadline >= 0 and lockmgr_monotonic() >= deadline:
+        request.ended = lockmgr_monotonic()
+        record_wait(table, request, False, after)
         leave(table, request, after)
         entry.shard.timeouts += 1
         return TIMED_OUT
@@ -545,13 +549,59 @@ cdef Outcome settle(Table *table, Request *request, bint consumed, double deadli
 cdef void complete(Table *table, Request *request, After *after) noexcept nogil:
     """A granted wait returns."""
     touched(request.entry).shard.contended += 1
+    record_wait(table, request, True, after)
     end_request(table, request, after)
+
+
+cdef void record_wait(Table *table, Request *request, bint granted, After *after) noexcept nogil:
+    """A wait ended (``request.ended``): measure it (if granted), and charge it to every key
+    it queued on."""
+    cdef double waited = max(request.ended - request.since, 0.0)
+    cdef Py_ssize_t i
+    if granted:
+        count_in(&table.waits, waited)
+    for i in range(request.nodes):
+        if request[i].queued and request[i].entry.key is not NULL:
+            charge(table, request[i].entry.key, waited, after)
+
+
+cdef void charge(Table *table, PyObject *key, double waited, After *after) noexcept nogil:
+    """Space-Saving: add ``waited`` to the key's slot, or take a free slot, or replace the
+    least-charged key (whose charge becomes the slot's error; its reference is dropped by
+    the finish). Slots match by identity, or by value where that needs no Python code."""
+    cdef Py_ssize_t i
+    cdef HotSlot *slot
+    cdef HotSlot *least = table.hot
+    for i in range(HOT_KEY_SLOTS):
+        slot = table.hot + i
+        if slot.key is NULL:
+            lockmgr_incref(key)
+            slot.key = key
+            slot.waited = waited
+            slot.error = 0.0
+            return
+        if slot.key == key or lockmgr_key_equal(slot.key, key) > 0:
+            slot.waited += waited
+            return
+        if slot.waited < least.waited:
+            least = slot
+    if after.ndropped == DROP_ROOM:
+        return
+    after.dropped[after.ndropped] = least.key
+    after.ndropped += 1
+    lockmgr_incref(key)
+    least.key = key
+    least.error = least.waited
+    least.waited += waited
 
 
 cdef Outcome abandon(Table *table, Request *request, bint consumed, After *after) noexcept nogil:
     """An exception ends the wait: leave, or undo a grant that raced it."""
     if post_still_owed(request, consumed):
         return NEED_POST
+    if request.state != GRANTED:  # (else it was measured when its waiter saw the grant)
+        request.ended = lockmgr_monotonic()
+    record_wait(table, request, False, after)  # waited for all the same
     if request.state == GRANTED:
         undo_grant(table, request, after)
     else:
@@ -738,7 +788,8 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
     the live list, hand every entry to the After. What another thread holds stays linked in
     its lists, which only that thread may change while it runs fast paths: the entry becomes
     an orphan that thread retires, a read hold one it frees. An orphan's key goes to
-    ``keys`` (the first ``room`` of them; the rest stay with their orphans)."""
+    ``keys`` (the first ``room`` of them; the rest stay with their orphans), except a stripe,
+    which every entry held borrowed: the table's reference is dropped after this."""
     cdef size_t i, b
     cdef Shard *shard
     cdef Entry *entry
@@ -770,6 +821,8 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
                         hold.entry = NULL
                         lockmgr_store_ssize(&hold.token.orphans, 1)
                     hold = next_hold
+                if is_stripe(table, entry.key, entry.hash):  # borrowed: nothing to drop
+                    entry.key = NULL
                 orphan = entry.owner is not NULL and entry.owner != current
                 if entry.owner is not NULL and not orphan:
                     unlink_held(entry)
@@ -777,7 +830,7 @@ cdef void tear_down(Table *table, Token *current, PyObject **keys, Py_ssize_t ro
                     entry.table = NULL
                     entry.shard = NULL
                     lockmgr_store_ssize(&entry.owner.orphans, 1)
-                    if room:
+                    if room and entry.key is not NULL:
                         room -= 1
                         keys[room] = entry.key
                         entry.key = NULL
@@ -915,3 +968,153 @@ cdef Py_ssize_t entry_count(Table *table) noexcept nogil:
     for i in range(table.shard_mask + 1):
         entries += shard_at(table, i).entries
     return entries
+
+
+# -- seeing contention (lockmgr._observe) --------------------------------------------------
+
+cdef struct Party:
+    # A holder or a waiter as a section copies it out.
+    unsigned long ident          # its token's ident (a task's: id(task))
+    bint is_task
+    Mode mode
+    Py_ssize_t count             # a holder's level
+    double since                 # a holder's held_since, or a waiter's queueing time
+
+
+cdef struct KeyCopy:
+    PyObject *key                # strong reference, taken by the section
+    Py_ssize_t holders           # its first ``holders`` parties hold it, the next ``waiters``
+    Py_ssize_t waiters           # wait for it, oldest first
+    Py_ssize_t ahead             # a described request: how many wait before it
+
+
+cdef struct Copy:
+    # What a section copies out of a table; the memory is the caller's.
+    KeyCopy *keys
+    Py_ssize_t nkeys             # copied, or (``fits`` false) needed
+    Py_ssize_t key_room
+    Party *parties
+    Py_ssize_t nparties          # copied, or (``fits`` false) needed
+    Py_ssize_t party_room
+    bint fits
+    double now                   # the section's clock
+
+
+cdef inline bint in_use(Entry *entry) noexcept nogil:
+    return entry.owner is not NULL or entry.nreaders != 0 or entry.head is not NULL
+
+
+cdef Py_ssize_t parties_of(Entry *entry) noexcept nogil:
+    cdef Py_ssize_t count = entry.nreaders + (entry.owner is not NULL)
+    cdef Request *request = entry.head
+    while request is not NULL:
+        count += 1
+        request = request.next
+    return count
+
+
+cdef void add_party(Copy *copy, Token *token, Mode mode, Py_ssize_t count,
+                    double since) noexcept nogil:
+    cdef Party *party = copy.parties + copy.nparties
+    party.ident = token.ident
+    party.is_task = token.is_task
+    party.mode = mode
+    party.count = count
+    party.since = since
+    copy.nparties += 1
+
+
+cdef void copy_entry(Copy *copy, Entry *entry, Request *described) noexcept nogil:
+    """The writer, the readers oldest first, then the queue (room was checked)."""
+    cdef KeyCopy *key = copy.keys + copy.nkeys
+    cdef Hold *hold = entry.readers
+    cdef Request *request = entry.head
+    cdef Py_ssize_t first = copy.nparties
+    lockmgr_incref(entry.key)
+    key.key = entry.key
+    key.ahead = -1
+    if entry.owner is not NULL:
+        add_party(copy, entry.owner, WRITE, entry.count, entry.held_since)
+    while hold is not NULL and hold.entry_next is not NULL:
+        hold = hold.entry_next
+    while hold is not NULL:
+        add_party(copy, hold.token, READ, hold.count, hold.held_since)
+        hold = hold.entry_prev
+    key.holders = copy.nparties - first
+    while request is not NULL:
+        if request == described:
+            key.ahead = copy.nparties - first - key.holders
+        add_party(copy, request.token, request.mode,
+                  0, request.since if request.lead is NULL else request.lead.since)
+        request = request.next
+    key.waiters = copy.nparties - first - key.holders
+    if key.ahead < 0:
+        key.ahead = key.waiters
+    copy.nkeys += 1
+
+
+cdef bint has_room(Copy *copy, Py_ssize_t keys, Py_ssize_t parties) noexcept nogil:
+    """Whether ``keys`` and ``parties`` fit; if not, the Copy says what is needed."""
+    copy.fits = keys <= copy.key_room and parties <= copy.party_room
+    if not copy.fits:
+        copy.nkeys = keys
+        copy.nparties = parties
+    return copy.fits
+
+
+cdef void copy_table(Table *table, Copy *copy) noexcept nogil:
+    """Every entry held or waited on (``snapshot()``)."""
+    cdef Py_ssize_t keys = 0, parties = 0
+    cdef size_t i, b
+    cdef Shard *shard
+    cdef Entry *entry
+    touch_all(table)
+    copy.now = lockmgr_monotonic()
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        for b in range(shard.mask + 1):
+            entry = shard.buckets[b]
+            while entry is not NULL:
+                if in_use(entry):
+                    keys += 1
+                    parties += parties_of(entry)
+                entry = entry.bucket_next
+    if not has_room(copy, keys, parties):
+        return
+    for i in range(table.shard_mask + 1):
+        shard = shard_at(table, i)
+        for b in range(shard.mask + 1):
+            entry = shard.buckets[b]
+            while entry is not NULL:
+                if in_use(entry):
+                    copy_entry(copy, entry, NULL)
+                entry = entry.bucket_next
+
+
+cdef void copy_request(Copy *copy, Request *request) noexcept nogil:
+    """The entries a waiting request queued on (the slow-wait log)."""
+    cdef Py_ssize_t keys = 0, parties = 0, i
+    copy.now = lockmgr_monotonic()
+    for i in range(request.nodes):
+        if request[i].queued:
+            keys += 1
+            parties += parties_of(touched(request[i].entry))
+    if not has_room(copy, keys, parties):
+        return
+    for i in range(request.nodes):
+        if request[i].queued:
+            copy_entry(copy, request[i].entry, request + i)
+
+
+cdef void copy_metrics(Table *table, unsigned long long *counters, Histogram *waits,
+                       Histogram *holds, HotSlot *hot) noexcept nogil:
+    """``metrics()``: the counters, both histograms and the hot-key slots (their keys with a
+    strong reference each), at one instant."""
+    cdef Py_ssize_t i
+    read_stats(table, counters)
+    waits[0] = table.waits
+    holds[0] = table.holds
+    for i in range(HOT_KEY_SLOTS):
+        hot[i] = table.hot[i]
+        if hot[i].key is not NULL:
+            lockmgr_incref(hot[i].key)

@@ -26,6 +26,7 @@ cdef inline void after_init(After *after, CycleStep *cycle, Py_ssize_t room) noe
     after.cycle_length = 0
     after.cycle_room = room
     after.resize = NULL
+    after.ndropped = 0
 
 
 cdef int finish(After *after, Token *keeper) except -1:
@@ -56,6 +57,9 @@ cdef int finish(After *after, Token *keeper) except -1:
             keeper.spare_entry = entry
         else:
             PyMem_RawFree(entry)
+    while after.ndropped:
+        after.ndropped -= 1
+        Py_DECREF(<object>after.dropped[after.ndropped])
     if failure is not None:
         raise failure
     return 0
@@ -120,8 +124,8 @@ cdef list cycle_list(After *after):
 
 # -- prepare: lookups ---------------------------------------------------------------------
 
-cdef inline void lookup_init(Lookup *lookup, object key, Py_hash_t h) noexcept:
-    lookup.key = <PyObject*>key
+cdef inline void lookup_init(Lookup *lookup, PyObject *key, Py_hash_t h) noexcept:
+    lookup.key = key
     lookup.hash = h
     lookup.candidate = NULL
     lookup.compared = NULL

@@ -76,6 +76,9 @@ cdef struct Hold:
     Hold *entry_next             # shard
     Hold *token_prev             # lists: neighbour among the token's read holds (newest first)
     Hold *token_next             # lists
+    double held_since            # shard: monotonic time the hold is timed from (0.0: not
+                                 # timed): its grant to a request that waited, or the first
+                                 # request queued behind it (see lockmgr._observe)
 
 
 cdef struct Request:
@@ -104,12 +107,18 @@ cdef struct Request:
     Request *wake_next           # engine: next request in the After that is to wake it
     bint post_owed               # engine: set when a section schedules its wake-up post,
                                  # cleared by its waiter's section once it consumed it
+    double ended                 # engine: when its waiter's section saw its wait end (granted,
+                                 # or given up); what every measure of the wait uses
 
 
 cdef struct Entry:
     # One key held or waited on; in its shard's buckets from its first use to its last.
-    PyObject *key                # strong reference to the key as first given (engine: NULL
-                                 # once its manager is freed while another thread holds it)
+    PyObject *key                # strong reference to the key as first given, or, when it is
+                                 # one of its table's stripes (``is_stripe``), a borrowed one
+                                 # (the table keeps its stripes; no thread writes a stripe's
+                                 # reference count on the way); engine: NULL once its manager
+                                 # is freed while another thread holds it; shard: a stripe's
+                                 # is NULL once the entry leaves its table
     Py_hash_t hash               # hash(key)
     Entry *bucket_next           # shard: next entry in its bucket; once retired, in the After
     Table *table                 # the table it belongs to; engine: NULL once that table is
@@ -128,6 +137,8 @@ cdef struct Entry:
     Request *tail                # engine + shard: newest waiting request
     Py_ssize_t inflight          # engine + shard: requests of calls still running that point
                                  # here (queued, or granted and not returned yet)
+    double held_since            # shard: as Hold.held_since, for the write hold (0.0 while
+                                 # there is none)
 
 
 cdef struct Shard:
@@ -146,6 +157,28 @@ cdef struct Shard:
     unsigned long long deadlocks     # shard: acquisitions refused to avoid a deadlock
 
 
+cdef enum:
+    HISTOGRAM_BUCKETS = 23  # len(lockmgr._observe.HISTOGRAM_BOUNDS) + 1 (checked at import)
+    HOT_KEY_SLOTS = 32      # lockmgr._observe.HOT_KEY_SLOTS (checked at import)
+    DROP_ROOM = HOT_KEY_SLOTS  # keys one section may evict from a hot-key summary
+
+
+cdef struct Histogram:
+    # Durations measured on the contended path, in lockmgr._observe.HISTOGRAM_BOUNDS' buckets.
+    unsigned long long counts[HISTOGRAM_BUCKETS]  # engine
+    unsigned long long count     # engine
+    double sum                   # engine: seconds
+    double max                   # engine: seconds
+
+
+cdef struct HotSlot:
+    # One slot of a table's Space-Saving summary of wait time by key.
+    PyObject *key                # engine: strong reference, or NULL (a free slot); an
+                                 # evicted key is dropped by the evicting section's finish
+    double waited                # engine: seconds charged to the slot
+    double error                 # engine: what the slot had when ``key`` took it over
+
+
 cdef struct Table:
     # One per manager, inside the manager object. Invariant: an entry is in the table iff
     # it has a holder or inflight requests.
@@ -157,6 +190,14 @@ cdef struct Table:
     Py_ssize_t waiting           # engine: requests (a set counts once) queued in its entries
     Table *previous_table        # engine: neighbour in the list of live tables (for fork)
     Table *next_table            # engine
+    PyObject **stripes           # set at creation: a striped manager's stripe objects (strong
+                                 # references, dropped when the table is freed), the keys its
+                                 # entries hold borrowed; NULL: exact keys
+    size_t stripe_mask           # set at creation: stripe count - 1 (a power of two)
+    double log_after             # set at creation: seconds after which a waiter logs (< 0: off)
+    Histogram waits              # engine: waits that were granted (``complete``)
+    Histogram holds              # engine: timed holds that ended with someone queued
+    HotSlot hot[HOT_KEY_SLOTS]   # engine: wait time by key, filled from the first slot on
 
 
 cdef struct CycleStep:
@@ -175,6 +216,9 @@ cdef struct After:
     Py_ssize_t cycle_room        # how many steps ``cycle`` has room for
     Table *resize                # a table some of whose shards should change their bucket
                                  # count, or NULL
+    PyObject *dropped[DROP_ROOM] # strong references evicted from a hot-key summary
+    Py_ssize_t ndropped          # how many (one section never evicts more than the summary
+                                 # holds)
 
 
 cdef struct Compared:
@@ -213,6 +257,11 @@ cdef size_t shard_count = 1               # shards per new table; set once at im
 cdef Py_ssize_t forking_pid = 0           # atomic: between os.fork()'s hooks, the parent's pid
 cdef long process_pid = os.getpid()       # this process's; a forked child's after-fork hook
                                           # sets it (GIL or stopped world); tasks.pxi reads it
+cdef double histogram_bounds[HISTOGRAM_BUCKETS - 1]  # lockmgr._observe.HISTOGRAM_BOUNDS
+if len(HISTOGRAM_BOUNDS) != HISTOGRAM_BUCKETS - 1 or HOT_KEY_SLOTS_SHARED != HOT_KEY_SLOTS:
+    raise ImportError("lockmgr._core was built for other histogram bounds or hot-key slots")
+for _bucket, _bound in enumerate(HISTOGRAM_BOUNDS):
+    histogram_bounds[_bucket] = _bound
 memset(&engine_mutex, 0, sizeof(engine_mutex))
 if sizeof(Shard) > SHARD_BYTES:
     raise ImportError("lockmgr._core: a Shard does not fit SHARD_BYTES on this platform")

@@ -86,11 +86,18 @@ cdef inline Entry* find(Table *table, Lookup *lookup) noexcept nogil:
     return find_in(shard, lookup, NULL)
 
 
+cdef inline bint is_stripe(Table *table, PyObject *key, Py_hash_t h) noexcept nogil:
+    """Whether ``key`` (hashing to ``h``) is one of ``table``'s stripes: the table keeps it
+    alive, so its entry holds it without a reference (a stripe's hash is its index)."""
+    return table.stripes is not NULL and <size_t>h <= table.stripe_mask and table.stripes[h] == key
+
+
 cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noexcept nogil:
     """Put ``entry`` (memory from prepare) in the table for ``lookup``'s key (its shard held)."""
     cdef Shard *shard = shard_for(table, lookup.hash)
     cdef size_t bucket = bucket_of(shard, lookup.hash)
-    lockmgr_incref(lookup.key)
+    if not is_stripe(table, lookup.key, lookup.hash):
+        lockmgr_incref(lookup.key)
     entry.key = lookup.key
     entry.hash = lookup.hash
     entry.table = table
@@ -103,6 +110,7 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.head = NULL
     entry.tail = NULL
     entry.inflight = 0
+    entry.held_since = 0.0
     entry.bucket_next = shard.buckets[bucket]
     shard.buckets[bucket] = entry
     shard.entries += 1
@@ -112,9 +120,12 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
 
 
 cdef void remove(Entry *entry, After *after) noexcept nogil:
-    """Unlink an unused ``entry``; its key and memory go to the After."""
+    """Unlink an unused ``entry``; its key (unless a stripe: borrowed) and memory go to the
+    After."""
     cdef Shard *shard = entry.shard
     cdef Entry **link = &shard.buckets[bucket_of(shard, entry.hash)]
+    if is_stripe(entry.table, entry.key, entry.hash):
+        entry.key = NULL
     while link[0] != entry:
         link = &link[0].bucket_next
     link[0] = entry.bucket_next
@@ -164,6 +175,8 @@ cdef Entry** rehash(Shard *shard, Entry **fresh, size_t buckets) noexcept nogil:
 # -- holders ------------------------------------------------------------------------------
 
 cdef inline void own(Entry *entry, Token *token, Py_ssize_t count) noexcept nogil:
+    if entry.head is not NULL:  # a section, past a queue (an upgrade, a barge, fair=False)
+        entry.held_since = lockmgr_monotonic()
     if entry.nreaders == 0:
         entry.shard.held += 1
     entry.owner = token
@@ -188,6 +201,9 @@ cdef inline void unlink_held(Entry *entry) noexcept nogil:
 
 
 cdef inline void disown(Entry *entry) noexcept nogil:
+    if entry.head is not NULL:  # never on a fast path: they leave queued keys to sections
+        count_hold(entry.table, entry.held_since)
+    entry.held_since = 0.0
     unlink_held(entry)
     entry.owner = NULL
     entry.count = 0
@@ -210,6 +226,8 @@ cdef void add_read(Entry *entry, Token *token, Hold *hold, Py_ssize_t count) noe
     hold.entry = entry
     hold.count = count
     hold.pinned = 0
+    # A section may add a read past a queue (re-entry by a writer, a downgrade): timed.
+    hold.held_since = 0.0 if entry.head is NULL else lockmgr_monotonic()
     hold.entry_prev = NULL
     hold.entry_next = entry.readers
     if entry.readers is not NULL:
@@ -235,6 +253,8 @@ cdef inline void unlink_read(Hold *hold) noexcept nogil:
 
 
 cdef void drop_read(Entry *entry, Hold *hold) noexcept nogil:
+    if entry.head is not NULL:  # never on a fast path: they leave queued keys to sections
+        count_hold(entry.table, hold.held_since)
     if hold.entry_prev is not NULL:
         hold.entry_prev.entry_next = hold.entry_next
     else:
@@ -250,6 +270,50 @@ cdef void drop_read(Entry *entry, Hold *hold) noexcept nogil:
 
 cdef inline bint room_for(Py_ssize_t level, Py_ssize_t more) noexcept nogil:
     return level <= PY_SSIZE_T_MAX - more
+
+
+# -- timing holds (only where a request waits: lockmgr._observe) ---------------------------
+
+cdef void count_in(Histogram *histogram, double seconds) noexcept nogil:
+    cdef Py_ssize_t bucket = 0
+    while bucket < HISTOGRAM_BUCKETS - 1 and seconds > histogram_bounds[bucket]:
+        bucket += 1
+    histogram.counts[bucket] += 1
+    histogram.count += 1
+    histogram.sum += seconds
+    if seconds > histogram.max:
+        histogram.max = seconds
+
+
+cdef void count_hold(Table *table, double since) noexcept nogil:
+    """A hold ends while a request is queued for its key (engine): count it if it was timed
+    (not for an orphan, whose table is gone)."""
+    if since > 0 and table is not NULL:
+        count_in(&table.holds, max(lockmgr_monotonic() - since, 0.0))
+
+
+cdef void time_grant(Entry *entry, Request *request) noexcept nogil:
+    """A request that waited was granted: its hold is timed from now, unless it re-entered
+    a hold timed already."""
+    cdef Hold *hold
+    if request.mode == WRITE:
+        if entry.held_since == 0:
+            entry.held_since = lockmgr_monotonic()
+        return
+    hold = read_hold(entry, request.token)
+    if hold.held_since == 0:
+        hold.held_since = lockmgr_monotonic()
+
+
+cdef void time_holds(Entry *entry, double since) noexcept nogil:
+    """A request queued on ``entry`` at ``since``: holds not timed yet are timed from then."""
+    cdef Hold *hold = entry.readers
+    if entry.owner is not NULL and entry.held_since == 0:
+        entry.held_since = since
+    while hold is not NULL:
+        if hold.held_since == 0:
+            hold.held_since = since
+        hold = hold.entry_next
 
 
 # -- queues -------------------------------------------------------------------------------
@@ -331,6 +395,7 @@ cdef void grant(Table *table, Entry *entry, Request *request) noexcept nogil:
     """A single request takes its key and leaves the queue (its wake-up is the caller's)."""
     dequeue(entry, request)
     take(entry, request)
+    time_grant(entry, request)
     table.waiting -= 1
     request.state = GRANTED
 
@@ -363,6 +428,8 @@ cdef void grant_nodes(Request *lead, bint was_queued) noexcept nogil:
             if was_queued:
                 dequeue(node.entry, node)
             take(node.entry, node)
+            if was_queued:
+                time_grant(node.entry, node)
         elif was_queued:
             if node.mode == WRITE:
                 node.entry.pinned -= 1

@@ -194,6 +194,7 @@ cdef class _TaskOwner:
     done-callback then releases what the task still holds, as a thread's exit does."""
     cdef Token *token   # the task's token (Token.is_task); freed once the task is done
     cdef object task    # the task (a strong reference: ``task_owners`` is released when done)
+    cdef object task_ref # a weak reference to it, made once: what _Blocks records
     cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
                         # (whatever happens to the coroutine's frame meanwhile); a task has
                         # one at a time (the table refuses a second: NestedWaitError)
@@ -215,9 +216,12 @@ cdef class _TaskOwner:
     def _task_done(self, task):
         cdef Token *token = self.token
         cdef int rounds
-        if token is NULL:  # ended already: its loop was found closed while it waited
+        # Three callers may end a task, on different threads: its done-callback, a grant
+        # that found its loop closed, and lockmgr.postgres's sweep (end_stranded_task). The
+        # first to take its entry out of task_owners (one atomic step, before any Python
+        # code of the ending runs: warnings, finalizers) ends it; the others return.
+        if token is NULL or task_owners.pop(task, None) is not self:
             return
-        task_owners.pop(task, None)
         owners_by_ident.pop(token.ident, None)
         if self.wait is not None:
             # A done task awaits nothing: its wait was stranded (see abandon_stranded).
@@ -232,11 +236,65 @@ cdef class _TaskOwner:
             free_token(token)
 
 
+def end_stranded_task(task):
+    """A task whose event loop was closed while it was pending can never run again: end it
+    here, as its done-callback would (its wait abandoned, AbandonedLockWarning for what it
+    held). For lockmgr.postgres, which finds such tasks; the pure twin has the same."""
+    owner = task_owners.get(task)
+    if owner is not None:
+        (<_TaskOwner>owner)._task_done(task)
+
+
 cdef Token* task_token(bint create) except? NULL:
     """The current task's token (RuntimeError outside a running task); NULL if it has none
     and ``create`` is false."""
     owner = task_owner(create)
     return NULL if owner is None else owner.token
+
+
+cdef object running_frame():
+    """The Python frame running: inside ``__aenter__``/``__aexit__`` of a C type, the frame
+    of the ``async with`` block."""
+    cdef PyFrameObject *frame = PyEval_GetFrame()
+    return None if frame is NULL else <object><PyObject*>frame
+
+
+cdef int count_block_in(object got, _TaskOwner owner, _Blocks inside,
+                        object frame) except -1:
+    """Count an ``async with`` block (running in ``frame``) in once its task holds what it
+    asked for: now, or when its wait is granted (see _Blocks)."""
+    if inside is None or owner is None:  # (an empty hold_many makes no owner)
+        return 0
+    if got is True:
+        inside.count_in(frame, owner.task_ref)
+    elif type(got) is _TaskWait:
+        (<_TaskWait>got).entering = inside
+        (<_TaskWait>got).entering_frame = frame
+    return 0
+
+
+cdef bint exit_releases(_Blocks blocks, object frame, object kind, object key,
+                        Token **token) except -1:
+    """Whether the exit of a block of ``blocks`` running in ``frame`` releases ``key``, for
+    the current task (whose token, NULL if it holds nothing, goes to ``token``): not if
+    the block was another task's (NotOwnedError unless its coroutine is being closed), nor
+    under a GeneratorExit for a block entered in another frame (see BlocksInside).
+    RuntimeError outside a task otherwise."""
+    task = current_task()
+    owner = None if task is None else task_owners.get(task)
+    current_ref = None if owner is None else (<_TaskOwner>owner).task_ref
+    entered = blocks.leave_block(frame, current_ref)
+    if entered is not NOT_ENTERED:
+        if current_ref is None or entered is not current_ref:
+            if kind is GeneratorExit:
+                return False
+            raise not_this_tasks_block(key)
+    elif kind is GeneratorExit:
+        return False
+    elif task is None:
+        not_in_task()
+    token[0] = NULL if owner is None else (<_TaskOwner>owner).token
+    return True
 
 
 cdef _TaskOwner task_owner(bint create):
@@ -254,6 +312,7 @@ cdef _TaskOwner task_owner(bint create):
     cdef _TaskOwner created = _TaskOwner.__new__(_TaskOwner)
     created.token = token  # from here on the owner frees it
     created.task = task
+    created.task_ref = PyWeakref_NewRef(task, None)
     token.ident = <unsigned long>id(task)
     token.is_task = True
     token.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
@@ -288,6 +347,11 @@ cdef class _TaskWait:
     cdef object keys            # these key(s) and
     cdef double seconds         # this timeout; else the wait answers False
     cdef object runner          # the coroutine that waits, once this is awaited
+    cdef readonly double log_at # when the slow-wait log is due (< 0: never)
+    cdef object logged_keys     # the keys it logged as waited for
+    cdef _Blocks entering       # the record of the ``async with`` object whose ``__aenter__``
+                                # queued it, else None: counts the block in once granted
+    cdef object entering_frame  # the frame running that block
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -299,7 +363,8 @@ cdef class _TaskWait:
         PyMem_RawFree(self.nodes)
 
     def settle(self, bint consumed, double deadline):
-        """True (granted), False (timed out), None (still waiting), or AWAIT_POST."""
+        """True (granted: ``complete()`` follows), False (timed out), None (still waiting),
+        or AWAIT_POST."""
         cdef After after
         cdef Outcome outcome
         cdef Token *token = self.request.token
@@ -311,10 +376,8 @@ cdef class _TaskWait:
             outcome = TIMED_OUT
         else:
             outcome = settle(&self.manager.table, self.request, consumed, deadline, &after)
-            if outcome == DONE:
-                complete(&self.manager.table, self.request, &after)
         unlock()
-        if outcome == DONE or outcome == TIMED_OUT:
+        if outcome == TIMED_OUT:
             self._ended()
         finish(&after, token)
         if outcome == DONE:
@@ -323,10 +386,36 @@ cdef class _TaskWait:
             return False
         return AWAIT_POST if outcome == NEED_POST else None
 
+    def complete(self):
+        """The granted wait returns: the task holds what it asked for."""
+        cdef After after
+        if not self.queued:
+            raise RuntimeError("this wait has ended")
+        after_init(&after, NULL, 0)
+        lock()
+        complete(&self.manager.table, self.request, &after)
+        unlock()
+        self._ended()
+        finish(&after, self.request.token)
+        if self.entering is not None:
+            self.entering.count_in(self.entering_frame, self.owner.task_ref)
+
     def abandon(self):
         """Leave the queues, or give back a grant that raced the exception ending the wait."""
         if self.queued:
             self._leave()
+
+    def log_slow(self):
+        if self.queued:
+            self.logged_keys = self.manager._log_slow_wait(self.request)
+
+    def observe(self):
+        self.manager._observe_wait(self.request)
+
+    def log_end(self, bint granted):
+        if self.logged_keys is not None:
+            log_wait_end(token_owner(self.request.token), self.logged_keys,
+                         max(self.request.ended - self.request.since, 0.0), granted)
 
     def timed_out(self):
         """What a wait that timed out answers: False, or for ``hold()`` a LockTimeout."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ThreadSanitizer run of the stress mix (tests/test_stress.py, with the concurrency, multi-key,
-# reader-writer, shard and asyncio tests) on the compiled core, with the GIL off: a free-threaded CPython 3.13 configured --with-thread-sanitizer
+# reader-writer, shard, asyncio and snapshot/metrics tests) on the compiled core, with the GIL off: a free-threaded CPython 3.13 configured --with-thread-sanitizer
 # (scripts/free-threaded-python.sh --tsan, cached outside the work tree), the core compiled
 # and linked with -fsanitize=thread, and the stress test run under it. Fails on any TSAN
 # report (data race, lock-order inversion, ...) with a frame of lockmgr's compiled code in
@@ -78,7 +78,7 @@ status=0
   env -u PYTHON_GIL LOCKMGR_REQUIRE_NO_GIL=1 TSAN_OPTIONS="$TSAN_OPTIONS log_path=$out/tsan exitcode=0 halt_on_error=0 second_deadlock_stack=1" \
     nice -n 10 "$venv_python" -m pytest -q -p no:cacheprovider --only-c-extensions \
     tests/test_stress.py tests/test_concurrency.py tests/test_many.py tests/test_rwlock.py \
-    tests/test_shards.py tests/test_aio.py) || status=$?
+    tests/test_shards.py tests/test_aio.py tests/test_observe.py) || status=$?
 
 "$venv_python" - "$out" "$status" <<'PY'
 import glob

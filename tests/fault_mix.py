@@ -28,6 +28,7 @@ import faulthandler
 import gc
 import importlib
 import json
+import logging
 import random
 import signal
 import sys
@@ -63,8 +64,12 @@ warnings.simplefilter("ignore", AbandonedLockWarning)
 KEYS = ["a", "b", "c", "d", 1, 2]
 MAIN = threading.get_ident()
 
-locks = impl.LockManager(fair=not args.unfair)
-rw = impl.RWLockManager()
+# The slow-wait log on (into a NullHandler): its snapshots and records are built in waits.
+logging.getLogger("lockmgr").addHandler(logging.NullHandler())
+logging.getLogger("lockmgr").propagate = False
+logging.getLogger("lockmgr").setLevel(logging.INFO)
+locks = impl.LockManager(fair=not args.unfair, log_waits_after=0.002)
+rw = impl.RWLockManager(log_waits_after=0.002)
 striped = impl.LockManager(stripes=4)
 side = impl.LockManager()  # what handlers and finalizers take and release_all() inside waits
 MANAGERS = {"locks": locks, "rw": rw, "striped": striped, "side": side}
@@ -307,6 +312,7 @@ def meddle(context: str, rng: random.Random, nested_probe: bool) -> None:
             # off, finalizers and handlers of different threads really run at once.
             refused("side", context)
     side.release_all()
+    observe(rng.choice(list(MANAGERS.values())), tally)
     if nested_probe:
         # A key the meddler itself holds from another thread's point of view: "probe" is
         # held by the prober thread for the whole run, so this always has to wait.
@@ -319,6 +325,19 @@ def meddle(context: str, rng: random.Random, nested_probe: bool) -> None:
             tally["probe:nested"] += 1
         except DeadlockError:
             refused("locks", context)
+
+
+def observe(manager: object, tally: collections.Counter[str]) -> None:
+    """snapshot() and metrics() from inside lock calls and waits: every key shown is held
+    or waited on, by at most one writer; the histogram counts what stats() counts."""
+    for state in manager.snapshot():  # type: ignore[attr-defined]
+        if not (state.holders or state.waiters) or sum(
+                holder.mode == "write" for holder in state.holders) > 1:
+            violations.append(f"an impossible snapshot: {state!r}")
+    metrics = manager.metrics()  # type: ignore[attr-defined]
+    if len(metrics.hot_keys) > 10 or metrics.wait_time.count > metrics.contended:
+        violations.append(f"impossible metrics: {metrics!r}")
+    tally["meddle:observed"] += 1
 
 
 def on_signal(signum: int, frame: object) -> None:
@@ -414,6 +433,7 @@ def main() -> None:
             "timeouts": [stats.timeouts, totals[f"timeouts:{name}"]],
             "deadlocks": [stats.deadlocks, totals[f"deadlocks:{name}"]],
             "contended_le_acquisitions": stats.contended <= stats.acquisitions,
+            "waits_measured": [manager.metrics().wait_time.count, stats.contended],
         }
     lost = {
         f"{name}:{key!r}": [values[(name, key)], totals[f"inc:{name}:{key!r}"]]
@@ -428,7 +448,7 @@ def main() -> None:
         "managers": managers,
         "faults": {key: totals[key] for key in (
             "signals", "collections", "meddle:took", "meddle:timeout", "meddle:nested",
-            "probe:waited", "probe:nested")},
+            "probe:waited", "probe:nested", "meddle:observed")},
         "elapsed": round(elapsed, 2),
     }), flush=True)
 

@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 
+from lockmgr.bench import sigterm_interrupts
+
 
 def _bindir() -> str:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
@@ -37,7 +39,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def running_server() -> Iterator[str]:
-    """Start a throwaway server; yields its DSN."""
+    """Start a throwaway server; yields its DSN. A SIGTERM meanwhile (CI's time limit,
+    ``timeout``) still stops it: pg_ctl runs it as a daemon, not a child of this process."""
+    with sigterm_interrupts():
+        yield from _running_server()
+
+
+def _running_server() -> Iterator[str]:
     bindir = _bindir()
     root = os.geteuid() == 0
     workdir = tempfile.mkdtemp(prefix="lockmgr-pg-")

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, abandoned_warnings, wait_until
+from conftest import PATIENCE, Worker, abandoned_warnings, held_by_another_task, wait_until
 from lockmgr import (
     AsyncLockManager,
     AsyncRWLockManager,
@@ -70,20 +73,6 @@ async def held_by_a_thread(locks: Any, key: object) -> tuple[threading.Thread, t
     thread, _ = in_thread(holder)
     await asyncio.to_thread(holds.wait, PATIENCE)
     return thread, release
-
-
-async def held_by_another_task(locks: Any, key: object) -> tuple[asyncio.Task[None], asyncio.Event]:
-    """A task holding ``key`` until the returned event is set."""
-    holds, done = asyncio.Event(), asyncio.Event()
-
-    async def holder() -> None:
-        async with locks.aio[key]:
-            holds.set()
-            await done.wait()
-
-    task = asyncio.create_task(holder())
-    await holds.wait()
-    return task, done
 
 
 # -- the API -----------------------------------------------------------------------------
@@ -934,3 +923,486 @@ def test_a_queued_wait_dropped_in_a_reference_cycle_is_left_safely(impl) -> None
 
     run(main)
     assert len(locks) == 0
+
+
+# -- a block's exit acts for the task that entered it ------------------------------------------
+# A task stranded on a closed loop (asyncio.run's shutdown cut short by a second Ctrl-C) is
+# ended by lockmgr: its keys go to others. Its coroutine is closed later (by the garbage
+# collector, or anyone), and the GeneratorExit runs the ``__aexit__`` of each block it was
+# inside, in whatever task is current then (or none): those exits release nothing.
+
+BLOCKS: dict[str, tuple[str, Callable[[Any, Any], Any]]] = {
+    # style: the manager's class, and the block holding "k" given the manager and the one
+    # block object shared by every task of the test (see _shared)
+    "aio[key]": ("LockManager", lambda locks, shared: locks.aio["k"]),
+    "one shared aio[key]": ("LockManager", lambda locks, shared: shared),
+    "hold": ("LockManager", lambda locks, shared: locks.aio.hold("k")),
+    "hold_many": ("LockManager", lambda locks, shared: locks.aio.hold_many(["k", "j"])),
+    # (the stranded task's block is a call of an aio.synchronized function; the others hold)
+    "synchronized": ("LockManager", lambda locks, shared: locks.aio.hold("k")),
+    "read": ("RWLockManager", lambda locks, shared: locks.aio.read("k")),
+    "write": ("RWLockManager", lambda locks, shared: locks.aio.write("k")),
+    # one hold()/read() object used by every task, as an asyncio.Lock is
+    "one shared hold": ("LockManager", lambda locks, shared: shared),
+    "one shared read": ("RWLockManager", lambda locks, shared: shared),
+}
+
+
+def _shared(locks: Any, style: str) -> Any:
+    """The one block object of "k" that every task of a test of ``style`` shares."""
+    if style == "one shared hold":
+        return locks.aio.hold("k")
+    if style == "one shared read":
+        return locks.aio.read("k")
+    return None if _is_rw(locks) else locks.aio["k"]
+
+
+def _reads(style: str) -> bool:
+    return style in ("read", "one shared read")
+
+
+def _is_rw(locks: Any) -> bool:
+    return isinstance(locks.aio, AsyncRWLockManager)
+
+
+def _holding_k_then_waiting_for_x(locks: Any, style: str,
+                                  shared: Any) -> Coroutine[Any, Any, None]:
+    """A coroutine that holds "k" in a block of ``style``, then waits for "x"."""
+    take_x = locks.aio.acquire_write if _is_rw(locks) else locks.aio.acquire
+    if style == "synchronized":  # the block is the decorated call itself
+        @locks.aio.synchronized(lambda: "k")
+        async def locked_call() -> None:
+            await take_x("x")
+        return locked_call()
+
+    async def in_block() -> None:
+        async with BLOCKS[style][1](locks, shared):
+            await take_x("x")
+    return in_block()
+
+
+def _stranded_and_ended(impl: Any, style: str, ending: str,
+                        enters_after_a_wait: bool = False) -> tuple[Any, Any, Any]:
+    """A manager, its shared aio["k"] view (None for RW), and a task that held "k" in a
+    block of ``style`` (``enters_after_a_wait``: granted once a thread released "k") and
+    waited for "x" (held by a thread) when its loop was closed, then was ended by lockmgr:
+    by the grant of "x" that found its loop closed, or by ``end_stranded_task``. "k" was
+    released with an AbandonedLockWarning."""
+    locks = getattr(impl, BLOCKS[style][0])()
+    shared = _shared(locks, style)
+    take, give = ((locks.acquire_write, locks.release_write) if _is_rw(locks)
+                  else (locks.acquire, locks.release))
+    worker = Worker("holds x")
+    worker.run(lambda: take("x"))
+    if enters_after_a_wait:
+        worker.run(lambda: take("k"))
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(_holding_k_then_waiting_for_x(locks, style, shared))
+        loop.run_until_complete(until(lambda: locks.stats().waiting == 1, "the task waits"))
+        if enters_after_a_wait:  # for "k": the release grants it at once, then x is next
+            worker.run(lambda: give("k"))
+            assert locks.stats().waiting == 0 and locks.owner("k") is task
+            loop.run_until_complete(until(lambda: locks.stats().waiting == 1,
+                                          "the task waits for x"))
+    finally:
+        loop.close()  # with the task pending, as after a second Ctrl-C
+    task._log_destroy_pending = False  # pending for good, as meant: no log when collected
+    with abandoned_warnings() as caught:
+        if ending == "end_stranded_task":
+            impl.end_stranded_task(task)
+        worker.run(lambda: give("x"))  # else its grant finds the task's loop closed
+    worker.stop()
+    assert not task.done(), "a task of a closed loop stays pending"
+    assert "k" not in locks and "x" not in locks and locks.stats().waiting == 0
+    assert any("'k'" in str(warning.message) for warning in caught), caught
+    return locks, shared, task
+
+
+@pytest.mark.parametrize("ending", ["a grant", "end_stranded_task"])
+@pytest.mark.parametrize("style", list(BLOCKS))
+def test_closing_an_ended_tasks_coroutine_keeps_another_tasks_hold(impl, style, ending) -> None:
+    """The stranded task's coroutine closed by a task that now holds "k" (in a block of the
+    same kind): that task still holds "k" once, and its own exit releases it."""
+    locks, shared, stranded = _stranded_and_ended(impl, style, ending)
+
+    async def main() -> None:
+        async with BLOCKS[style][1](locks, shared):
+            stranded.get_coro().close()  # GeneratorExit at its await: its blocks' exits run
+            assert locks.aio.owned("k")
+            if _reads(style):
+                assert locks.readers("k") == 1 and locks.aio.recursion_count("k") == 0
+            else:
+                assert locks.aio.recursion_count("k") == 1
+        assert "k" not in locks
+
+    run(main)
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+@pytest.mark.parametrize("ending", ["a grant", "end_stranded_task"])
+def test_a_shared_views_task_counts_inside_once_its_wait_to_enter_is_granted(impl,
+                                                                          ending) -> None:
+    """As above, the stranded task having entered the shared aio["k"] after a wait."""
+    locks, shared, stranded = _stranded_and_ended(impl, "one shared aio[key]", ending,
+                                                  enters_after_a_wait=True)
+
+    async def main() -> None:
+        async with shared:
+            stranded.get_coro().close()
+            assert locks.aio.recursion_count("k") == 1
+        assert "k" not in locks
+
+    run(main)
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+@pytest.mark.parametrize("style", list(BLOCKS))
+def test_closing_an_ended_tasks_coroutine_with_no_loop_running_raises_nothing(impl,
+                                                                              style) -> None:
+    locks, shared, stranded = _stranded_and_ended(impl, style, "a grant")
+    stranded.get_coro().close()  # no task is current: its exits act for none
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+@pytest.mark.parametrize("style", list(BLOCKS))
+def test_a_block_a_finished_task_left_suspended_exits_as_that_tasks(impl, style) -> None:
+    """A task drove a coroutine into a block (it holds "k" there) and finished, leaving it
+    suspended: the task's end released "k". Another task that holds "k" now closes that
+    coroutine: the block's exit is the finished task's, and releases nothing."""
+    locks = getattr(impl, BLOCKS[style][0])()
+    shared = _shared(locks, style)
+    worker = Worker("holds x")
+    worker.run(lambda: (locks.acquire_write if _is_rw(locks) else locks.acquire)("x"))
+
+    async def leaves_it_suspended() -> Coroutine[Any, Any, None]:
+        coroutine = _holding_k_then_waiting_for_x(locks, style, shared)
+        coroutine.send(None)  # inside the block, waiting for "x"
+        return coroutine
+
+    async def main() -> None:
+        with abandoned_warnings() as caught:
+            coroutine = await asyncio.create_task(leaves_it_suspended())
+            await until(lambda: "k" not in locks, "the finished task's keys are released")
+        assert locks.stats().waiting == 0
+        assert any("'k'" in str(warning.message) for warning in caught), caught
+        async with BLOCKS[style][1](locks, shared):
+            coroutine.close()
+            assert locks.aio.owned("k")
+            if _reads(style):
+                assert locks.readers("k") == 1
+            else:
+                assert locks.aio.recursion_count("k") == 1
+        assert "k" not in locks
+
+    run(main)
+    worker.run(lambda: (locks.release_write if _is_rw(locks) else locks.release)("x"))
+    worker.stop()
+    assert len(locks) == 0
+
+
+async def _inside_twice(view: Any) -> AsyncIterator[None]:
+    """An async generator inside two nested blocks of ``view``."""
+    async with view:
+        async with view:
+            yield
+
+
+def test_an_async_generator_closed_by_its_own_task_releases_a_shared_views_key(impl) -> None:
+    locks = impl.LockManager()
+    shared = locks.aio["k"]
+
+    async def main() -> None:
+        generator = _inside_twice(shared)
+        await generator.__anext__()
+        assert locks.aio.recursion_count("k") == 2
+        await generator.aclose()  # GeneratorExit, run by the task inside: its exits
+        assert "k" not in locks
+        async with shared:  # inside it too: the generator's exits undo its own levels only
+            generator = _inside_twice(shared)
+            await generator.__anext__()
+            assert locks.aio.recursion_count("k") == 3
+            await generator.aclose()
+            assert locks.aio.recursion_count("k") == 1
+        assert "k" not in locks
+
+    run(main)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "never awaited"])
+def test_a_task_whose_entry_into_a_shared_view_failed_is_not_inside(impl, how) -> None:
+    """A task queued by the view's ``__aenter__`` whose wait ended without the key (it was
+    cancelled, or it never awaited the wait) never was inside the block: once it is done,
+    a GeneratorExit in that view's block is still the current task's exit."""
+    locks = impl.LockManager()
+    shared = locks.aio["k"]
+
+    async def enters() -> None:
+        if how == "cancelled":
+            async with shared:
+                raise AssertionError("entered although cancelled")
+        shared.__aenter__()  # queued, and dropped unawaited
+
+    async def main() -> None:
+        holder, done = await held_by_another_task(locks, "k")
+        entering = asyncio.create_task(enters())
+        if how == "cancelled":
+            await until(lambda: locks.stats().waiting == 1, "the task waits to enter")
+            entering.cancel()
+        with pytest.raises(asyncio.CancelledError) if how == "cancelled" else nullcontext():
+            await entering
+        await until(lambda: locks.stats().waiting == 0, "the ended wait left the queue")
+        done.set()
+        await holder
+        generator = _inside_twice(shared)
+        await generator.__anext__()
+        await generator.aclose()
+        assert "k" not in locks
+
+    run(main)
+    assert len(locks) == 0
+
+
+# -- one block object shared by several tasks ---------------------------------------------------
+# A hold()/read() object (or an aio[key] view) may be used by many tasks, as an asyncio.Lock
+# is: it counts which of them are inside its block, and an exit acts for the task whose block
+# exits: without GeneratorExit the current task's; with it, a gone task's inside, else the
+# current task's if it is inside, else nobody's (nothing released).
+
+SHARED_STYLES = ["one shared aio[key]", "one shared hold", "one shared read"]
+
+
+@pytest.mark.parametrize("style", SHARED_STYLES)
+def test_a_block_object_shared_by_two_tasks_releases_each_tasks_own_hold(impl, style) -> None:
+    """Two tasks enter one object (for reading both are inside at once; else the second
+    waits in ``__aenter__`` until the first exits): each exit releases its task's hold."""
+    locks = getattr(impl, BLOCKS[style][0])()
+    shared = _shared(locks, style)
+
+    async def main() -> None:
+        inside = {name: asyncio.Event() for name in "ab"}
+        leave = {name: asyncio.Event() for name in "ab"}
+
+        async def user(name: str) -> None:
+            async with shared:
+                inside[name].set()
+                await leave[name].wait()
+                assert locks.aio.owned("k")
+            assert not locks.aio.owned("k")
+
+        a = asyncio.create_task(user("a"))
+        await inside["a"].wait()
+        b = asyncio.create_task(user("b"))
+        if _reads(style):
+            await inside["b"].wait()
+            assert locks.readers("k") == 2
+        else:
+            await until(lambda: locks.stats().waiting == 1, "b waits to enter")
+        leave["a"].set()
+        await a  # a's exit releases a's hold: b enters (if it waited), or still reads
+        await inside["b"].wait()
+        if _reads(style):
+            assert locks.readers("k") == 1
+        else:
+            assert locks.owner("k") is b and locks.stats().waiting == 0
+        leave["b"].set()
+        await b
+        assert "k" not in locks
+
+    run(main)
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def _recording_tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Task[Any]]:
+    """Every task ``loop`` creates from now on (asyncio's async-generator finalizer's too)."""
+    created: list[asyncio.Task[Any]] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        created.append(task)
+        return task
+
+    loop.set_task_factory(factory)  # type: ignore[arg-type]
+    return created
+
+
+DROPPED_STYLES = ["aio[key]", "one shared aio[key]", "hold", "one shared hold"]
+
+
+async def _drop_a_generator_inside(locks: Any, style: str, shared: Any) -> asyncio.Task[Any]:
+    """The current task (the consumer) breaks out of ``async for`` over an async generator
+    suspended inside a block of ``style`` holding "k", and so drops it: asyncio's
+    async-generator finalizer closes it in a task of its own (returned, done), whose
+    GeneratorExit runs the block's exit while the consumer is alive and inside."""
+    created = _recording_tasks(asyncio.get_running_loop())
+    closed_in: list[Any] = []
+
+    async def generator() -> AsyncIterator[int]:
+        try:
+            async with BLOCKS[style][1](locks, shared):
+                yield 1
+                yield 2
+        finally:
+            closed_in.append(asyncio.current_task())
+
+    async for _ in generator():
+        break  # the generator is dropped here (its last reference)
+    await until(lambda: bool(closed_in), "asyncio's finalizer closes the generator")
+    finalizer = closed_in[0]
+    assert finalizer is not asyncio.current_task() and finalizer in created
+    await until(finalizer.done, "the finalizer's task ends")
+    assert not finalizer.cancelled() and finalizer.exception() is None
+    return finalizer  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("ending", ["releases", "ends"])
+@pytest.mark.parametrize("style", DROPPED_STYLES)
+def test_a_dropped_async_generator_finalized_by_asyncio_releases_nothing(impl, style,
+                                                                       ending) -> None:
+    """The finalizer's task is not inside and no task inside is gone: the exit is nobody's
+    that can be told, so it releases nothing (neither the consumer's hold nor, in the
+    finalizer's task, anything: no NotOwnedError) and the consumer keeps "k" until it
+    releases it, or ends (AbandonedLockWarning)."""
+    locks = impl.LockManager()
+    shared = _shared(locks, style)
+    errors: list[dict[str, Any]] = []
+
+    async def consumer() -> None:
+        await _drop_a_generator_inside(locks, style, shared)
+        assert locks.owner("k") is asyncio.current_task()
+        assert locks.aio.recursion_count("k") == 1
+        if ending == "releases":
+            locks.aio.release("k")
+            assert "k" not in locks
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context:
+                                                         errors.append(context))
+        with abandoned_warnings() as caught:
+            await asyncio.create_task(consumer())
+            await until(lambda: "k" not in locks, "the consumer's end releases k")
+        assert any("'k'" in str(warning.message) for warning in caught) == (ending == "ends")
+        if style.startswith("one shared"):  # the consumer is left listed inside: done
+            async with shared:
+                assert locks.aio.recursion_count("k") == 1
+            assert "k" not in locks
+
+    run(main)
+    assert not errors, errors
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+def test_a_dropped_async_generator_finalized_by_asyncio_keeps_the_finalizers_own_hold(
+        impl) -> None:
+    """Case (3) never releases for the current task, even when it holds the key another
+    way: here the consumer lets "k" go while still inside the generator's block, and the
+    finalizer's task holds "k" (``acquire``) when it closes the generator."""
+    locks = impl.LockManager()
+    shared = locks.aio["k"]
+    errors: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda loop, context: errors.append(context))
+        finalizers: list[asyncio.Task[Any]] = []
+        levels_at_close: list[int] = []
+
+        async def generator() -> AsyncIterator[int]:
+            try:
+                async with shared:
+                    yield 1
+            finally:
+                levels_at_close.append(locks.aio.recursion_count("k"))
+
+        async def holding_k(aclose: Any) -> None:  # the finalizer's task, holding "k"
+            await locks.aio.acquire("k")
+            await aclose
+            assert locks.aio.recursion_count("k") == 1  # its own hold, kept
+            locks.aio.release("k")
+
+        def factory(loop: asyncio.AbstractEventLoop, coro: Any,
+                    **kwargs: Any) -> asyncio.Task[Any]:
+            task = asyncio.Task(holding_k(coro), loop=loop, **kwargs)
+            finalizers.append(task)
+            return task
+
+        async for _ in generator():
+            locks.aio.release("k")  # the consumer lets "k" go, still inside the block
+            loop.set_task_factory(factory)  # type: ignore[arg-type]
+            break  # the generator is dropped: asyncio's finalizer closes it
+        await until(lambda: bool(finalizers), "asyncio's finalizer makes its task")
+        loop.set_task_factory(None)
+        await until(finalizers[0].done, "the finalizer's task ends")
+        assert not finalizers[0].cancelled() and finalizers[0].exception() is None
+        assert levels_at_close == [1]
+        assert "k" not in locks
+
+    run(main)
+    assert not errors, errors
+    assert len(locks) == 0
+
+
+@pytest.mark.parametrize("style", ["one shared aio[key]", "one shared hold"])
+def test_an_async_generator_closed_by_its_own_task_releases_a_shared_objects_key(impl,
+                                                                               style) -> None:
+    """Case (2), beside a task left listed inside that is live (not gone): the generator's
+    own task's ``aclose()`` is its exit, and releases."""
+    locks = impl.LockManager()
+    shared = _shared(locks, style)
+
+    async def main() -> None:
+        generator = _inside_twice(shared)
+        await generator.__anext__()
+        assert locks.aio.recursion_count("k") == 2
+        await generator.aclose()
+        assert "k" not in locks
+
+    run(main)
+    assert len(locks) == 0
+
+
+@pytest.mark.parametrize("style", SHARED_STYLES)
+def test_a_done_task_left_listed_does_not_skip_other_tasks_ordinary_exits(impl, style) -> None:
+    """A task that finished inside a shared object's block (its coroutine left suspended
+    there, never closed) stays listed inside, gone (by a weak reference: the object does not
+    keep it alive): the ordinary exits of other tasks are theirs all the same, and release."""
+    locks = getattr(impl, BLOCKS[style][0])()
+    shared = _shared(locks, style)
+    left: list[Any] = []
+
+    async def leaves_it_suspended() -> None:
+        async def in_block() -> None:
+            async with shared:
+                await asyncio.Future()  # never set: suspended here for good
+        coroutine = in_block()
+        coroutine.send(None)
+        left.append(coroutine)  # kept: never closed while the test runs
+
+    async def main() -> None:
+        with abandoned_warnings() as caught:
+            finished = asyncio.create_task(leaves_it_suspended())
+            await finished
+            await until(lambda: "k" not in locks, "the finished task's keys are released")
+        assert any("'k'" in str(warning.message) for warning in caught), caught
+        finished_ref = weakref.ref(finished)
+        del finished
+        gc.collect()
+        assert finished_ref() is None, "the object keeps a task inside alive"
+        for _ in range(2):
+            async with shared:
+                async with shared:
+                    assert locks.aio.owned("k")
+                assert locks.aio.owned("k")
+            assert "k" not in locks
+            await asyncio.create_task(uses_it())
+            assert "k" not in locks
+
+    async def uses_it() -> None:
+        async with shared:
+            assert locks.aio.owned("k")
+        assert not locks.aio.owned("k")
+
+    run(main)
+    for coroutine in left:
+        coroutine.close()  # the gone task's exit: releases nothing, raises nothing
+    assert len(locks) == 0 and locks.stats().waiting == 0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 
-from lockmgr import bench
+from lockmgr import _pure, bench
 
 
 @pytest.mark.parametrize(("order", "expected"), [
@@ -130,3 +131,73 @@ def test_asyncio_scenarios_measure_lockmgr(tmp_path: Path) -> None:
     metric = f"residue-after-{bench.ASYNC_MEMORY_KEYS}-keys"
     assert rows["asyncio-memory", "lockmgr", metric] < 64 * 1024
     assert rows["asyncio-memory", "dict-of-asyncio-locks", metric] > 100 * bench.ASYNC_MEMORY_KEYS
+
+
+def _results(*rows: tuple[str, str, str, float, str]) -> bench.Results:
+    results = bench.Results()
+    for row in rows:
+        results.add(*row)
+    return results
+
+
+def test_panels_drop_empty_metrics_and_log_scale_wide_ones() -> None:
+    results = _results(
+        ("uncontended", "lockmgr", "acquire+release", 80.0, "ns"),
+        ("uncontended", "threading.Lock", "acquire+release", 50.0, "ns"),
+        ("uncontended", "lockmgr-pure", "acquire+release", 9000.0, "ns"),
+        ("fairness", "lockmgr", "max-overtaken", 0.0, "times"),
+        ("fairness", "threading.Lock", "max-overtaken", 0.0, "times"),
+        ("hot-key", "lockmgr", "throughput", 2e6, "acq/s"),
+        ("hot-key", "threading.Lock", "throughput", 1e6, "acq/s"),
+        ("asyncio-uncontended", "lockmgr", "with-block", 500.0, "ns"),
+        ("asyncio-uncontended", "asyncio.Lock", "with-block", 600.0, "ns"),
+    )
+    found = bench.panels(results, ["lockmgr", "lockmgr-pure", "threading.Lock", "asyncio.Lock"])
+    assert [(panel.scenario, panel.log) for panel in found] == [
+        ("uncontended", True), ("hot-key", False), ("asyncio-uncontended", False)]
+    assert found[0].title == "uncontended: acquire+release (lower is better)"
+    assert found[1].title == "hot-key: throughput (higher is better)"
+    assert list(found[0].values) == ["lockmgr", "lockmgr-pure", "threading.Lock"]
+    summary = {panel.scenario: ratios for panel, ratios in bench.ratios(found)}
+    assert summary["uncontended"] == {"lockmgr": 1.6, "lockmgr-pure": 180.0}
+    assert summary["hot-key"] == {"lockmgr": 2.0}
+    assert summary["asyncio-uncontended"] == {"lockmgr": 500.0 / 600.0}  # to asyncio.Lock
+
+
+def test_contention_report_draws_or_needs_matplotlib(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    picture = tmp_path / "report.png"
+    code = bench.main(["--quick", "--threads", "2", "--keys", "50",
+                       "--contention-report", str(picture)])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 2 and "pip install 'lockmgr[plot]'" in capsys.readouterr().err
+        assert not picture.exists()
+        return
+    assert code == 0 and picture.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "hot-key: " in out and "many-keys (Zipf): " in out and "hot keys: 'hot'" in out
+
+
+def test_the_contention_runs_measure_waits() -> None:
+    measured = bench.contention_runs(
+        _pure.LockManager, bench.Settings(quick=True, threads=2, keys=20))
+    hot = measured["hot-key"]
+    assert hot.contended > 0 and hot.wait_time.count == hot.contended
+    assert hot.hot_keys[0].key == "hot"
+    assert measured["many-keys (Zipf)"].acquisitions > 0
+
+
+def test_a_contention_report_where_nothing_waited(tmp_path: Path) -> None:
+    measured = bench.contention_runs(_pure.LockManager, bench.Settings(quick=True, threads=1, keys=5))
+    assert list(bench.report_lines(measured)) == [
+        f"{run}: {metrics.acquisitions:,} acquisitions, none waited"
+        for run, metrics in measured.items()]
+    picture = tmp_path / "report.png"
+    if importlib.util.find_spec("matplotlib") is None:  # free-threaded builds: no wheel
+        with pytest.raises(ModuleNotFoundError):
+            bench.contention_report(measured, str(picture))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no empty log-scaled panel, no empty legend
+        bench.contention_report(measured, str(picture))
+    assert picture.stat().st_size > 0

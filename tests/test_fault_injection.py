@@ -49,10 +49,12 @@ def test_mix_with_finalizers_and_handlers_calling_back(impl, fair) -> None:
             engine, seen = manager[counter]
             assert engine == seen, f"{name}.stats().{counter} is {engine}, callers saw {seen}"
         assert manager["contended_le_acquisitions"], name
+        measured, contended = manager["waits_measured"]
+        assert measured == contended, f"{name}: {measured} waits measured, {contended} contended"
     faults = report["faults"]
     # The faults really ran, many times, inside lock calls.
     assert faults["signals"] >= 20 and faults["collections"] >= 20, faults
-    assert faults["meddle:took"] > 0
+    assert faults["meddle:took"] > 0 and faults["meddle:observed"] > 0
     # Every handler probed a key held elsewhere: inside one of the main thread's waits that
     # is NestedWaitError (engine v2), outside it a short wait that times out.
     assert faults["probe:waited"] + faults["probe:nested"] == faults["signals"], faults

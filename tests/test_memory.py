@@ -63,6 +63,7 @@ def test_waiting_and_timeouts_leave_nothing_behind(impl, workers) -> None:
             assert not locks.acquire(i, timeout=0.0001)
         holder.run(locks.release_all)
 
+    contend()  # once first: what a first timeout allocates for good (the holder's token…)
     assert _traced_growth(locks, contend) < 16 * 1024
     assert len(locks) == 0
 

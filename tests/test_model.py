@@ -24,7 +24,7 @@ KEYS = ("a", "b", 3)
 #: within this, or the step fails. Short, so a wrong block fails fast and hypothesis can shrink
 #: it to a counterexample (rather than each replay waiting PATIENCE); long enough for a
 #: loaded 2-core machine, where an uncontended call takes microseconds.
-STEP = 2.0
+STEP = 5.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -14,12 +14,15 @@ import sys
 
 import pytest
 
+from conftest import xfail_if_the_interpreter_aborted
+
 TIMEOUT = 120  # seconds for a child; each one needs well under a second when it works
 
 
 def run_child(code: str) -> dict:  # type: ignore[type-arg]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=TIMEOUT)
+    xfail_if_the_interpreter_aborted(done.returncode, done.stderr, pure=True)
     assert done.returncode == 0, done.stderr
     assert "Exception ignored" not in done.stderr, done.stderr  # nothing failed unseen
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
@@ -346,11 +349,6 @@ print(json.dumps({{"seen": seen, "mutex_free": not pure._mutex,
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
-@pytest.mark.xfail(
-    not getattr(sys, "_is_gil_enabled", lambda: True)(), strict=False,
-    reason="CPython 3.13.5t itself aborts ('The futex facility returned an unexpected error "
-           "code') or segfaults in about one run in eight of this pure-Python signal storm "
-           "with the GIL off: an interpreter bug, not lockmgr's (no C of ours runs here)")
 def test_signals_sent_to_the_main_thread_are_handled_between_sections() -> None:
     """Handlers of signals aimed at the main thread run before or after a section, never
     inside one; those that raise leave nothing held or queued, and the mask as it was."""

@@ -21,7 +21,7 @@ import threading
 
 import pytest
 
-from conftest import PATIENCE, wait_until
+from conftest import PATIENCE, wait_until, xfail_if_the_interpreter_aborted
 from lockmgr import DeadlockError
 
 POSIX_SIGNALS = pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
@@ -128,6 +128,8 @@ def run_child(impl, body: str, early: str = "") -> subprocess.CompletedProcess[s
 
 def outcome(done: subprocess.CompletedProcess[str]) -> dict:
     """The child's last JSON line, once it exited with status 0."""
+    xfail_if_the_interpreter_aborted(done.returncode, done.stderr,
+                                     pure=done.args[-1] == "lockmgr._pure")
     assert done.returncode == 0, (
         f"child exited with {done.returncode}\nstdout: {done.stdout[-2000:]}\n"
         f"stderr: {done.stderr[-4000:]}")

@@ -22,7 +22,7 @@ import pytest
 
 from lockmgr._common import FREE_THREADED_SHARDS, MAX_SHARDS, shards_per_table
 
-from conftest import PATIENCE, abandoned_warnings
+from conftest import PATIENCE, end_holding_keys_of_a_freed_manager
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -92,42 +92,32 @@ def test_a_manager_freed_while_another_thread_holds_its_keys_drops_them_at_once(
 
 
 def test_a_thread_that_ends_holding_keys_of_a_freed_manager_warns_only_of_live_ones(impl) -> None:
-    doomed = impl.LockManager()
     live = impl.LockManager()
-    took = threading.Event()
-    go = threading.Event()
-
-    def hold_and_end() -> None:
-        doomed.acquire("gone")
-        live.acquire("left")
-        took.set()
-        assert go.wait(PATIENCE)
-
-    with abandoned_warnings() as caught:
-        thread = threading.Thread(target=hold_and_end)  # started inside: see abandoned_warnings
-        thread.start()
-        assert took.wait(PATIENCE)
-        ref = weakref.ref(doomed)
-        del doomed
-        gc.collect()
-        assert ref() is None
-        go.set()
-        thread.join(PATIENCE)
+    caught = end_holding_keys_of_a_freed_manager(impl.LockManager, lambda: live.acquire("left"))
     assert len(caught) == 1 and "'left'" in str(caught[0].message)
     assert "'gone'" not in str(caught[0].message)
     assert len(live) == 0 and live.acquire("left", blocking=False)
 
 
-def test_managers_freed_while_other_threads_run_fast_paths_on_theirs(impl) -> None:
+@pytest.mark.parametrize("stripes", [None, 16], ids=["exact", "striped"])
+def test_managers_freed_while_other_threads_run_fast_paths_on_theirs(impl, stripes) -> None:
     """Tearing a table down touches other threads' lists only through orphans: threads that
     keep taking and giving back keys (and keep keys of the managers being freed) while
-    managers are freed lose nothing and crash nothing. Run apart: a bug here crashes."""
+    managers are freed lose nothing and crash nothing. Run apart: a bug here crashes.
+    Striped: the compiled core's entries hold the stripes borrowed from their manager."""
     code = f"""
 import gc, sys, threading, time
 from {impl.__name__} import LockManager, RWLockManager
-THREADS, ROUNDS = 4, 300
-shared = LockManager()
-doomed = [RWLockManager() for _ in range(ROUNDS)]
+THREADS, ROUNDS, STRIPES = 4, 300, {stripes!r}
+shared = LockManager(stripes=STRIPES)
+doomed = [RWLockManager(stripes=STRIPES) for _ in range(ROUNDS)]
+# Each thread's written key on a stripe of its own (striped: else one would wait forever).
+written, used, i = [], {{doomed[0].stripe_of("r")}}, 0
+while len(written) < THREADS:
+    key, i = ("w", i), i + 1
+    if STRIPES is None or doomed[0].stripe_of(key) not in used:
+        written.append(key)
+        used.add(doomed[0].stripe_of(key))
 counts = [0] * THREADS
 errors = []
 start = threading.Barrier(THREADS + 1)
@@ -137,7 +127,7 @@ def churn(index):
         start.wait()
         for round in range(ROUNDS):
             manager = doomed[round]
-            manager.acquire_write(("w", index))   # left behind: an orphan once it is freed
+            manager.acquire_write(written[index])  # left behind: an orphan once it is freed
             manager.acquire_read("r")
             for i in range(20):
                 with shared[("k", index, i % 3)]:

@@ -28,6 +28,7 @@ from ._common import (
     NestedWaitError,
     NotOwnedError,
 )
+from ._observe import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
 
 __all__ = [
     "AbandonedLockWarning",
@@ -35,15 +36,21 @@ __all__ = [
     "AsyncLockManager",
     "AsyncRWLockManager",
     "DeadlockError",
+    "Histogram",
+    "Holder",
+    "HotKey",
     "KeyLock",
+    "KeyState",
     "LockError",
     "LockLost",
     "LockManager",
+    "LockMetrics",
     "LockStats",
     "LockTimeout",
     "NestedWaitError",
     "NotOwnedError",
     "RWLockManager",
+    "Waiter",
     "implementation",
     "implementation_reason",
 ]
@@ -105,7 +112,7 @@ else:
 
 for _exported in (
     AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
-    NestedWaitError, NotOwnedError,
+    NestedWaitError, NotOwnedError, Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter,
 ):
     _exported.__module__ = __name__
 del _exported

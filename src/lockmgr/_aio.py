@@ -14,26 +14,44 @@ queue FIFO together, and a cycle among them is a DeadlockError. Both engines imp
   request out of the queues first. ``wait.waker`` is how a grant reaches the task (posted
   after the granting section);
 - ``wait.settle(consumed, deadline)`` (``consumed``: the task took a post) answers True
-  (granted), False (timed out: it left the queues), None (still waiting) or ``AWAIT_POST``
+  (granted: ``wait.complete()`` ends it; an exception before that gives the grant back),
+  False (timed out: it left the queues), None (still waiting) or ``AWAIT_POST``
   (a wake-up is on its way: wait for it, whatever the deadline); ``wait.deadline`` and
-  ``wait.timed_out()`` (False, or raises the LockTimeout) complete it;
+  ``wait.timed_out()`` (False, or raises the LockTimeout) complete it; ``wait.log_at`` is
+  when the slow-wait log wants ``wait.log_slow()`` (< 0: never), a logged wait ends with
+  ``wait.log_end(granted)``, and a granted one with ``wait.observe()`` (the manager's wait
+  observers);
 - ``wait.abandon()`` takes the request out of the queues, or gives back a grant that raced
   the exception (a cancellation): the key goes to the next waiter; ``_task_abandon()`` does
   the same for the current task's request, if it has one (an exception between the
   acquiring call and the await); a task that is done abandons a wait it never awaited;
+- ``_task_enter(key, mode, seconds, raises_timeout, inside, frame)`` and
+  ``_task_enter_many(items, seconds, raises_timeout, inside, frame)``, for an ``async
+  with`` block running in ``frame``, count the block in with ``inside._count_in(frame,
+  task)`` once the task holds what it asked for, at once or when its wait is granted
+  (``inside``: the object's record, from ``_task_blocks()``);
+- ``_task_blocks()`` makes the record of an ``async with`` object's blocks: a
+  ``BlocksInside`` (the core's is in C);
 - ``_task_key_lock(key)`` is ``aio[key]``: an ``AsyncKeyLock`` (the core has its own);
-- ``_task_exit(key, mode)`` and ``_task_exit_many(items)`` release and answer a ready
-  awaitable of None (``__aexit__``); ``_task_release``, ``_task_release_many``,
-  ``_task_release_all`` and ``_task_levels`` are the sync methods with the current task as
-  owner.
+- ``_task_exit(inside, frame, kind, key, mode)`` and ``_task_exit_many(inside, frame,
+  kind, items)`` are the exit of a block running in ``frame`` (``kind``: the exception's
+  type): they release for the current task, unless the block was another task's (a
+  coroutine closed by the garbage collector, an async generator finalized by asyncio:
+  that task's end released, or will release, what it holds: NotOwnedError if not under a
+  GeneratorExit) or was entered in another frame under a GeneratorExit (see
+  ``BlocksInside``); either way they answer a ready awaitable of None;
+- ``_task_release``, ``_task_release_many``, ``_task_release_all`` and ``_task_levels``
+  are the sync methods with the current task as owner.
 
-Every method raises RuntimeError outside a running task.
+Every method but the exits raises RuntimeError outside a running task.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
@@ -63,16 +81,28 @@ async def _wait_for_grant(wait: Any) -> bool:
     """Sleep until the queued request of ``wait`` is granted (True) or times out
     (``wait.timed_out()``). Any exception (a cancellation) takes it out of the queues, or
     passes a grant that raced the exception on to the next waiter, before it propagates."""
-    waker, deadline = wait.waker, wait.deadline
+    waker, deadline, log_at = wait.waker, wait.deadline, wait.log_at
     outcome: object = None
+    logged = False
     try:
         while True:
-            await waker.sleep(-1.0 if outcome is AWAIT_POST else deadline)
+            wake_at = deadline
+            if log_at >= 0 and not logged and (deadline < 0 or log_at < deadline):
+                wake_at = log_at
+            await waker.sleep(-1.0 if outcome is AWAIT_POST else wake_at)
             outcome = wait.settle(waker.take_post(), deadline)
-            if outcome is True:
-                return True
-            if outcome is False:
+            if outcome is True or outcome is False:
+                if outcome is True:
+                    wait.observe()
+                if logged:
+                    wait.log_end(outcome)
+                if outcome is True:
+                    wait.complete()
+                    return True
                 return bool(wait.timed_out())
+            if log_at >= 0 and not logged and time.monotonic() >= log_at:
+                logged = True
+                wait.log_slow()
     except BaseException:
         wait.abandon()
         raise
@@ -91,61 +121,69 @@ async def _take(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any)
 
 
 class _AsyncHolding:
-    """``async with aio.hold(key)`` (and ``read``/``write``): LockTimeout if not acquired."""
+    """``async with aio.hold(key)`` (and ``read``/``write``): LockTimeout if not acquired.
+    Its exit releases for the task whose block it is (see ``BlocksInside``)."""
 
-    __slots__ = ("_key", "_manager", "_mode", "_seconds")
+    __slots__ = ("_inside", "_key", "_manager", "_mode", "_seconds")
 
     def __init__(self, manager: Any, key: Hashable, seconds: float, mode: int) -> None:
         self._manager = manager
         self._key = key
         self._seconds = seconds
         self._mode = mode
+        self._inside = manager._task_blocks()
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
             return manager._task_enter(  # type: ignore[no-any-return]
-                self._key, self._mode, self._seconds, True)
+                self._key, self._mode, self._seconds, True, self._inside, sys._getframe(1))
         except BaseException:
             manager._task_abandon()
             raise
 
-    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
-        return self._manager._task_exit(self._key, self._mode)  # type: ignore[no-any-return]
+    def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit(  # type: ignore[no-any-return]
+            self._inside, sys._getframe(1), kind, self._key, self._mode)
 
 
 class _AsyncHoldingMany:
-    """``async with aio.hold_many(...)``: every key for the block, or LockTimeout."""
+    """``async with aio.hold_many(...)``: every key for the block, or LockTimeout. Its exit
+    releases for the task whose block it is (see ``BlocksInside``)."""
 
-    __slots__ = ("_items", "_manager", "_seconds")
+    __slots__ = ("_inside", "_items", "_manager", "_seconds")
 
     def __init__(self, manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> None:
         self._manager = manager
         self._items = items
         self._seconds = seconds
+        self._inside = manager._task_blocks()
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
             return manager._task_enter_many(  # type: ignore[no-any-return]
-                self._items, self._seconds, True)
+                self._items, self._seconds, True, self._inside, sys._getframe(1))
         except BaseException:
             manager._task_abandon()
             raise
 
-    def __aexit__(self, *exc_info: object) -> Awaitable[None]:
-        return self._manager._task_exit_many(self._items)  # type: ignore[no-any-return]
+    def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit_many(  # type: ignore[no-any-return]
+            self._inside, sys._getframe(1), kind, self._items)
 
 
 class AsyncKeyLock(Generic[K]):
     """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
-    (reentrant; ``async with`` acquires and releases it)."""
+    (reentrant; ``async with`` acquires and releases it). One view may serve many tasks:
+    its exit releases for the task whose block it is (see ``BlocksInside``)."""
 
-    __slots__ = ("_key", "_manager")
+    __slots__ = ("_inside", "_key", "_manager")
 
     def __init__(self, manager: Any, key: K) -> None:
         self._manager = manager
         self._key = key
+        self._inside = manager._task_blocks()
 
     @property
     def key(self) -> K:
@@ -167,14 +205,16 @@ class AsyncKeyLock(Generic[K]):
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
-            return manager._task_enter(self._key, WRITE, -1.0, False)  # type: ignore[no-any-return]
+            return manager._task_enter(  # type: ignore[no-any-return]
+                self._key, WRITE, -1.0, False, self._inside, sys._getframe(1))
         except BaseException:
             manager._task_abandon()
             raise
 
-    def __aexit__(self, exc_type: type[BaseException] | None,
+    def __aexit__(self, kind: type[BaseException] | None,
                   exc: BaseException | None, traceback: TracebackType | None) -> Awaitable[None]:
-        return self._manager._task_exit(self._key, WRITE)  # type: ignore[no-any-return]
+        return self._manager._task_exit(  # type: ignore[no-any-return]
+            self._inside, sys._getframe(1), kind, self._key, WRITE)
 
     def __reduce__(self) -> Any:
         raise TypeError(PICKLE_ERROR)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar
@@ -26,8 +27,11 @@ __all__ = [
     "MAIN_THREAD_SLICE",
     "AWAIT_POST",
     "AbandonedLockWarning",
+    "BlocksInside",
     "LOOP_THREAD",
+    "NOT_ENTERED",
     "Waker",
+    "current_task_or_none",
     "current_task_or_raise",
     "not_in_task",
     "running_loop",
@@ -247,12 +251,65 @@ LOOP_THREAD: Any = _LoopThread()
 AWAIT_POST = "await post"
 
 
+NOT_ENTERED: Any = type("NotEntered", (), {"__repr__": lambda self: "NOT_ENTERED"})()
+
+
+class BlocksInside:
+    """Which task runs each block of one ``async with`` object, by the frame that runs the
+    block. One object may serve many tasks (a shared ``hold()`` object, an ``aio[key]``
+    view), and a block's exit may run in another task than its own, or in none: the
+    GeneratorExit of a coroutine the garbage collector closes (a task stranded on a closed
+    loop, or done with a block left suspended), or of an async generator asyncio finalizes
+    in a task of its own. Only the frame tells whose exit it is: a frame runs for one task.
+
+    A block is counted in once its task holds what it asked for (``_count_in``, at once
+    or when its wait is granted), so a failed entry leaves nothing here; its exit asks
+    ``_leave`` whose block it was. A block entered in another frame than its exit's (through
+    a ``contextlib.AsyncExitStack``, or a wrapper's ``__aenter__``) cannot be told apart:
+    its exit gives back an entry of the current task's instead, so entries stay bounded,
+    and releases nothing under GeneratorExit (a collected task's exit and the current
+    task's own look alike there). Tasks are held weakly: a stranded task whose block never
+    exits is not kept alive by a long-lived object. Each frame's entry is changed only by
+    the code running that frame (or closing it), so no lock is needed."""
+
+    __slots__ = ("_by_frame",)
+
+    def __init__(self) -> None:
+        self._by_frame: dict[Any, list[Any]] = {}  # frame -> [ref to its task, blocks]
+
+    def _count_in(self, frame: Any, task: Any) -> None:
+        entry = self._by_frame.get(frame)
+        if entry is None:
+            self._by_frame[frame] = [weakref.ref(task), 1]
+        else:
+            entry[1] += 1
+
+    def _leave(self, frame: Any, current: Any) -> Any:
+        """A weak reference to the task whose block in ``frame`` exits; NOT_ENTERED if none
+        was counted in there (then an entry of ``current``, the running task, goes)."""
+        entry = self._by_frame.get(frame)
+        entered = NOT_ENTERED if entry is None else entry[0]
+        if entry is None and current is not None:
+            frame, entry = next(((other, entry) for other, entry in list(self._by_frame.items())
+                                 if entry[0]() is current), (None, None))
+        if entry is not None:
+            entry[1] -= 1
+            if not entry[1]:
+                self._by_frame.pop(frame, None)
+        return entered
+
+
+def current_task_or_none() -> Any:
+    """The running asyncio task, or None outside one."""
+    try:
+        return sys.modules["asyncio"].current_task()  # imported by whoever runs a loop
+    except (KeyError, RuntimeError):  # no asyncio yet, or no running loop
+        return None
+
+
 def current_task_or_raise() -> Any:
     """The running asyncio task: the owner of every ``aio`` call (RuntimeError outside one)."""
-    try:
-        task = sys.modules["asyncio"].current_task()  # imported by whoever runs a loop
-    except (KeyError, RuntimeError):  # no asyncio yet, or no running loop
-        task = None
+    task = current_task_or_none()
     if task is None:
         not_in_task()
     return task
@@ -404,6 +461,12 @@ def not_owned(key: object) -> NotOwnedError:
     return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
 
 
+def not_this_tasks_block(key: object) -> NotOwnedError:
+    """An ``async with`` block's exit run by a task other than the one that entered it
+    (which keeps the key)."""
+    return NotOwnedError(f"the block holding key {_short.repr(key)} belongs to another task")
+
+
 def pinned(key: object) -> NotOwnedError:
     """Releasing a level that a waiting ``acquire_many`` of the same thread took."""
     return NotOwnedError(f"key {_short.repr(key)} is held only by a waiting acquire_many of this thread")
@@ -452,7 +515,7 @@ PICKLE_ERROR = "lock managers and their views cannot be pickled: locks belong to
 
 
 class _Holder(Protocol):
-    def hold(self, key: Any, timeout: float | None = None) -> AbstractContextManager[bool]: ...
+    def hold(self, key: Any, timeout: float | None = None) -> AbstractContextManager[object]: ...
 
 
 P = ParamSpec("P")

@@ -99,14 +99,28 @@ from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, 
 from typing import Any, Generic, ParamSpec, TypeVar, final
 
 from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _wait_for_grant
+from ._observe import (
+    HISTOGRAM_BOUNDS,
+    HOT_KEY_SLOTS,
+    KeyState,
+    LockMetrics,
+    bucket_of,
+    build_metrics,
+    build_snapshot,
+    log_slow_wait,
+    log_wait_end,
+    log_waits_after_seconds,
+)
 from ._common import (
     HANDOFF_AFTER,
     LOOP_THREAD,
     MAIN_THREAD_SLICE,
     MAX_COUNT,
+    NOT_ENTERED,
     PICKLE_ERROR,
     READ,
     WRITE,
+    BlocksInside,
     LockStats,
     count_overflow,
     deadlock,
@@ -115,7 +129,9 @@ from ._common import (
     manager_repr,
     many_items,
     nested_wait,
+    not_in_task,
     not_owned,
+    not_this_tasks_block,
     pinned,
     restored_count,
     rw_items,
@@ -127,6 +143,7 @@ from ._common import (
     wait_seconds,
     warn_abandoned,
     Waker,
+    current_task_or_none,
     current_task_or_raise,
     running_loop,
 )
@@ -166,10 +183,11 @@ def _failure(verdict: object, key: object) -> BaseException:
 
 
 _ABANDON_ATTEMPTS = 5  # see _Engine._acquire
+_DROP_ROOM = HOT_KEY_SLOTS  # keys one section may evict from a hot-key summary (the core's)
 _WAIT_SLICE = MAIN_THREAD_SLICE  # the longest sleep of a waiter between two checks
 
 _mutex: dict[int, int] = {}  # {0: ident of the thread inside a section}; see the docstring
-_retired: list[_Entry] = []  # entries dropped by the running section (see _section)
+_retired: list[object] = []  # entries and keys dropped by the running section (see _section)
 _to_wake: list[Waker] = []  # tasks the running section granted or woke: posted after it
 _get_ident = threading.get_ident
 _yield_gil = time.sleep  # time.sleep(0): let the section's holder run
@@ -340,6 +358,13 @@ def _task_token(create: bool = True) -> _TaskToken | None:
     return token
 
 
+def _running_task_token() -> _TaskToken:
+    """The current task's token, made at its first acquisition (RuntimeError outside a task)."""
+    token = _task_token()
+    assert token is not None
+    return token
+
+
 def _task_done(task: Any) -> None:
     """A task ended: release what it still holds (with AbandonedLockWarning), as a thread's
     exit does."""
@@ -350,6 +375,12 @@ def _task_done(task: Any) -> None:
         for _ in range(_EXIT_ROUNDS):
             if not _release_abandoned(token):
                 break
+
+
+def end_stranded_task(task: Any) -> None:
+    """The compiled core's ``end_stranded_task``: a task whose event loop was closed while
+    it was pending can never run again; end it here, as its done-callback would."""
+    _task_done(task)
 
 
 class _Ready:
@@ -366,6 +397,39 @@ class _Ready:
 
 
 _READY_TRUE, _READY_FALSE, _READY_NONE = _Ready(True), _Ready(False), _Ready(None)
+
+
+def _count_block_in(got: object, token: _TaskToken, inside: BlocksInside | None,
+                    frame: Any) -> None:
+    """Count an ``async with`` block (running in ``frame``) in once its task holds what it
+    asked for: now, or when its wait is granted."""
+    if inside is None:
+        return
+    if got is True:
+        inside._count_in(frame, token.ident)
+    elif type(got) is _TaskWait:
+        got.entering, got.entering_frame = inside, frame
+
+
+def _exit_releases(inside: BlocksInside, frame: Any, kind: type[BaseException] | None,
+                   key: Hashable) -> bool:
+    """Whether the exit of a block running in ``frame`` releases ``key``, for the current
+    task: not if the block was another task's (see ``BlocksInside``; NotOwnedError unless
+    its coroutine is being closed), nor under a GeneratorExit for a block entered in
+    another frame. RuntimeError outside a task otherwise."""
+    current = current_task_or_none()
+    entered = inside._leave(frame, current)
+    if entered is not NOT_ENTERED:
+        if current is None or entered() is not current:
+            if kind is GeneratorExit:
+                return False
+            raise not_this_tasks_block(key)
+        return True
+    if kind is GeneratorExit:
+        return False
+    if current is None:
+        not_in_task()
+    return True
 
 
 def _task_awaitable(got: object, keys: object, seconds: float,
@@ -386,19 +450,25 @@ def _task_awaitable(got: object, keys: object, seconds: float,
 class _TaskWait:
     """A task's queued request (see lockmgr._aio for the protocol)."""
 
-    __slots__ = ("awaited", "deadline", "keys", "manager", "raises_timeout", "request",
-                 "seconds", "waker")
+    __slots__ = ("awaited", "deadline", "entering", "entering_frame", "keys", "log_at",
+                 "manager", "raises_timeout", "request", "seconds", "waker")
 
     def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
         self.manager = manager
         self.request = request
         self.waker = waker
         self.awaited = False
+        # The record of the ``async with`` block whose ``__aenter__`` queued it, and the frame
+        # running that block (else None): counts the block in once granted.
+        self.entering: BlocksInside | None = None
+        self.entering_frame: Any = None
         waker.lost = self._loop_closed
         self.deadline = -1.0  # _task_awaitable sets these
         self.raises_timeout = False
         self.keys: object = None
         self.seconds = -1.0
+        after = manager._log_after
+        self.log_at = -1.0 if after < 0 else request.since + after  # the slow-wait log's time
 
     def __await__(self) -> Generator[Any, None, bool]:
         if self.awaited:
@@ -427,13 +497,30 @@ class _TaskWait:
             return False
         verdict: bool | None = _section(self.manager._check_wait_section, self.request,
                                         None if deadline < 0 else deadline)
-        if verdict is not None:
+        if verdict is False:
             self._ended()
         return verdict
+
+    def complete(self) -> None:
+        # The block is counted in first: an exception that lands in the counting finds the
+        # grant not yet completed, which abandon() then gives back.
+        if self.entering is not None:
+            self.entering._count_in(self.entering_frame, self.request.token.ident)
+        _section(self.manager._complete_section, self.request)
+        self._ended()
 
     def abandon(self) -> None:
         _section(self.manager._abandon_section, self.request.token, None)
         self._ended()
+
+    def log_slow(self) -> None:
+        self.manager._log_slow_wait(self.request)
+
+    def log_end(self, granted: bool) -> None:
+        self.manager._log_wait_end(self.request, granted)
+
+    def observe(self) -> None:
+        self.manager._observe_wait(self.request)
 
     def _ended(self) -> None:
         token = self.request.token
@@ -545,8 +632,8 @@ def _existing_token() -> _Token | None:
 
 
 class _Request:
-    __slots__ = ("at_head", "count", "entry", "lead", "manager", "mode", "nodes", "queued",
-                 "since", "state", "token")
+    __slots__ = ("at_head", "count", "ended", "entry", "lead", "manager", "mode", "nodes",
+                 "queued", "since", "state", "token")
 
     def __init__(
         self, token: _Token, manager: _Engine, entry: _Entry, mode: int, count: int
@@ -558,6 +645,7 @@ class _Request:
         self.count = count  # recursion levels it takes (installed when granted)
         self.state = _WAITING
         self.since = time.monotonic()  # when it queued (fair=False's hand-off rule)
+        self.ended = 0.0  # when its waiter's section saw its wait end (every measure uses it)
         self.at_head = False  # an upgrade: queued before every other request
         self.lead: _Request | None = None  # multi-key: the first node, which speaks for all
         self.nodes: list[_Request] | None = None  # multi-key, on the lead: every node
@@ -571,7 +659,8 @@ class _Request:
 
 
 class _Entry:
-    __slots__ = ("count", "hash", "key", "owner", "plain", "queue", "readers", "same_hash")
+    __slots__ = ("count", "hash", "key", "owner", "plain", "queue", "read_since", "readers",
+                 "same_hash", "since")
 
     def __init__(self, key: Hashable, key_hash: int, plain: bool) -> None:
         self.key = key  # the key as first given
@@ -582,9 +671,114 @@ class _Entry:
         self.count = 0  # the write holder's recursion level
         self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
+        # When the write hold was granted to a request that waited, or else when the first
+        # request queued behind it (0.0: not timed; see lockmgr._observe); the same for
+        # read holds, by reader (None until one is timed).
+        self.since = 0.0
+        self.read_since: dict[_Token, float] | None = None
 
 
 _LOOP_THREAD = _Entry(LOOP_THREAD, 0, True)  # what a task waits for in its loop's thread
+
+
+# -- what the contended path measures (lockmgr._observe), inside sections ------------------------
+
+def _entry_state(entry: _Entry) -> tuple[Any, ...]:
+    """An entry as lockmgr._observe.build_snapshot takes it: the writer, then the readers
+    oldest first, then the queue."""
+    holders = []
+    if entry.owner is not None:
+        holders.append((entry.owner.ident, type(entry.owner) is _TaskToken, _WRITE, entry.count,
+                        entry.since))
+    read_since = entry.read_since or {}
+    for token, level in entry.readers.items():
+        holders.append((token.ident, type(token) is _TaskToken, _READ, level,
+                        read_since.get(token, 0.0)))
+    waiters = [(request.token.ident, type(request.token) is _TaskToken, request.mode,
+                (request.lead or request).since) for request in entry.queue]
+    return entry.key, holders, waiters
+
+
+def _place_in(queue: deque[_Request], request: _Request) -> int:
+    """How many requests are ahead of ``request`` in ``queue`` (all of them if it left)."""
+    for place, queued in enumerate(queue):
+        if queued is request:
+            return place
+    return len(queue)
+
+
+_LONG_LONG = range(-(1 << 63), 1 << 63)
+
+
+def _equal_without_code(a: object, b: object, depth: int = 0) -> bool:
+    """Whether the core's lockmgr_key_equal would call ``a`` and ``b`` equal: exact str,
+    bytes, ints of a long long and tuples of them (nested less than 16 deep). The hot-key
+    summary matches keys this way on both engines."""
+    return _compared_in_c(a, b, depth) == 1
+
+
+def _compared_in_c(a: object, b: object, depth: int) -> int:
+    """1 equal, 0 unequal, -1 unknown, as lockmgr_key_equal_at answers."""
+    if a is b:
+        return 1
+    kind = type(a)
+    exact = (str, bytes, int, tuple)
+    if kind is not type(b):
+        return 0 if kind in exact and type(b) in exact else -1
+    if kind is str or kind is bytes:
+        return int(a == b)
+    if kind is int:
+        return int(a == b) if a in _LONG_LONG and b in _LONG_LONG else -1
+    if kind is tuple and depth < 16:
+        if len(a) != len(b):  # type: ignore[arg-type]
+            return 0
+        unknown = False
+        for x, y in zip(a, b):  # type: ignore[call-overload]
+            item = _compared_in_c(x, y, depth + 1)
+            if item == 0:
+                return -1 if unknown else 0
+            unknown = unknown or item < 0
+        return -1 if unknown else 1
+    return -1
+
+
+def _time_grant(entry: _Entry, request: _Request) -> None:
+    """A request that waited was granted: its hold is timed from now, unless it re-entered
+    a hold timed already."""
+    if request.mode == _WRITE:
+        if not entry.since:
+            entry.since = time.monotonic()
+        return
+    if entry.read_since is None:
+        entry.read_since = {}
+    entry.read_since.setdefault(request.token, time.monotonic())
+
+
+def _time_holds(entry: _Entry, since: float) -> None:
+    """A request queued on ``entry`` at ``since``: holds not timed yet are timed from then."""
+    if entry.owner is not None and not entry.since:
+        entry.since = since
+    if entry.readers:
+        if entry.read_since is None:
+            entry.read_since = {}
+        for token in entry.readers:
+            entry.read_since.setdefault(token, since)
+
+
+def _new_histogram() -> list[Any]:
+    return [[0] * (len(HISTOGRAM_BOUNDS) + 1), 0, 0.0, 0.0]
+
+
+def _count_in(histogram: list[Any], seconds: float) -> None:
+    histogram[0][bucket_of(seconds)] += 1
+    histogram[1] += 1
+    histogram[2] += seconds
+    if seconds > histogram[3]:
+        histogram[3] = seconds
+
+
+def _histogram_copy(histogram: list[Any]) -> tuple[Any, ...]:
+    return tuple(histogram[0]), histogram[1], histogram[2], histogram[3]
 
 
 class _Unsure:
@@ -615,15 +809,22 @@ class _Engine:
         "_deadlocks",
         "_fair",
         "_held",
+        "_holds",
+        "_hot",
+        "_log_after",
+        "_observers",
         "_ref",
         "_stripe_keys",
         "_table",
         "_timeouts",
         "_waiting",
+        "_waits",
         "__weakref__",
     )
 
-    def __init__(self, stripes: int | None = None) -> None:
+    def __init__(self, stripes: int | None = None, log_waits_after: float | None = None) -> None:
+        self._log_after = log_waits_after_seconds(log_waits_after)  # -1.0: off
+        self._observers: tuple[Callable[[float], object], ...] = ()  # see _add_wait_observer
         count = stripe_count(stripes)
         # striped: one Stripe key per stripe; None: exact keys
         self._stripe_keys = None if count is None else tuple(map(Stripe, range(count)))
@@ -635,6 +836,12 @@ class _Engine:
         self._contended = 0
         self._timeouts = 0
         self._deadlocks = 0
+        # What the contended path measures (lockmgr._observe): waits that were granted and
+        # holds that ended with someone waiting, as [bucket counts, count, sum, max]; the
+        # hot-key summary's slots, [key, waited, error].
+        self._waits: list[Any] = _new_histogram()
+        self._holds: list[Any] = _new_histogram()
+        self._hot: list[list[Any]] = []
         self._ref = weakref.ref(self)  # what tokens keep: they must not keep the manager alive
         _managers.add(self)
 
@@ -696,6 +903,112 @@ class _Engine:
         return (self._held, self._waiting, self._acquisitions, self._contended,
                 self._timeouts, self._deadlocks)
 
+    # -- seeing contention (lockmgr._observe) ---------------------------------------------------
+
+    @property
+    def log_waits_after(self) -> float | None:
+        """Seconds after which a waiting request logs a WARNING (None: never)."""
+        return None if self._log_after < 0 else self._log_after
+
+    def snapshot(self) -> list[KeyState]:
+        """Every key held or waited on, with its holders and its queue, at one instant."""
+        now, raw = _section(self._snapshot_section)
+        return build_snapshot(raw, now)
+
+    def _snapshot_section(self) -> tuple[float, list[Any]]:
+        raw = []
+        for first in self._table.values():
+            entry: _Entry | None = first
+            while entry is not None:
+                if entry.owner is not None or entry.readers or entry.queue:
+                    raw.append(_entry_state(entry))
+                entry = entry.same_hash
+        return time.monotonic(), raw
+
+    def metrics(self) -> LockMetrics:
+        """The ``stats()`` counters, wait- and hold-time histograms and the hot keys, read
+        at one instant."""
+        return build_metrics(*_section(self._metrics_section))
+
+    def _metrics_section(self) -> tuple[Any, ...]:
+        hot = [(key, waited, error) for key, waited, error in self._hot]
+        return self._stats_section(), _histogram_copy(self._waits), _histogram_copy(self._holds), hot
+
+    def _record_wait(self, request: _Request, granted: bool) -> None:
+        """A wait ended (in its section): measure it, and charge it to the keys it queued on."""
+        waited = max(request.ended - request.since, 0.0)
+        if granted:
+            _count_in(self._waits, waited)
+        evicted = 0
+        for node in request.members():
+            if node.queued:
+                evicted += self._charge(node.entry, waited, evicted < _DROP_ROOM)
+
+    def _charge(self, entry: _Entry, waited: float, may_evict: bool) -> bool:
+        """Space-Saving: add ``waited`` to the key's slot, or take a free slot, or replace
+        the least-charged key (whose charge becomes this slot's error); True if it evicted
+        one. Slots match by identity, or by value where comparing runs no Python code."""
+        key = entry.key
+        for slot in self._hot:
+            if slot[0] is key or _equal_without_code(slot[0], key):
+                slot[2] += waited
+                return False
+        if len(self._hot) < HOT_KEY_SLOTS:
+            self._hot.append([key, waited, 0.0])
+            return False
+        if not may_evict:
+            return False
+        least = self._hot[0]
+        for slot in self._hot:
+            if slot[1] < least[1]:
+                least = slot
+        _retired.append(least[0])  # its reference goes after the section
+        least[0], least[2] = key, least[1]
+        least[1] += waited
+        return True
+
+    def _count_hold(self, since: float, entry: _Entry) -> None:
+        """A timed hold ends: count it if someone waits for the key."""
+        if since and entry.queue:
+            _count_in(self._holds, max(time.monotonic() - since, 0.0))
+
+    def _describe_wait(self, request: _Request) -> tuple[float, list[Any], list[int]]:
+        """For the slow-wait log: the state of every key ``request`` queued on, and how many
+        requests are ahead of it in each queue."""
+        return _section(self._describe_wait_section, request)  # type: ignore[no-any-return]
+
+    def _describe_wait_section(self, request: _Request) -> tuple[float, list[Any], list[int]]:
+        raw, ahead = [], []
+        for node in request.members():
+            if node.queued:
+                raw.append(_entry_state(node.entry))
+                ahead.append(_place_in(node.entry.queue, node))
+        return time.monotonic(), raw, ahead
+
+    def _log_slow_wait(self, request: _Request) -> None:
+        now, raw, ahead = self._describe_wait(request)
+        log_slow_wait(request.token.ident, max(now - request.since, 0.0),
+                      build_snapshot(raw, now), ahead)
+
+    def _add_wait_observer(self, observer: Callable[[float], object]) -> None:
+        """Call ``observer(seconds)`` after every wait that was granted (lockmgr.otel), in
+        the waiting thread or task, before its acquisition returns; what it raises ends the
+        acquisition (the key is given back)."""
+        self._observers += (observer,)
+
+    def _remove_wait_observer(self, observer: Callable[[float], object]) -> None:
+        self._observers = tuple(other for other in self._observers if other is not observer)
+
+    def _observe_wait(self, request: _Request) -> None:
+        waited = max(request.ended - request.since, 0.0)
+        for observer in self._observers:
+            observer(waited)
+
+    def _log_wait_end(self, request: _Request, granted: bool) -> None:
+        keys = [node.entry.key for node in request.members() if node.queued]
+        log_wait_end(request.token.ident, keys, max(request.ended - request.since, 0.0),
+                     granted)
+
     def release_all(self) -> int:
         """Release every key of this manager the calling thread holds, all levels; returns how many.
 
@@ -705,33 +1018,54 @@ class _Engine:
 
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
 
-    def _task_enter(self, key: Hashable, mode: int, seconds: float,
-                    raises_timeout: bool) -> Awaitable[bool]:
-        got = self._task_take(key, mode, seconds == 0, 1)
+    def _task_enter(self, key: Hashable, mode: int, seconds: float, raises_timeout: bool,
+                    inside: BlocksInside | None = None, frame: Any = None) -> Awaitable[bool]:
+        token = _running_task_token()
+        got = self._task_take(token, key, mode, seconds == 0, 1)
+        try:
+            _count_block_in(got, token, inside, frame)
+        except BaseException:  # (a signal handler's) a key taken at once goes back
+            if got is True:
+                self._task_release_as(token, key, mode)
+            raise
         return _task_awaitable(got, key, seconds, raises_timeout)
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
-                         raises_timeout: bool) -> Awaitable[bool]:
+                         raises_timeout: bool, inside: BlocksInside | None = None,
+                         frame: Any = None) -> Awaitable[bool]:
         got = self._task_take_many(items, seconds == 0)
+        try:
+            _count_block_in(got, _running_task_token(), inside, frame)
+        except BaseException:  # (a signal handler's) keys taken at once go back
+            if got is True and items:
+                self._release_many(items, _task_tokens.get(current_task_or_raise()))
+            raise
         if got is True or not raises_timeout:
             return _task_awaitable(got, None, seconds, False)
         return _task_awaitable(got, tuple(key for key, _ in items), seconds, True)
+
+    def _task_blocks(self) -> BlocksInside:
+        return BlocksInside()
 
     def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
         hash(key)  # an unhashable key fails here, as it does in the core
         return AsyncKeyLock(self, key)
 
-    def _task_exit(self, key: Hashable, mode: int) -> Awaitable[None]:
-        self._task_release(key, mode)
+    def _task_exit(self, inside: BlocksInside, frame: Any, kind: type[BaseException] | None,
+                   key: Hashable, mode: int) -> Awaitable[None]:
+        if _exit_releases(inside, frame, kind, key):
+            self._task_release(key, mode)
         return _READY_NONE
 
-    def _task_exit_many(self, items: list[tuple[Hashable, int]]) -> Awaitable[None]:
-        self._task_release_many(items)
+    def _task_exit_many(self, inside: BlocksInside, frame: Any,
+                        kind: type[BaseException] | None,
+                        items: list[tuple[Hashable, int]]) -> Awaitable[None]:
+        if items and _exit_releases(inside, frame, kind, items[0][0]):
+            self._release_many(items, _task_tokens.get(current_task_or_raise()))
         return _READY_NONE
 
-    def _task_take(self, key: Hashable, mode: int, try_only: bool, count: int) -> object:
-        token = _task_token()
-        assert token is not None
+    def _task_take(self, token: _TaskToken, key: Hashable, mode: int, try_only: bool,
+                   count: int) -> object:
         _abandon_stranded(token)
         key = self._table_key(key)
         seconds = 0.0 if try_only else -1.0
@@ -744,8 +1078,7 @@ class _Engine:
         if not items:
             _task_token(create=False)  # outside a task: RuntimeError all the same
             return True
-        token = _task_token()
-        assert token is not None
+        token = _running_task_token()
         _abandon_stranded(token)
         return self._task_wait(token, self._take_many, items, token, 0.0 if try_only else -1.0)
 
@@ -772,7 +1105,9 @@ class _Engine:
             _abandon_stranded(token)
 
     def _task_release(self, key: Hashable, mode: int) -> None:
-        token = _task_token(create=False)
+        self._task_release_as(_task_token(create=False), key, mode)
+
+    def _task_release_as(self, token: _TaskToken | None, key: Hashable, mode: int) -> None:
         key = self._table_key(key)
         run = self._release_write_on if mode == _WRITE else self._release_read_on
         verdict = self._run_on_key(run, key, token)
@@ -1095,6 +1430,7 @@ class _Engine:
                     node.entry.queue.appendleft(node)
                 else:
                     node.entry.queue.append(node)
+                _time_holds(node.entry, request.since)
         request.token.request = request
         self._waiting += 1
         return request
@@ -1173,18 +1509,34 @@ class _Engine:
         """Sleep until ``request`` (queued) is granted or its time runs out. The request
         stays ``token.request`` until the acquiring call has its outcome (see _acquired)."""
         deadline = None if seconds < 0 else request.since + seconds
+        log_at = None if self._log_after < 0 else request.since + self._log_after
+        logged = False
         wakeup = request.token.wakeup
         while True:
             outcome = _section(self._check_wait_section, request, deadline)
             if outcome is not None:
+                # An exception from here on gives the key back (_acquire).
+                if outcome:
+                    self._observe_wait(request)
+                if logged:
+                    self._log_wait_end(request, outcome)
+                if outcome:
+                    _section(self._complete_section, request)
                 return outcome  # type: ignore[no-any-return]
             # In slices, on every thread: on the main thread a slice bounds how late a
             # signal's handler runs; everywhere it bounds how late the waiter sees that its
             # request became grantable without a post (code that ran inside its own wait
             # took the key, or a forked child, where nobody passes the key on).
+            now = time.monotonic()
             remaining = _WAIT_SLICE
             if deadline is not None:
-                remaining = min(max(0.0, deadline - time.monotonic()), _WAIT_SLICE)
+                remaining = min(max(0.0, deadline - now), _WAIT_SLICE)
+            if log_at is not None and not logged:
+                if now >= log_at:
+                    logged = True
+                    self._log_slow_wait(request)
+                else:
+                    remaining = min(remaining, log_at - now)
             # Signal handlers (main thread) and finalizers run around this sleep and may
             # call the manager, or raise (the acquiring call then abandons the request).
             wakeup.acquire(timeout=remaining)
@@ -1211,14 +1563,22 @@ class _Engine:
                 self._acquisitions += len(request.nodes)
                 for node in request.nodes:
                     self._pass_on(node.entry)
-        if request.state == _GRANTED:
-            self._contended += 1
+        if request.state == _GRANTED:  # counted once the waiter keeps it (_complete_section)
+            request.ended = time.monotonic()
             return True
         if deadline is not None and time.monotonic() >= deadline:
+            request.ended = time.monotonic()
+            self._record_wait(request, False)
             self._leave(request)
             self._timeouts += 1
             return False
         return None
+
+    def _complete_section(self, request: _Request) -> None:
+        """A granted wait returns: only now is it counted (as in the core, a grant given
+        back because of an exception in between is not)."""
+        self._contended += 1
+        self._record_wait(request, True)
 
     def _abandon_section(self, token: _Token, outer: _Request | None) -> None:
         """An exception ends an acquisition: if it had queued a request, take it out of the
@@ -1231,6 +1591,9 @@ class _Engine:
             return  # it timed out
         if request.state != _WAITING:
             token.consume_post()
+        if request.state != _GRANTED:  # (else it was measured when its waiter saw the grant)
+            request.ended = time.monotonic()
+        self._record_wait(request, False)  # waited for all the same
         if request.state == _GRANTED:
             self._undo_grant(request)
         else:
@@ -1457,6 +1820,7 @@ class _Engine:
     def _grant(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)
         self._take(entry, request)
+        _time_grant(entry, request)
         self._acquisitions += 1
         self._waiting -= 1
         request.state = _GRANTED
@@ -1491,6 +1855,8 @@ class _Engine:
                 if enqueued:
                     node.entry.queue.remove(node)
                 self._take(node.entry, node)
+                if enqueued:
+                    _time_grant(node.entry, node)
             elif not enqueued:
                 self._add_levels(node)
         lead.state = _GRANTED
@@ -1519,6 +1885,8 @@ class _Engine:
 
     def _own(self, entry: _Entry, token: _Token, count: int) -> None:
         """An immediate write acquisition."""
+        if entry.queue:  # past a queue (an upgrade, a barge with fair=False): timed
+            entry.since = time.monotonic()
         if not entry.readers:
             self._held += 1
         entry.owner = token
@@ -1527,22 +1895,29 @@ class _Engine:
         self._acquisitions += 1
 
     def _own_levels(self, entry: _Entry, token: _Token, count: int) -> None:
+        if entry.queue:
+            entry.since = time.monotonic()
         if not entry.readers:
             self._held += 1
         entry.owner = token
         entry.count = count
         token.held[entry] = self._ref
 
+    # In these two, the call that frees a grown dict comes last: a signal handler raising at
+    # the check point after it (see "Asynchronous exceptions") finds the hold fully undone.
+
     def _disown(self, entry: _Entry) -> None:
         owner = entry.owner
         assert owner is not None
         del owner.held[entry]
-        if not owner.held:
-            owner.held.clear()  # dicts never shrink on delete; this frees a grown one
+        since, entry.since = entry.since, 0.0
         entry.owner = None
         entry.count = 0
         if not entry.readers:
             self._held -= 1
+        self._count_hold(since, entry)
+        if not owner.held:
+            owner.held.clear()  # dicts never shrink on delete; this frees a grown one
 
     def _add_read(self, entry: _Entry, token: _Token, count: int) -> None:
         """A new read hold; the caller counts the acquisition."""
@@ -1550,14 +1925,20 @@ class _Engine:
             self._held += 1
         entry.readers[token] = count
         token.reads[entry] = self._ref
+        if entry.queue:  # past a queue (a writer's re-entry, a downgrade): timed
+            if entry.read_since is None:
+                entry.read_since = {}
+            entry.read_since[token] = time.monotonic()
 
     def _drop_read(self, entry: _Entry, token: _Token) -> None:
         del entry.readers[token]
         del token.reads[entry]
-        if not token.reads:
-            token.reads.clear()  # dicts never shrink on delete; this frees a grown one
         if entry.owner is None and not entry.readers:
             self._held -= 1
+        if entry.read_since is not None:
+            self._count_hold(entry.read_since.pop(token, 0.0), entry)
+        if not token.reads:
+            token.reads.clear()  # dicts never shrink on delete; this frees a grown one
 
     def _keep_only(self, survivor: _Token | None) -> None:
         """In a forked child (see _after_fork_in_child): only ``survivor`` lives on."""
@@ -1639,8 +2020,9 @@ class LockManager(_Engine, Generic[K]):
 
     __slots__ = ()
 
-    def __init__(self, *, fair: bool = True, stripes: int | None = None) -> None:
-        super().__init__(stripes)
+    def __init__(self, *, fair: bool = True, stripes: int | None = None,
+                 log_waits_after: float | None = None) -> None:
+        super().__init__(stripes, log_waits_after)
         self._fair = bool(fair)
 
     @property
@@ -1763,8 +2145,8 @@ class RWLockManager(_Engine, Generic[K]):
 
     __slots__ = ()
 
-    def __init__(self, *, stripes: int | None = None) -> None:
-        super().__init__(stripes)
+    def __init__(self, *, stripes: int | None = None, log_waits_after: float | None = None) -> None:
+        super().__init__(stripes, log_waits_after)
 
     @property
     def aio(self) -> AsyncRWLockManager[K]:

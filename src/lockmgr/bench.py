@@ -19,6 +19,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +41,7 @@ View = Callable[[Key], AbstractContextManager[Any]]
 
 BASELINE = "threading.Lock"
 STRIPES = 1024  # the ``striped`` implementation: LockManager(stripes=1024)
+ASKED_FOR_ONLY = frozenset({"lockmgr-logged"})  # run only when named with --impl
 
 
 @dataclass
@@ -61,13 +63,27 @@ class Subject:
 
 
 def _own_key(locks: Any) -> Callable[[int], tuple[Callable[[], Any], Callable[[], Any]]]:
+    stripes = locks.stripes
+    # Striped: thread ``index`` takes a key of stripe ``index`` (two keys of one stripe are
+    # one lock, which a hash seed could otherwise give two threads); found here, up front.
+    suffixes = [_suffix_on_stripe(locks, index) for index in range(max(scaling_threads()))]
+
     def own(index: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
         # Bound in the calling thread: without a GIL, threads sharing one bound method (or
         # a closure cell) would contend on its reference count, not on the manager.
-        key = f"thread-{index}"
+        key = f"thread-{index}" if stripes is None else f"thread-{index}-{suffixes[index]}"
         return functools.partial(locks.acquire, key), functools.partial(locks.release, key)
 
     return own
+
+
+def _suffix_on_stripe(locks: Any, index: int) -> int | None:
+    """The first ``n`` such that ``f"thread-{index}-{n}"`` is on stripe ``index`` (modulo the
+    stripe count) of the striped ``locks``; None for an exact manager."""
+    if locks.stripes is None:
+        return None
+    return next(n for n in itertools.count()
+                if locks.stripe_of(f"thread-{index}-{n}") == index % locks.stripes)
 
 
 def _lockmgr(manager_class: Any, **options: Any) -> Callable[[], Subject]:
@@ -246,6 +262,26 @@ def _pairs_per_second(backend: str, address: str, count: int, seconds: float) ->
             worker.wait()
 
 
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While the block runs, SIGTERM (a job's time limit, ``timeout``, ``kill``) raises
+    KeyboardInterrupt in the main thread, as Ctrl-C does, so that what the block started
+    (a redis-server, a PostgreSQL server) is stopped by its ``finally`` rather than left
+    running. (Not SystemExit: pytest fails the running test on it and goes on, while
+    KeyboardInterrupt ends the run and tears the fixtures down.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:  # None: a handler not installed from Python, which is as good as the default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 @contextlib.contextmanager
 def redis_server(option: str) -> Iterator[str]:
     """``--redis URL`` takes that server; ``--redis start`` starts Debian's redis-server on
@@ -259,8 +295,14 @@ def redis_server(option: str) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    with sigterm_interrupts():
+        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                   "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        yield from _running_redis(server, port)
+
+
+def _running_redis(server: subprocess.Popen[bytes], port: int) -> Iterator[str]:
+    """Wait until ``server`` answers, yield its URL, stop it afterwards."""
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -279,6 +321,14 @@ def redis_server(option: str) -> Iterator[str]:
         server.wait(timeout=30)
 
 
+def _engine_module() -> Any:
+    """The compiled core, or the pure twin where it is not built."""
+    try:
+        return importlib.import_module("lockmgr._core")
+    except ImportError:
+        return _pure
+
+
 def implementations(pg_dsn: str | None = None) -> dict[str, Callable[[], Subject]]:
     found: dict[str, Callable[[], Subject]] = {}
     try:
@@ -290,6 +340,8 @@ def implementations(pg_dsn: str | None = None) -> dict[str, Callable[[], Subject
         found["lockmgr"] = _lockmgr(compiled.LockManager)
         found["lockmgr-unfair"] = _lockmgr(compiled.LockManager, fair=False)
         found["striped"] = _lockmgr(compiled.LockManager, stripes=STRIPES)
+        # The slow-wait log on: what seeing contention costs where nothing waits.
+        found["lockmgr-logged"] = _lockmgr(compiled.LockManager, log_waits_after=1.0)
         found["rwlock"] = _rwlock(compiled.RWLockManager)
     found["lockmgr-pure"] = _lockmgr(_pure.LockManager)
     found["rwlock-pure"] = _rwlock(_pure.RWLockManager)
@@ -909,28 +961,231 @@ def table(results: Results, impls: list[str], baseline: str = BASELINE,
         yield f"| {scenario} | {metric} ({units[scenario, metric]}) | " + " | ".join(shown) + " |"
 
 
+# -- pictures (lockmgr[plot]) -------------------------------------------------------------------
+
+#: Units where more is better; in every other unit (ns, us, ms, s, B, times, ids, yes=1) less is.
+HIGHER_IS_BETTER = frozenset({"acq/s", "holds/s", "ops/s", "pairs/s", "x", "keys"})
+
+
+def better(unit: str) -> str:
+    return "higher is better" if unit in HIGHER_IS_BETTER else "lower is better"
+
+
+@dataclass
+class Panel:
+    """One metric's bars: the implementations that measured it, in the order asked."""
+
+    scenario: str
+    metric: str
+    unit: str
+    values: dict[str, float]
+    log: bool  # the values span more than 10x
+
+    @property
+    def title(self) -> str:
+        return f"{self.scenario}: {self.metric} ({better(self.unit)})"
+
+
+def panels(results: Results, impls: list[str]) -> list[Panel]:
+    """A panel per metric with something to show: all-zero or unmeasured ones are dropped."""
+    found = []
+    for scenario, metric, unit in dict.fromkeys((row["scenario"], row["metric"], row["unit"])
+                                                for row in results.rows):
+        measured = {row["impl"]: float(row["value"]) for row in results.rows
+                    if row["scenario"] == scenario and row["metric"] == metric}
+        values = {impl: measured[impl] for impl in impls if impl in measured}
+        positive = [value for value in values.values() if value > 0]
+        if not positive:
+            continue
+        found.append(Panel(scenario, metric, unit, values, max(positive) > 10 * min(positive)))
+    return found
+
+
+def baseline_of(scenario: str) -> str:
+    return ASYNC_BASELINE if scenario in ASYNC_SCENARIOS else BASELINE
+
+
+def ratios(found: list[Panel]) -> list[tuple[Panel, dict[str, float]]]:
+    """For the summary panel: each metric's values as ratios to its baseline's
+    (threading.Lock; asyncio.Lock for the asyncio scenarios), where it measured one."""
+    rows = []
+    for panel in found:
+        baseline = baseline_of(panel.scenario)
+        base = panel.values.get(baseline, 0.0)
+        compared = {impl: value / base for impl, value in panel.values.items()
+                    if impl != baseline and value > 0}
+        if base > 0 and compared:
+            rows.append((panel, compared))
+    return rows
+
+
+def _colour(impl: str) -> str:
+    """lockmgr's compiled engine stands out; its other forms in lighter blues; peers grey."""
+    if impl == "lockmgr":
+        return "#d62728"
+    if impl.startswith(("lockmgr", "striped", "rwlock")):
+        return "#6baed6"
+    return "#9e9e9e"
+
+
 def plot(results: Results, impls: list[str], path: str) -> None:
+    """The results at a glance: first every metric as a ratio to threading.Lock (asyncio
+    ones to asyncio.Lock) on one log axis (lockmgr in red), then one panel per metric, log-scaled where values span more
+    than 10x; each title says whether higher or lower is better."""
     importlib.import_module("matplotlib").use("Agg")  # an optional extra: untyped on purpose
     plt = importlib.import_module("matplotlib.pyplot")
-
-    metrics = list(dict.fromkeys((row["scenario"], row["metric"], row["unit"])
-                                 for row in results.rows))
+    no_labels = importlib.import_module("matplotlib.ticker").NullFormatter
+    found = panels(results, impls)
+    summary = ratios(found)
     columns = 3
-    rows = (len(metrics) + columns - 1) // columns
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False)
-    for axis, (scenario, metric, unit) in zip(axes.flat, metrics, strict=False):  # spare axes hide
-        values = {row["impl"]: row["value"] for row in results.rows
-                  if row["scenario"] == scenario and row["metric"] == metric}
-        names = [impl for impl in impls if impl in values]
-        axis.barh(names, [values[name] for name in names])
-        axis.set_title(f"{scenario}: {metric}", fontsize=9)
-        axis.set_xlabel(unit, fontsize=8)
+    rows = (len(found) + columns - 1) // columns
+    summary_height = max(2.5, 0.32 * len(summary) + 1.2) if summary else 0.0
+    figure = plt.figure(figsize=(5 * columns, summary_height + 3.0 * rows))
+    grid = figure.add_gridspec(rows + (1 if summary else 0), columns,
+                               height_ratios=([summary_height] if summary else []) + [3.0] * rows)
+    if summary:
+        axis = figure.add_subplot(grid[0, :])
+        labels = [f"{panel.scenario}: {panel.metric} ({'higher' if panel.unit in HIGHER_IS_BETTER else 'lower'} is better)"
+                  for panel, _ in summary]
+        shown: set[str] = set()
+        for row, (_, values) in enumerate(summary):
+            for impl, ratio in values.items():
+                axis.scatter([ratio], [row], s=90 if impl == "lockmgr" else 30, color=_colour(impl),
+                             zorder=3 if impl == "lockmgr" else 2,
+                             label=None if impl in shown else impl)
+                shown.add(impl)
+        axis.axvline(1.0, color="black", linewidth=0.8)
+        axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(no_labels())
+        axis.set_yticks(range(len(labels)), labels, fontsize=7)
+        axis.invert_yaxis()
+        axis.set_xlabel(f"ratio to {BASELINE} (asyncio scenarios: to {ASYNC_BASELINE}); "
+                        "log scale", fontsize=8)
+        axis.set_title("Every scenario against the standard library's lock: lockmgr in red",
+                       fontsize=10)
+        axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        axis.grid(axis="x", which="both", alpha=0.3)
+    first_row = 1 if summary else 0
+    for index, panel in enumerate(found):
+        axis = figure.add_subplot(grid[first_row + index // columns, index % columns])
+        names = list(panel.values)
+        axis.barh(names, [panel.values[name] for name in names],
+                  color=[_colour(name) for name in names])
+        if panel.log:
+            axis.set_xscale("log")
+            axis.xaxis.set_minor_formatter(no_labels())
+        for row, name in enumerate(names):
+            if panel.values[name] == 0:  # no bar to see: say it
+                axis.annotate("0", (0, row), xycoords=("axes fraction", "data"),
+                              xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+        axis.set_title(panel.title, fontsize=8)
+        axis.set_xlabel(panel.unit + (" (log scale)" if panel.log else ""), fontsize=7)
         axis.tick_params(labelsize=7)
         axis.invert_yaxis()
-    for axis in list(axes.flat)[len(metrics):]:
-        axis.set_visible(False)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# -- the contention report (--contention-report) ---------------------------------------------------
+
+REPORT_HOLD_SECONDS = 0.0001  # the work each holder does (off the GIL, as I/O would be)
+REPORT_SKEW = 1.1  # Zipf exponent of the many-keys run: a few keys draw most requests
+
+
+def contention_runs(manager_class: Any, settings: Settings) -> dict[str, Any]:
+    """The hot-key and (skewed) many-keys workloads on a fresh manager each, with metrics
+    on; returns each run's ``metrics()``."""
+    seconds = settings.scaled(1.0, 3.0)
+    weights = [1 / (rank + 1) ** REPORT_SKEW for rank in range(settings.keys)]
+    measured = {}
+    for run, pick in (("hot-key", None), ("many-keys (Zipf)", weights)):
+        locks = manager_class()
+        plans = [["hot"] if pick is None else
+                 [f"key-{k}" for k in random.Random(seed).choices(range(settings.keys), pick, k=4096)]
+                 for seed in range(settings.threads)]
+
+        def body(index: int, stop: threading.Event, locks: Any = locks,
+                 plans: list[list[str]] = plans) -> None:
+            for key in itertools.cycle(plans[index]):
+                if stop.is_set():
+                    break
+                with locks[key]:
+                    time.sleep(REPORT_HOLD_SECONDS)
+
+        progress(f"contention report: {run}")
+        run_for(seconds, settings.threads, body)
+        measured[run] = locks.metrics()
+    return measured
+
+
+def _bucket_label(bound: float) -> str:
+    if bound < 1e-3:
+        return f"{bound * 1e6:.3g}us"
+    return f"{bound * 1e3:.3g}ms" if bound < 1 else f"{bound:.3g}s"
+
+
+def contention_report(measured: dict[str, Any], path: str) -> None:
+    """Wait-time and hold-time histograms of each run, and the skewed run's hot keys."""
+    importlib.import_module("matplotlib").use("Agg")
+    plt = importlib.import_module("matplotlib.pyplot")
+    figure, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    runs = list(measured)
+    first = measured[runs[0]]
+    labels = [f"<={_bucket_label(bound)}" for bound in first.wait_time.bounds] + [
+        f">{_bucket_label(first.wait_time.bounds[-1])}"]
+    used = [index for index in range(len(labels))
+            if any(m.wait_time.counts[index] or m.hold_time.counts[index] for m in measured.values())]
+    lo, hi = (min(used), max(used)) if used else (0, len(labels) - 1)
+    shown = range(lo, hi + 1)
+    width = 0.8 / len(runs)
+    for axis, which, title in ((axes[0], "wait_time", "Wait before the grant"),
+                               (axes[1], "hold_time", "Holds someone waited for")):
+        if not any(getattr(measured[run], which).count for run in runs):
+            axis.text(0.5, 0.5, "nothing waited", ha="center", va="center")
+            axis.set_axis_off()
+            continue
+        for offset, run in enumerate(runs):
+            histogram = getattr(measured[run], which)
+            axis.bar([position + offset * width for position in range(len(shown))],
+                     [histogram.counts[index] for index in shown], width, label=
+                     f"{run}: {histogram.count:,} (p50 {_bucket_label(histogram.quantile(0.5) or 0)}, "
+                     f"max {_bucket_label(histogram.max)})")
+        axis.set_xticks([position + width * (len(runs) - 1) / 2 for position in range(len(shown))],
+                        [labels[index] for index in shown], rotation=60, fontsize=7)
+        axis.set_yscale("log")
+        axis.set_ylabel("count (log scale)", fontsize=8)
+        axis.set_title(f"{title} (lower is better)", fontsize=10)
+        axis.legend(fontsize=7)
+    hot = measured[runs[-1]].hot_keys
+    axis = axes[2]
+    if hot:
+        axis.barh([repr(entry.key) for entry in hot], [entry.waited for entry in hot],
+                  color="#d62728")
+        axis.invert_yaxis()
+        axis.set_xlabel("seconds waited, all threads (Space-Saving; over-estimate <= error)",
+                        fontsize=8)
+        axis.tick_params(labelsize=7)
+    else:
+        axis.text(0.5, 0.5, "nothing waited", ha="center", va="center")
+        axis.set_axis_off()
+    axis.set_title(f"Hot keys of {runs[-1]}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def report_lines(measured: dict[str, Any]) -> Iterator[str]:
+    for run, metrics in measured.items():
+        waits = metrics.wait_time
+        if not waits.count:
+            yield f"{run}: {metrics.acquisitions:,} acquisitions, none waited"
+            continue
+        yield (f"{run}: {metrics.acquisitions:,} acquisitions, {metrics.contended:,} waited "
+               f"(p50 {_bucket_label(waits.quantile(0.5) or 0)}, p99 "
+               f"{_bucket_label(waits.quantile(0.99) or 0)}, max {_bucket_label(waits.max)}); "
+               "hot keys: " + ", ".join(f"{entry.key!r} {entry.waited:.2f}s"
+                                        for entry in metrics.hot_keys[:5]))
 
 
 def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namespace:
@@ -940,22 +1195,50 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     )
     parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in under a minute")
     parser.add_argument("--scenario", action="append",
-                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "server-pairs"],
-                        help="run only this scenario (repeatable; default: all)")
+                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "server-pairs", "distributed"],
+                        help="run only this scenario (repeatable; default: all but "
+                             "distributed, which runs only when named: it needs --pg-dsn, "
+                             "--redis and lockmgr[compare])")
     parser.add_argument("--impl", action="append", choices=impl_names,
                         help="run only this implementation (repeatable; default: all)")
     parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4; scaling uses 1, 2 and the CPU count)")
     parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
+    parser.add_argument("--contention-report", metavar="PATH.png",
+                        help="instead of the scenarios: run hot-key and a skewed many-keys "
+                             "with lockmgr's metrics on and draw the wait-time histograms and "
+                             "the hot keys (needs lockmgr[plot])")
     parser.add_argument("--pg-dsn", metavar="DSN",
                         help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
                              "threads of one process, and one process per thread; and to "
-                             "server-pairs")
+                             "server-pairs; distributed takes it as a postgresql:// URL (the "
+                             "form tooz reads)")
     parser.add_argument("--redis", metavar="URL|start",
-                        help="server-pairs beside redis-py's Lock on this Redis server "
-                             "('start': a throwaway redis-server on 127.0.0.1)")
+                        help="server-pairs beside redis-py's Lock, and distributed beside the "
+                             "Redis locks, on this Redis server ('start': a throwaway "
+                             "redis-server on 127.0.0.1)")
     return parser.parse_args(argv)
+
+
+#: What ``--scenario distributed`` imports beside lockmgr (module: the package bringing it),
+#: all in ``lockmgr[compare]``.
+COMPARE_MODULES = {"psycopg": "psycopg", "redis": "redis", "redis_lock": "python-redis-lock",
+                   "pottery": "pottery", "tooz": "tooz", "psycopg2": "psycopg2-binary"}
+
+
+def distributed_refusal(pg_dsn: str | None, redis: str | None) -> str | None:
+    """Why ``--scenario distributed`` cannot run with these options here, if it cannot."""
+    if not (pg_dsn and redis):
+        return "distributed needs --pg-dsn and --redis"
+    if not pg_dsn.startswith(("postgresql://", "postgres://")):
+        return "distributed needs --pg-dsn as a postgresql:// URL (the form tooz reads)"
+    missing = [package for module, package in COMPARE_MODULES.items()
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        return (f"distributed needs lockmgr[compare] ({', '.join(missing)} missing here): "
+                "pip install 'lockmgr[compare]'")
+    return None
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -980,16 +1263,26 @@ def main(argv: list[str] | None = None) -> int:
     available = implementations(pg_dsn)
     async_available = async_implementations()
     args = parse_args(argv, list(dict.fromkeys([*available, *async_available])))
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        print("lockmgr-bench: --plot needs matplotlib: pip install 'lockmgr[plot]'",
+    drawing = args.plot or args.contention_report
+    if drawing and importlib.util.find_spec("matplotlib") is None:
+        option = "--plot" if args.plot else "--contention-report"
+        print(f"lockmgr-bench: {option} needs matplotlib: pip install 'lockmgr[plot]'",
               file=sys.stderr)
         return 2
     if args.redis and importlib.util.find_spec("redis") is None:
         print("lockmgr-bench: --redis needs redis-py: pip install 'lockmgr[bench]'",
               file=sys.stderr)
         return 2
-    impls = args.impl or list(dict.fromkeys([*available, *async_available]))
+    impls = args.impl or [name for name in dict.fromkeys([*available, *async_available])
+                           if name not in ASKED_FOR_ONLY]
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
+    if args.contention_report:
+        report = contention_runs(_engine_module().LockManager, settings)
+        print(header(machine()))
+        print("\n".join(report_lines(report)))
+        contention_report(report, args.contention_report)
+        progress(f"wrote {args.contention_report}")
+        return 0
     results = Results()
     servers = args.pg_dsn or args.redis
     for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else []),
@@ -1004,6 +1297,16 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
                     return 2
                 server_pairs(named, settings, results)
+            continue
+        if scenario == "distributed":
+            refusal = distributed_refusal(args.pg_dsn, args.redis)
+            if refusal:
+                print(f"lockmgr-bench: {refusal}", file=sys.stderr)
+                return 2
+            from ._distributed_bench import distributed
+
+            with redis_server(args.redis) as redis_url:
+                distributed(args.pg_dsn, redis_url, settings, results)
             continue
         if scenario in ASYNC_SCENARIOS:
             for name in impls:
@@ -1024,10 +1327,12 @@ def main(argv: list[str] | None = None) -> int:
             postgres_processes(args.pg_dsn, scenario, settings, results)
     about = machine()  # after the runs: whether something they imported turned the GIL on
     print(header(about))
-    # Two tables: the thread scenarios (ratios to threading.Lock), then the asyncio ones
-    # (ratios to one asyncio.Lock), each with the implementations it measured as columns.
+    # Up to three tables: the thread scenarios (ratios to threading.Lock), the asyncio ones
+    # (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr over
+    # PostgreSQL), each with the implementations it measured as columns.
     for scenarios, baseline in ((set(SCENARIOS) | {"server-pairs"}, BASELINE),
-                                (set(ASYNC_SCENARIOS), ASYNC_BASELINE)):
+                                (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
+                                ({"distributed"}, "lockmgr")):
         rows = [row for row in results.rows if row["scenario"] in scenarios]
         if not rows:
             continue

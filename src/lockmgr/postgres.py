@@ -23,7 +23,7 @@ The rules that keep it correct:
   key) tell the application, and the manager no longer claims to hold the key. Keys taken
   later go on a new connection. Connections use TCP keepalives so a dead peer is noticed.
 - **One round trip** per first acquire and per last release: each is one message (a
-  single-key call is a statement prepared once per connection). A wait with a timeout takes
+  single-key call is a statement prepared once per connection), fences included. A wait with a timeout takes
   transaction-level locks first, so that a timeout racing the grant (PostgreSQL may report
   the timeout and grant all the same) rolls the grant back, and takes the session locks,
   which then no longer wait, in the same message: no extra round trip, where checking for
@@ -34,9 +34,25 @@ The rules that keep it correct:
   Ctrl-C cancels the server-side wait; PostgreSQL's deadlock error becomes
   ``DeadlockError``. After any of them, and after a cancelled statement, nothing the call
   took is left held; where that cannot be made sure (the connection is not idle), the
-  connection is closed and the keys held on it are lost.
+  connection is closed and the keys held on it are lost. A second Ctrl-C that lands before
+  that clean-up (or a release's round trip) has started leaves it to the thread's next call
+  on the manager, which does it first (``_Session.unsure``).
 - ``xact_lock(conn, key)`` takes a transaction-scoped lock in the caller's own transaction,
   so the lock and the caller's writes commit or roll back together.
+- **Fencing tokens** (``fencing=True``): the first level of each write acquisition takes
+  the key's next fence — its row of ``lockmgr_fences``, keyed by advisory key, incremented
+  — in the lock's own message, after the lock and only if it was granted; a timed wait
+  takes it under its transaction locks, so that a timeout rolls it back too. The increment
+  commits with ``synchronous_commit`` on before the fence is handed out: a crash never
+  hands one out twice. Session locks outlive a failed statement, so an increment that
+  fails after the grant (table dropped, no privilege) leaves the lock to the call's usual
+  clean-up. The fence lives in the thread's ``_Session`` while the key is held, and goes
+  with the last release, a loss or a fork. Reads take none. A manager's first fenced
+  acquisition makes sure the table exists first, in a round trip of its own, so that its
+  creation is committed before any wait (in the lock's transaction, it would hold back
+  every other session's first use — timed ones too — until the lock was granted).
+- ``aio``: asyncio tasks as owners, under the same rules (``lockmgr._pg_aio`` says what the
+  event loop adds).
 """
 
 from __future__ import annotations
@@ -45,13 +61,12 @@ import collections
 import hashlib
 import os
 import select
-import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 try:
     import psycopg
@@ -63,6 +78,7 @@ except ImportError as exc:  # tested in a subprocess without psycopg
     ) from exc
 
 from . import LockManager, RWLockManager
+from ._observe import KeyState, LockMetrics
 from ._common import (
     READ,
     WRITE,
@@ -81,7 +97,10 @@ from ._common import (
     wait_seconds,
 )
 
-__all__ = ["LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisory_key"]
+if TYPE_CHECKING:
+    from ._pg_aio import PgAsyncLockManager, PgAsyncRWLockManager, _Tasks
+
+__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisory_key"]
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
@@ -100,16 +119,46 @@ def _kind(mode: int) -> str:
     return "_shared" if mode == READ else ""
 
 
+# Fencing: one counter per advisory key (which includes the namespace; a hash collision
+# makes two keys share a counter, which still only increases). Made at a manager's first
+# fenced acquisition where the connection's search_path puts new tables. The check comes
+# first because CREATE TABLE IF NOT EXISTS needs the CREATE privilege even when the table
+# exists: a role without it can use a table an administrator made.
+_FENCE_TABLE_EXISTS = "SELECT to_regclass('lockmgr_fences') IS NOT NULL"
+_CREATE_FENCE_TABLE = ("CREATE TABLE IF NOT EXISTS lockmgr_fences"
+                       " (key bigint PRIMARY KEY, fence bigint NOT NULL)")
+_MADE_MEANWHILE = (pg_errors.UniqueViolation, pg_errors.DuplicateObject, pg_errors.DuplicateTable)
+
+
+def _next_fences_sql(idents: Sequence[str], got: str = "SELECT true AS granted") -> str:
+    """One statement: ``got`` (a query of one row with a boolean ``granted``, run first) and,
+    if granted, the next fence of each of ``idents`` (advisory keys, as SQL), in rows (key,
+    fence). Committed durably whatever synchronous_commit the session has: a server crash
+    must never hand out a fence again."""
+    values = ", ".join(f"({ident}::bigint)" for ident in idents)
+    return (f"WITH got AS ({got}),"
+            " durable AS (SELECT set_config('synchronous_commit', 'on', true))"
+            " INSERT INTO lockmgr_fences AS f (key, fence)"
+            f" SELECT key, 1 FROM got, durable, (VALUES {values}) AS bumped(key) WHERE granted"
+            " ON CONFLICT (key) DO UPDATE SET fence = f.fence + 1 RETURNING f.key, f.fence")
+
+
 # The single-key calls, prepared on each connection at first use.
 _STATEMENTS = {
     f"lockmgr_{function}".encode(): f"SELECT {function}($1::bigint)".encode()
     for function in ("pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
                      "pg_try_advisory_lock_shared", "pg_advisory_unlock",
                      "pg_advisory_unlock_shared")
+} | {
+    b"lockmgr_fenced_lock": _next_fences_sql(
+        ["$1"], "SELECT pg_advisory_lock($1::bigint), true AS granted").encode(),
+    b"lockmgr_fenced_try_lock": _next_fences_sql(
+        ["$1"], "SELECT pg_try_advisory_lock($1::bigint) AS granted").encode(),
 }
 
 _LOCK = {mode: f"lockmgr_pg_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
 _TRY_LOCK = {mode: f"lockmgr_pg_try_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
+_FENCED_LOCK = {"wait": b"lockmgr_fenced_lock", "try": b"lockmgr_fenced_try_lock"}
 _UNLOCK = {mode: f"lockmgr_pg_advisory_unlock{_kind(mode)}".encode() for mode in (READ, WRITE)}
 _REMEMBERED_KEYS = 1024
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
@@ -117,6 +166,24 @@ _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 _POLLIN = getattr(select, "POLLIN", 1)  # Windows has no poll(), nor its constants
 _POLLOUT = getattr(select, "POLLOUT", 4)
+
+# Run first on every connection. Waits without a timeout wait forever, whatever the DSN or
+# the role's defaults say (timed waits set a transaction-local lock_timeout of their own).
+_NO_LOCK_TIMEOUT = "SET lock_timeout = 0"
+# A backend waiting for a lock notices its client has gone (a process killed while it
+# waits, a connection closed under a wait) only when granted, and keeps every lock of the
+# session until then: PostgreSQL 14+ can check the socket while a statement runs, on the
+# systems that can tell (Linux, macOS, the BSDs, illumos; elsewhere setting it is an error
+# and the server keeps its default).
+_CHECKING_CLIENT = f"{_NO_LOCK_TIMEOUT}; SET client_connection_check_interval = 1000"
+_CHECK_UNSUPPORTED = (pg_errors.InvalidParameterValue, pg_errors.UndefinedObject)
+
+
+def _setup_sql(server_version: int) -> str:
+    """What sets up a new connection (``_NO_LOCK_TIMEOUT`` alone if it fails with
+    ``_CHECK_UNSUPPORTED``)."""
+    return _CHECKING_CLIENT if server_version >= 140000 else _NO_LOCK_TIMEOUT
+
 
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
                "keepalives_count": 3, "tcp_user_timeout": 10_000}
@@ -152,52 +219,50 @@ def _salted_key(key: Hashable, salt: bytes) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-_set_signal_mask = getattr(signal, "pthread_sigmask", None)  # None: Windows
-_HANDLED_SIGNALS = frozenset(signal.valid_signals()) - {
-    getattr(signal, name) for name in ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE",
-                                       "SIGILL", "SIGABRT") if hasattr(signal, name)}
-
-
-@contextmanager
-def _handlers_held_back() -> Iterator[None]:
-    """Python signal handlers run only on the main thread: there, hold back the signals that
-    may have one for the block (blocking runs those already pending first)."""
-    if threading.current_thread() is not threading.main_thread() or _set_signal_mask is None:
-        yield
-        return
-    mask = _set_signal_mask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
-    try:
-        yield
-    finally:
-        _set_signal_mask(signal.SIG_SETMASK, mask)
-
-
 class _Link:
     """One server connection. Lock calls drive libpq directly (one message, one round trip,
-    no cursor), waiting in ``poll`` so that Ctrl-C and other signal handlers run."""
+    no cursor), waiting in ``poll`` so that Ctrl-C and other signal handlers run.
 
-    __slots__ = ("busy", "conn", "pgconn", "pid", "poller", "prepared")
+    Its owner talks on it; another thread may only check it (``idle_unless_busy``), never
+    while the owner talks. ``guard`` is held for short spans that never wait, and only by
+    ``with`` (which cannot be split by a signal handler's exception): the checks, closing,
+    and setting ``talking``. A try-lock would not do: a handler can raise between a
+    successful try-lock and the ``try`` that releases it (CPython checks for signals right
+    after a call returns, and without a GIL the signal can come at any moment), which
+    left the lock taken and the next round trip waiting for it forever; blocking the
+    signals on the main thread does not prevent that (CPython runs the handler on the main
+    thread whichever thread the kernel gave the signal to). ``guard`` is reentrant: a
+    finalizer that closes the link (a thread's end, collected late) may run inside a check
+    of it on the same thread."""
+
+    __slots__ = ("conn", "guard", "pgconn", "pid", "poller", "prepared", "talking")
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
-        self.conn = conn
-        self.pgconn = conn.pgconn
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
-        self.busy = threading.Lock()  # held by the owner while it talks to the server
+        self.guard = threading.RLock()  # see the class docstring
+        self.talking = False  # the owner is in a round trip: checks keep off
+        self.prepared: set[bytes] = set()  # names of the statements prepared on this session
+        self.conn = conn  # last but two: close() needs what comes before
+        self.pgconn = conn.pgconn
         self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
         self.poller.register(self.pgconn.socket, _POLLIN)
-        self.prepared: set[bytes] = set()  # names of the statements prepared on this session
 
     @classmethod
     def connect(cls, dsn: str, connect_kwargs: dict[str, Any]) -> _Link:
         link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs))
-        # Waits without a timeout wait forever, whatever the DSN or the role's defaults say;
-        # timed waits set a transaction-local lock_timeout of their own.
-        link.run("SET lock_timeout = 0")
+        try:
+            link.run(_setup_sql(link.pgconn.server_version))
+        except _CHECK_UNSUPPORTED:
+            link.run(_NO_LOCK_TIMEOUT)
         return link
 
     def run(self, sql: str) -> Any:
         """Send ``sql`` (one or more statements: one implicit transaction) and return the
         last result; an error result raises its psycopg exception once all are read."""
+        return self.run_all(sql)[-1]
+
+    def run_all(self, sql: str) -> list[Any]:
+        """``run``, returning the result of each statement."""
         return self._round_trip(self.pgconn.send_query, sql.encode())
 
     def call(self, statement: bytes, ident: int) -> Any:
@@ -209,14 +274,16 @@ class _Link:
             except pg_errors.DuplicatePreparedStatement:
                 pass  # an interrupt came after the server prepared it, before we noted it
             self.prepared.add(statement)
-        return self._round_trip(self.pgconn.send_query_prepared, statement, [b"%d" % ident])
+        return self._round_trip(self.pgconn.send_query_prepared, statement, [b"%d" % ident])[-1]
 
-    def _round_trip(self, send: Callable[..., None], *args: Any) -> Any:
+    def _round_trip(self, send: Callable[..., None], *args: Any) -> list[Any]:
         pgconn = self.pgconn
         results: list[Any] = []
-        with self.busy:
-            send(*args)
+        try:  # whatever is interrupted after ``talking`` is set, the finally clears it
+            with self.guard:  # waits out another thread's check
+                self.talking = True
             try:
+                send(*args)  # inside: a handler raising once the query is sent cancels it
                 while pgconn.flush():
                     self._wait(_POLLOUT)
                 while True:
@@ -234,10 +301,13 @@ class _Link:
             except BaseException:
                 self._abort_query()
                 raise
+            encoding = self.conn.info.encoding
+        finally:
+            self.talking = False  # no call before it: nothing can skip it
         for result in results:
             if result.status == _FATAL_ERROR:
-                raise pg_errors.error_from_result(result, encoding=self.conn.info.encoding)
-        return results[-1]
+                raise pg_errors.error_from_result(result, encoding=encoding)
+        return results
 
     def _wait(self, event: int) -> None:
         self.poller.modify(self.pgconn.socket, event)
@@ -267,22 +337,24 @@ class _Link:
             raise
 
     def idle_unless_busy(self) -> bool | None:
-        """``idle()``, or None if another thread is talking on this connection now. The
-        try-lock and its release happen with signal handlers held back (main thread): a
-        handler that raises (Ctrl-C) between them would leave ``busy`` taken for good."""
-        with _handlers_held_back():
-            if not self.busy.acquire(blocking=False):
-                return None
-            try:
-                return self.idle()
-            finally:
-                self.busy.release()
+        """``idle()`` from a thread other than the owner: None if the owner is talking on
+        this connection now (it will find out itself)."""
+        if self.pid != os.getpid():  # a parent's thread may have held the guard at the fork
+            return False
+        with self.guard:
+            return None if self.talking else self._idle()
 
     def idle(self) -> bool:
         """Alive, ours and between statements: a server that ends a session sends an error
         and closes the socket, which turns it readable, and reading that breaks it."""
+        if self.pid != os.getpid():
+            return False
+        with self.guard:
+            return self._idle()
+
+    def _idle(self) -> bool:
         pgconn = self.pgconn
-        if self.pid != os.getpid() or pgconn.status != ConnStatus.OK:
+        if pgconn.status != ConnStatus.OK:
             return False
         for _ in range(3):  # the goodbye message first, the end of the stream next
             if not self.poller.poll(0):
@@ -302,12 +374,18 @@ class _Link:
         nowhere and the parent's session lives on."""
         if self.conn.closed:
             return
-        if self.pid != os.getpid():
+        if self.pid != os.getpid():  # no guard: a thread of the parent's may have held it
             devnull = os.open(os.devnull, os.O_RDWR)
             try:
                 os.dup2(devnull, self.pgconn.socket)
             finally:
                 os.close(devnull)
+            self._finish()
+            return
+        with self.guard:  # not while another thread checks it
+            self._finish()
+
+    def _finish(self) -> None:
         self.conn.close()
 
     def __del__(self) -> None:
@@ -341,18 +419,85 @@ class _Session:
     """One thread's standing with one manager: the connection it holds keys on, and keys
     lost with an earlier connection that the thread has not yet released."""
 
-    __slots__ = ("dead", "ident", "levels", "link", "lost", "reported")
+    __slots__ = ("dead", "fences", "ident", "levels", "link", "lost", "reported", "unsure")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
         self.link: _Link | None = None
         self.levels: dict[tuple[Hashable, int], int] = {}  # (key, mode) -> levels held on link
+        # (key, WRITE) -> the fence it was taken under (fencing managers), while in levels
+        self.fences: dict[tuple[Hashable, int], int] = {}
         self.lost: dict[tuple[Hashable, int], int] = {}  # (key, mode) -> levels not yet released
         self.reported: set[Hashable] = set()  # lost keys already given to on_lost
         self.dead = False  # another thread found the link dead; the owner settles it
+        # (key, mode) pairs a call may hold on the link that no count records: set before a
+        # release, or on entering a failed call's clean-up, and cleared once the server has
+        # answered (or the link is gone); a clean-up interrupted again leaves them to the
+        # owner's next call (_settle), so they are never left held.
+        self.unsure: list[tuple[Hashable, int]] = []
 
     def holds_anything(self) -> bool:
-        return bool(self.levels or self.lost)
+        return bool(self.levels or self.lost or self.unsure)
+
+    def count_down(self, item: tuple[Hashable, int]) -> None:
+        """One level of ``item`` released; the last one takes its fence with it."""
+        _count_down(self.levels, item)
+        if item not in self.levels:
+            self.fences.pop(item, None)
+
+    def forget_levels(self) -> None:
+        """The connection's keys are no longer held on it (moved to ``lost``, or released)."""
+        self.levels.clear()
+        self.fences.clear()
+
+    def lose_levels(self) -> None:
+        """The connection is gone: what it held is lost (under the manager's ``_guard``)."""
+        for item, levels in self.levels.items():
+            self.lost[item] = self.lost.get(item, 0) + levels
+        self.forget_levels()
+        self.dead = False
+
+    def refuse_lost(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """LockLost for an acquisition of keys still lost (their holder must release them)."""
+        lost = sorted({key for key, mode in items if self.lost.get((key, mode))}, key=repr)
+        if lost:
+            raise _lost_error(lost)
+
+    def granted(self, items: Sequence[tuple[Hashable, int]],
+                fences: dict[tuple[Hashable, int], int]) -> None:
+        """One more level of each of ``items``; ``fences``: those its fresh keys were taken
+        under."""
+        self.fences.update(fences)
+        for item in items:
+            self.levels[item] = self.levels.get(item, 0) + 1
+
+    def undo_take(self, before: dict[tuple[Hashable, int], int],
+                  fresh: list[tuple[Hashable, int]]) -> None:
+        """A failed or interrupted acquisition: the levels as ``before`` it, and its fresh
+        keys ``unsure`` (first, before any check point) until the server has dropped them."""
+        if fresh:
+            self.unsure = fresh
+        for item in fresh:
+            self.fences.pop(item, None)
+        for item, levels in before.items():
+            if item in self.levels:
+                self.levels[item] = levels
+                if not levels:
+                    del self.levels[item]
+
+    def given(self, items: Sequence[tuple[Hashable, int]]) -> list[Hashable]:
+        """One level of each of ``items`` released (or, if lost, acknowledged); the keys of
+        those that had been lost."""
+        lost = []
+        for item in items:
+            if self.levels.get(item):
+                self.count_down(item)
+            else:
+                lost.append(item[0])
+                _count_down(self.lost, item)
+        if self.reported:
+            self.reported &= {key for key, _ in self.lost}
+        return lost
 
 
 class _ThreadEnd:
@@ -399,9 +544,12 @@ class _PgEngine(Generic[K]):
         namespace: str = "",
         on_lost: Callable[[list[Hashable]], None] | None = None,
         connect_kwargs: dict[str, Any] | None = None,
+        fencing: bool = False,
     ) -> None:
         self._dsn = dsn
         self._namespace = namespace
+        self._fencing = fencing
+        self._fence_table_made = False  # set once this manager has made sure it exists
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
@@ -410,17 +558,20 @@ class _PgEngine(Generic[K]):
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
         self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
+        self._tasks: _Tasks | None = None  # the asyncio tasks' sessions, from the first ``aio``
         _MANAGERS.add(self)
 
     def __repr__(self) -> str:
         return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
 
     def close(self) -> None:
-        """Close the idle connections (those of threads holding keys stay theirs)."""
+        """Close the idle connections (those of threads and tasks holding keys stay theirs)."""
         with self._guard:
             idle, self._idle = self._idle, []
         for link in idle:
             link.close()
+        if self._tasks is not None:
+            self._tasks.close()
 
     def __enter__(self: _Manager) -> _Manager:
         return self
@@ -431,6 +582,14 @@ class _PgEngine(Generic[K]):
     def __del__(self) -> None:
         if hasattr(self, "_idle"):  # __init__ may have failed
             self.close()
+
+    def _task_sessions(self) -> _Tasks:
+        from ._pg_aio import _Tasks
+
+        with self._guard:
+            if self._tasks is None:
+                self._tasks = _Tasks(self)
+            return self._tasks
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace."""
@@ -449,6 +608,24 @@ class _PgEngine(Generic[K]):
         """The in-process engine's counters (this process's threads)."""
         stats: LockStats = self._engine.stats()
         return stats
+
+    @property
+    def log_waits_after(self) -> float | None:
+        """Seconds after which a thread waiting for another thread of this process logs a
+        WARNING (None: never); waits on the server are PostgreSQL's ``log_lock_waits``."""
+        after: float | None = self._engine.log_waits_after
+        return after
+
+    def snapshot(self) -> list[KeyState]:
+        """The in-process engine's keys held or waited on by this process's threads and
+        tasks (other processes' locks are in PostgreSQL's ``pg_locks``)."""
+        states: list[KeyState] = self._engine.snapshot()
+        return states
+
+    def metrics(self) -> LockMetrics:
+        """The in-process engine's metrics (waits between this process's threads)."""
+        metrics: LockMetrics = self._engine.metrics()
+        return metrics
 
     def __len__(self) -> int:
         """Keys held by this process's threads (lost ones are not held)."""
@@ -469,6 +646,9 @@ class _PgEngine(Generic[K]):
             link = other.link
             if link is not None and link.idle_unless_busy() is False:
                 self._report(other, mark_dead=True)
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()
+            self._tasks.check_others(None)
         return {key for key, _ in self._lost_items()}
 
     def release_all(self) -> int:
@@ -480,12 +660,13 @@ class _PgEngine(Generic[K]):
             if session is not None:
                 self._settle(session)
                 if session.levels:
-                    self._unlock(session, list(session.levels))
+                    session.unsure = list(session.levels)
+                    self._unlock(session, session.unsure)
         finally:  # interrupted or not, the thread holds nothing afterwards
             lost: list[Hashable] = []
             if session is not None:
                 lost = sorted({key for key, _ in session.lost}, key=repr)
-                session.levels.clear()
+                session.forget_levels()
                 session.lost.clear()
                 session.reported.clear()
                 self._return_if_idle(session)
@@ -493,6 +674,41 @@ class _PgEngine(Generic[K]):
         if lost:
             raise _lost_error(lost)
         return released
+
+    def fence(self, key: K) -> int:
+        """The fence under which the calling thread holds ``key`` for writing: the one its
+        first acquisition took, kept by reentrant ones (``lease.fence`` of ``hold``).
+
+        LockError without ``fencing=True`` or for a key only read, NotOwnedError if the
+        thread does not hold it, LockLost if its session was lost."""
+        self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything else
+        if not self._fencing:
+            raise _no_fencing()
+        session = self._session_or_none()
+        if session is not None:
+            self._settle(session)  # a connection found dead loses its keys first
+            if session.lost.get((key, WRITE)):
+                raise _lost_error([key])
+            if session.levels.get((key, WRITE)):
+                return session.fences[key, WRITE]
+            if session.levels.get((key, READ)) or session.lost.get((key, READ)):
+                raise _read_has_no_fence(key)
+        raise not_owned(key)
+
+    def _fences_of(self, fresh: list[tuple[Hashable, int]],
+                   fences: dict[int, int]) -> dict[tuple[Hashable, int], int]:
+        """What ``_lock`` answered (fences by advisory key) for the fresh written items."""
+        if not self._fencing:
+            return {}
+        return {(key, mode): fences[self.advisory_key(key)] for key, mode in fresh if mode == WRITE}
+
+    def _lease(self, items: Sequence[tuple[Hashable, int]]) -> Lease:
+        """The calling thread's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self._fencing:
+            return Lease(keys, None)
+        session = self._session()
+        return Lease(keys, {key: session.fences[key, mode] for key, mode in items if mode == WRITE})
 
     @contextmanager
     def xact_lock(
@@ -546,96 +762,92 @@ class _PgEngine(Generic[K]):
         """Take ``items`` ((key, mode) pairs) in-process, then in PostgreSQL, within
         ``seconds``: all of them, or none."""
         started = time.monotonic()
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
         self._settle(session)
-        lost = sorted({key for key, mode in items if session.lost.get((key, mode))}, key=repr)
-        if lost:
-            raise _lost_error(lost)
+        session.refuse_lost(items)
         if not local_acquire(seconds):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
+        taken = False
         try:
             left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
-            if fresh and not self._lock(session, fresh, left):
-                local_release()
-                self._return_if_idle(session)
-                return False
-            for item in items:
-                session.levels[item] = session.levels.get(item, 0) + 1
+            fences = self._lock(session, fresh, left) if fresh else {}
+            if fences is not None:
+                session.granted(items, self._fences_of(fresh, fences))
+                taken = True  # last: an interrupt before it finds the counts undone below
         except BaseException:
             # Wherever the failure or interrupt came, the call failed: nothing it took stays
             # held (a connection lost on the way already moved what it held to ``lost``).
-            try:
-                for item, levels in before.items():
-                    if item in session.levels:
-                        session.levels[item] = levels
-                        if not levels:
-                            del session.levels[item]
-                if fresh:
-                    self._drop_or_lose(session, fresh)
-            finally:
-                local_release()
-                self._return_if_idle(session)
+            session.undo_take(before, fresh)
+            if fresh:
+                self._drop_or_lose(session, fresh)
             raise
-        return True
+        finally:
+            # Timed out, failed or interrupted: the in-process acquisition goes back, from
+            # this one place only (an interrupt right after it must not give it back twice).
+            if not taken:
+                try:
+                    local_release()
+                finally:
+                    self._return_if_idle(session)
+        return taken
 
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``; LockLost (after undoing it) if any was lost."""
-        session = self._session_or_none()
-        missing = [key for key, mode in items if session is None
-                   or not (session.levels.get((key, mode)) or session.lost.get((key, mode)))]
-        if missing:
-            raise not_owned(missing[0])
-        assert session is not None
+        session = _holding(self._session_or_none(), items)
         last = [item for item in items if session.levels.get(item) == 1]
-        if not last:  # no round trip to the server will tell whether the connection lives
+        # No round trip to the server will tell whether the connection lives, or an earlier
+        # clean-up was interrupted: settle first.
+        if not last or session.unsure or session.link is None:
             self._settle(session)
             last = [item for item in items if session.levels.get(item) == 1]
         try:
             if last:
+                session.unsure = last  # counted down below whatever happens
                 self._unlock(session, last)  # a connection lost on the way moves them to lost
         finally:
-            lost = []
-            for item in items:
-                if session.levels.get(item):
-                    _count_down(session.levels, item)
-                else:
-                    lost.append(item[0])
-                    _count_down(session.lost, item)
-            if session.reported:
-                session.reported &= {key for key, _ in session.lost}
+            lost = session.given(items)
             local_release()
             self._return_if_idle(session)
         if lost:
             raise _lost_error(sorted(set(lost), key=repr))
 
-    def _lock(self, session: _Session, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+    def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
+              seconds: float) -> dict[int, int] | None:
         """Take PostgreSQL locks for ``items`` in ascending advisory-key order (so that two
-        processes taking overlapping sets never deadlock), all within ``seconds``: one
-        message, one round trip."""
+        processes taking overlapping sets never deadlock), all within ``seconds``, and with
+        fencing the written keys' next fences: one message, one round trip. None if not
+        granted in time, else the fences by advisory key."""
         ordered = sorted(((self.advisory_key(key), mode) for key, mode in items))
+        fencing = self._fencing and any(mode == WRITE for _, mode in ordered)
         deadline = None if seconds <= 0 else time.monotonic() + seconds
         retried = False
         while True:
             link, fresh_link = (session.link, False) if session.link else self._attach(session)
-            left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
-            trying = seconds == 0 or (deadline is not None and left <= 0)
             try:
-                if deadline is not None and not trying:
-                    result = link.run(_timed_lock_sql(ordered, left))
-                elif len(ordered) == 1:
+                if fencing and not self._fence_table_made:
+                    _make_fence_table(link)
+                    self._fence_table_made = True
+                left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
+                trying = seconds == 0 or (deadline is not None and left <= 0)
+                how = "try" if trying else "wait" if deadline is None else "timed"
+                if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
-                    result = link.call(_TRY_LOCK[mode] if trying else _LOCK[mode], ident)
+                    statement = (_FENCED_LOCK[how] if fencing
+                                 else _TRY_LOCK[mode] if trying else _LOCK[mode])
+                    results = [link.call(statement, ident)]
                 else:
-                    result = link.run(_try_lock_sql(ordered) if trying else _wait_lock_sql(ordered))
+                    results = link.run_all(_lock_sql(ordered, how, left, fencing))
             except pg_errors.LockNotAvailable:
                 # Only timed waits set a lock_timeout, and they wait with transaction locks:
-                # the error rolled the wait back, a grant that raced it included.
+                # the error rolled the wait back, a grant that raced it and fences included.
                 if deadline is not None and deadline - time.monotonic() > 0:
                     continue  # lock_timeout's ceiling (about 24.8 days) is below threading's
-                return False
+                return None
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
             except psycopg.OperationalError:
@@ -648,7 +860,7 @@ class _PgEngine(Generic[K]):
                     raise
                 retried = True
                 continue
-            return not trying or result.get_value(0, 0) == b"t"
+            return _fences_from(results, ordered, how, fencing)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
         """Release the PostgreSQL locks of ``items``. A lost connection moves every key held
@@ -660,9 +872,7 @@ class _PgEngine(Generic[K]):
                 key, mode = items[0]
                 result = link.call(_UNLOCK[mode], self.advisory_key(key))
             else:
-                result = link.run("SELECT " + ", ".join(
-                    f"pg_advisory_unlock{_kind(mode)}({self.advisory_key(key)})"
-                    for key, mode in items))
+                result = link.run(_unlock_sql(items, self.advisory_key))
         except psycopg.OperationalError:
             if link.broken():
                 self._lose(session)
@@ -672,25 +882,25 @@ class _PgEngine(Generic[K]):
         except BaseException:
             self._drop_or_lose(session, items)
             raise
-        released = [result.get_value(0, column) == b"t" for column in range(len(items))]
-        gone = [item for item, done in zip(items, released, strict=True) if not done]
+        session.unsure = []
+        gone = _not_released(result, items)
         if gone:  # the server no longer had it: lost, though the connection lives
             self._report(session, items=gone)
 
     def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> None:
         """After a failed or interrupted call: release on the server whichever of ``items``
         this call may have taken (the levels it recorded before are not among them). If
-        that cannot be done, end the session: its keys are lost, nothing stays held."""
+        that cannot be done, end the session: its keys are lost, nothing stays held.
+        ``items`` are the session's ``unsure``, cleared once done."""
         link = session.link
         if link is None:
+            session.unsure = []
             return
         try:
             if not link.idle():
                 raise psycopg.OperationalError("the connection is not idle after an interrupt")
-            link.run("; ".join(
-                f"SELECT pg_advisory_unlock{_kind(mode)}({ident}) FROM {_MINE} AND"
-                f" {_KEY_IS} {ident} AND mode = '{_MODE_NAMES[mode]}'"
-                for ident, mode in ((self.advisory_key(key), mode) for key, mode in items)))
+            link.run(_drop_sql(items, self.advisory_key))
+            session.unsure = []
         except Exception:
             self._lose(session)  # the original failure is what the caller re-raises
         except BaseException:
@@ -711,6 +921,8 @@ class _PgEngine(Generic[K]):
 
     def _attach(self, session: _Session) -> tuple[_Link, bool]:
         """Give the session a connection: an idle one that is still alive, or a new one."""
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()  # their connections may hold what we wait for
         while True:
             with self._guard:
                 link = self._idle.pop() if self._idle else None
@@ -742,21 +954,27 @@ class _PgEngine(Generic[K]):
             link.close()
 
     def _settle(self, session: _Session) -> None:
-        """The owner's check at every call: a dead connection loses what it held."""
+        """The owner's check at every call: a dead connection loses what it held, and keys
+        an interrupted clean-up left unsure are released now."""
         link = session.link
         if link is None:
+            if session.levels or session.unsure:  # a _lose interrupted half-way: finish it
+                self._lose(session)
             return
-        if session.dead or link.idle_unless_busy() is False:  # None: another thread checks it
+        if session.unsure:
+            self._drop_or_lose(session, session.unsure)
+            link = session.link
+            if link is None:
+                return
+        if session.dead or not link.idle():
             self._lose(session)
 
     def _lose(self, session: _Session) -> None:
         """The session's connection is gone, and with it every lock it held (owner only)."""
         link, session.link = session.link, None
+        session.unsure = []
         with self._guard:
-            for item, levels in session.levels.items():
-                session.lost[item] = session.lost.get(item, 0) + levels
-            session.levels.clear()
-            session.dead = False
+            session.lose_levels()
         if link is not None:
             link.close()
         self._report(session)
@@ -771,6 +989,7 @@ class _PgEngine(Generic[K]):
             if items is not None:
                 for item in items:
                     session.lost[item] = session.lost.get(item, 0) + session.levels.pop(item)
+                    session.fences.pop(item, None)
             if mark_dead:
                 session.dead = True
             held = {key for key, _ in list(session.lost)}
@@ -787,6 +1006,8 @@ class _PgEngine(Generic[K]):
         with self._guard:
             for session in self._sessions:
                 lost.update(set(session.lost) | (set(session.levels) if session.dead else set()))
+            if self._tasks is not None:
+                lost.update(self._tasks.lost_items())
         return lost
 
     def _lost_here(self, key: Hashable, mode: int) -> bool:
@@ -814,15 +1035,18 @@ class _PgEngine(Generic[K]):
             if session.link is not None:
                 links.append(session.link)
                 session.link = None
+            session.unsure = []  # on the parent's connection
             if session.ident == me:
                 for item, levels in session.levels.items():
                     session.lost[item] = session.lost.get(item, 0) + levels
-                session.levels.clear()
+                session.forget_levels()
                 session.reported = {key for key, _ in session.lost}
             else:
                 self._sessions.discard(session)
         for link in links:
             link.close()
+        if self._tasks is not None:
+            self._tasks.forget_parent_sessions()
 
     def _borrow(self) -> tuple[_Link, bool]:
         """A connection for a question: the calling thread's, or one from the idle list."""
@@ -864,29 +1088,124 @@ def _lost_error(keys: list[Hashable]) -> LockLost:
     return LockLost(f"the lock on {', '.join(map(repr, keys))} was lost with its connection")
 
 
-def _wait_lock_sql(ordered: list[tuple[int, int]]) -> str:
-    """Wait as long as it takes: session locks, one statement each, in order."""
-    return "; ".join(f"SELECT pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
+def _holding(session: _Session | None, items: Sequence[tuple[Hashable, int]]) -> _Session:
+    """The session of a release, which must hold (or have lost) each of ``items``."""
+    for key, mode in items:
+        if session is None or not (session.levels.get((key, mode)) or session.lost.get((key, mode))):
+            raise not_owned(key)
+    assert session is not None
+    return session
 
 
-def _try_lock_sql(ordered: list[tuple[int, int]]) -> str:
-    """Try once: all or nothing (transaction locks first, released at the statement's end)."""
+def _unlock_sql(items: Sequence[tuple[Hashable, int]], advisory_key: Callable[[Hashable], int]) -> str:
+    """Release ``items`` in one statement: a boolean column each (false: not held)."""
+    return "SELECT " + ", ".join(f"pg_advisory_unlock{_kind(mode)}({advisory_key(key)})"
+                                 for key, mode in items)
+
+
+def _not_released(result: Any, items: list[tuple[Hashable, int]]) -> list[tuple[Hashable, int]]:
+    """The ``items`` an unlock's ``result`` says the session no longer held."""
+    released = [result.get_value(0, column) == b"t" for column in range(len(items))]
+    return [item for item, done in zip(items, released, strict=True) if not done]
+
+
+def _drop_sql(items: Sequence[tuple[Hashable, int]], advisory_key: Callable[[Hashable], int]) -> str:
+    """Release whichever of ``items`` the session holds (after a failed or cancelled call,
+    which may or may not have taken them)."""
+    return "; ".join(f"SELECT pg_advisory_unlock{_kind(mode)}({ident}) FROM {_MINE} AND"
+                     f" {_KEY_IS} {ident} AND mode = '{_MODE_NAMES[mode]}'"
+                     for ident, mode in ((advisory_key(key), mode) for key, mode in items))
+
+
+def _no_fencing() -> LockError:
+    return LockError("this manager takes no fences: create it with fencing=True")
+
+
+def _read_has_no_fence(key: Hashable) -> LockError:
+    return LockError(f"key {key!r} is held for reading: only a write takes a fence")
+
+
+def _make_fence_table(link: _Link) -> None:
+    """Make sure the fence table exists (its own transaction: committed before any wait)."""
+    for attempt in range(2):
+        if link.run(_FENCE_TABLE_EXISTS).get_value(0, 0) == b"t":
+            return
+        try:
+            link.run(_CREATE_FENCE_TABLE)
+            return
+        except _MADE_MEANWHILE:
+            if attempt:  # a lasting conflict (a type of that name)
+                raise
+
+
+def _lock_sql(ordered: list[tuple[int, int]], how: str, milliseconds: int,
+              fencing: bool) -> str:
+    """The one message taking ``ordered`` ((advisory key, mode) pairs, ascending) ``how``:
+    "wait" as long as it takes, "try" once, or "timed" (within ``milliseconds``). With
+    ``fencing``, the same message gives each written key its next fence (``_fences_from``
+    reads the answer)."""
+    fenced = _fenced(ordered) if fencing else []
+    if how == "try":
+        return _try_lock_sql(ordered, fenced)
+    if how == "timed":
+        return _timed_lock_sql(ordered, milliseconds, fenced)
+    return _wait_lock_sql(ordered, fenced)
+
+
+def _fences_from(results: Sequence[Any], ordered: list[tuple[int, int]], how: str,
+                 fencing: bool) -> dict[int, int] | None:
+    """What a ``_lock_sql`` message (or a single-key statement: its one result) answered:
+    None if a try was refused, else each fenced advisory key's new fence (none without
+    fencing)."""
+    if fencing and _fenced(ordered):
+        # A timed message takes its session locks after the fences: one statement later.
+        rows = results[-2] if how == "timed" else results[-1]
+        fences = {int(rows.get_value(row, 0)): int(rows.get_value(row, 1))
+                  for row in range(rows.ntuples)}
+        # A refused try has no row; a granted call, one per fenced key. Only a try can be
+        # refused: a wait missing its rows fails in the caller, whose clean-up releases.
+        return None if how == "try" and not fences else fences
+    if how == "try" and results[-1].get_value(0, 0) != b"t":
+        return None
+    return {}
+
+
+def _fenced(ordered: list[tuple[int, int]]) -> list[str]:
+    """The advisory keys of ``ordered`` that take a fence: the written ones, once each (two
+    keys of one call that collide share a counter, and so one fence)."""
+    return [str(ident) for ident in dict.fromkeys(ident for ident, mode in ordered
+                                                  if mode == WRITE)]
+
+
+def _wait_lock_sql(ordered: list[tuple[int, int]], fenced: list[str]) -> str:
+    """Wait as long as it takes: session locks, one statement each, in order; then the
+    fences (a failure there leaves the locks to the caller's clean-up)."""
+    waits = "; ".join(f"SELECT pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
+    return f"{waits}; {_next_fences_sql(fenced)}" if fenced else waits
+
+
+def _try_lock_sql(ordered: list[tuple[int, int]], fenced: list[str]) -> str:
+    """Try once: all or nothing (transaction locks first, released at the statement's end);
+    the fences only if granted, in the same statement."""
     trial = " AND ".join(f"pg_try_advisory_xact_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     taking = " AND ".join(f"pg_try_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
-    return f"SELECT CASE WHEN {trial} THEN {taking} ELSE false END"
+    granted = f"CASE WHEN {trial} THEN {taking} ELSE false END"
+    return _next_fences_sql(fenced, f"SELECT {granted} AS granted") if fenced else f"SELECT {granted}"
 
 
-def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int) -> str:
+def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: list[str]) -> str:
     """Wait at most ``milliseconds`` in all, for transaction locks (so a timeout or cancel
-    rolls back a grant that raced it), then take the session locks (which no longer wait).
-    One implicit transaction: statement_timestamp() is when the message arrived."""
+    rolls back a grant that raced it), then take the fences, still under the timeout (so
+    it rolls them back too), and the session locks (which no longer wait). One implicit
+    transaction: statement_timestamp() is when the message arrived."""
     elapsed = "(extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000)::bigint"
     left = f"greatest(1, least({_MAX_LOCK_TIMEOUT}, {milliseconds} - {elapsed}))::text"
-    waits = "; ".join(f"SELECT set_config('lock_timeout', {left}, true);"
-                      f" SELECT pg_advisory_xact_lock{_kind(mode)}({ident})"
+    time_left = f"SELECT set_config('lock_timeout', {left}, true)"
+    waits = "; ".join(f"{time_left}; SELECT pg_advisory_xact_lock{_kind(mode)}({ident})"
                       for ident, mode in ordered)
+    fences = f"; {time_left}; {_next_fences_sql(fenced)}" if fenced else ""
     taking = ", ".join(f"pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
-    return f"{waits}; SELECT {taking}"
+    return f"{waits}{fences}; SELECT {taking}"
 
 
 def _milliseconds(seconds: float) -> int:
@@ -898,9 +1217,20 @@ class PgLockManager(_PgEngine[K]):
 
     def __init__(self, dsn: str, *, namespace: str = "", fair: bool = True,
                  on_lost: Callable[[list[Hashable]], None] | None = None,
-                 connect_kwargs: dict[str, Any] | None = None) -> None:
-        super().__init__(dsn, namespace=namespace, on_lost=on_lost, connect_kwargs=connect_kwargs)
-        self._engine: LockManager[Hashable] = LockManager(fair=fair)
+                 connect_kwargs: dict[str, Any] | None = None,
+                 log_waits_after: float | None = None, fencing: bool = False) -> None:
+        engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
+        super().__init__(dsn, namespace=namespace, on_lost=on_lost,
+                         connect_kwargs=connect_kwargs, fencing=fencing)
+        self._engine = engine
+
+    @property
+    def aio(self) -> PgAsyncLockManager[K]:
+        """This manager with the current asyncio task as owner (see ``lockmgr._pg_aio``):
+        tasks and threads of this process exclude each other per key."""
+        from ._pg_aio import PgAsyncLockManager
+
+        return PgAsyncLockManager(self, self._task_sessions())
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` across every process using this database and namespace."""
@@ -916,10 +1246,11 @@ class PgLockManager(_PgEngine[K]):
         self._give([(key, WRITE)], lambda: self._engine.release(key))
 
     def hold(self, key: K, timeout: float | None = None) -> _Held:
-        """A context manager holding ``key`` for its block (LockTimeout if not acquired)."""
+        """A context manager holding ``key`` for its block (LockTimeout if not acquired);
+        ``as`` gives its ``Lease``."""
         seconds = hold_seconds(timeout)
-        return _Held(lambda: self.acquire(key, timeout=seconds), lambda: self.release(key),
-                     (key,), seconds)
+        return _Held(self, [(key, WRITE)], lambda: self.acquire(key, timeout=seconds),
+                     lambda: self.release(key), seconds)
 
     def synchronized(
         self, key_func: Callable[..., K]
@@ -945,8 +1276,8 @@ class PgLockManager(_PgEngine[K]):
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
         items = many_items(keys, _same)
-        return _Held(lambda: self._acquire_items(items, seconds),
-                     lambda: self._release_items(items), tuple(key for key, _ in items), seconds)
+        return _Held(self, items, lambda: self._acquire_items(items, seconds),
+                     lambda: self._release_items(items), seconds)
 
     def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
         keys = [key for key, _ in items]
@@ -988,9 +1319,19 @@ class PgRWLockManager(_PgEngine[K]):
 
     def __init__(self, dsn: str, *, namespace: str = "",
                  on_lost: Callable[[list[Hashable]], None] | None = None,
-                 connect_kwargs: dict[str, Any] | None = None) -> None:
-        super().__init__(dsn, namespace=namespace, on_lost=on_lost, connect_kwargs=connect_kwargs)
-        self._engine: RWLockManager[Hashable] = RWLockManager()
+                 connect_kwargs: dict[str, Any] | None = None,
+                 log_waits_after: float | None = None, fencing: bool = False) -> None:
+        engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
+        super().__init__(dsn, namespace=namespace, on_lost=on_lost,
+                         connect_kwargs=connect_kwargs, fencing=fencing)
+        self._engine = engine
+
+    @property
+    def aio(self) -> PgAsyncRWLockManager[K]:
+        """This manager with the current asyncio task as owner (see ``PgLockManager.aio``)."""
+        from ._pg_aio import PgAsyncRWLockManager
+
+        return PgAsyncRWLockManager(self, self._task_sessions())
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         seconds = wait_seconds(blocking, timeout)
@@ -1014,13 +1355,13 @@ class PgRWLockManager(_PgEngine[K]):
 
     def read(self, key: K, timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
-        return _Held(lambda: self.acquire_read(key, timeout=seconds),
-                     lambda: self.release_read(key), (key,), seconds)
+        return _Held(self, [(key, READ)], lambda: self.acquire_read(key, timeout=seconds),
+                     lambda: self.release_read(key), seconds)
 
     def write(self, key: K, timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
-        return _Held(lambda: self.acquire_write(key, timeout=seconds),
-                     lambda: self.release_write(key), (key,), seconds)
+        return _Held(self, [(key, WRITE)], lambda: self.acquire_write(key, timeout=seconds),
+                     lambda: self.release_write(key), seconds)
 
     def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                      blocking: bool = True, timeout: float = -1) -> bool:
@@ -1035,8 +1376,8 @@ class PgRWLockManager(_PgEngine[K]):
                   timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
         items = rw_items(reads, writes, _same)
-        return _Held(lambda: self._acquire_items(items, seconds),
-                     lambda: self._release_items(items), tuple(key for key, _ in items), seconds)
+        return _Held(self, items, lambda: self._acquire_items(items, seconds),
+                     lambda: self._release_items(items), seconds)
 
     def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
         for key, _ in items:
@@ -1117,22 +1458,76 @@ class PgKeyLock(Generic[K]):
         self.manager.release(self.key)
 
 
+class Lease:
+    """What ``with locks.hold(key) as lease:`` (``write``, ``read``, ``hold_many``) gives:
+    truthy, like the ``True`` it stands for, with the ``keys`` held and, from a manager
+    made with ``fencing=True``, the fence each written key was taken under.
+
+    A fence strictly increases for its key across every process, connection and server
+    restart: pass it with each write to storage that refuses a fence lower than one it
+    has seen, and a holder whose lock was lost under it (a long pause, a dead session) can
+    no longer overwrite the work of the one that took the key next."""
+
+    __slots__ = ("_fences", "_keys")
+
+    def __init__(self, keys: tuple[Hashable, ...], fences: dict[Hashable, int] | None) -> None:
+        self._keys = keys
+        self._fences = fences  # written key -> fence; None: the manager takes no fences
+
+    @property
+    def keys(self) -> tuple[Hashable, ...]:
+        return self._keys
+
+    @property
+    def fence(self) -> int:
+        """The fence of a single-key lease (LockError for a read, or several keys)."""
+        fences = self.fences
+        if len(self._keys) != 1:
+            raise LockError(f"a lease on {len(self._keys)} keys has a fence for each: "
+                            "use lease.fences")
+        key = self._keys[0]
+        if key not in fences:
+            raise _read_has_no_fence(key)
+        return fences[key]
+
+    @property
+    def fences(self) -> dict[Hashable, int]:
+        """Each written key's fence (read keys have none): a copy."""
+        if self._fences is None:
+            raise _no_fencing()
+        return dict(self._fences)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Lease {', '.join(map(self._describe, self._keys))}>"
+
+    def _describe(self, key: Hashable) -> str:
+        if self._fences is None:
+            return repr(key)
+        return f"{key!r} fence={self._fences[key]}" if key in self._fences else f"{key!r} (read)"
+
+
 class _Held:
     """What ``hold()``, ``read()``, ``write()`` and ``hold_many()`` return."""
 
-    __slots__ = ("_acquire", "_keys", "_release", "_seconds")
+    __slots__ = ("_acquire", "_items", "_manager", "_release", "_seconds")
 
-    def __init__(self, acquire: Callable[[], bool], release: Callable[[], None],
-                 keys: tuple[Hashable, ...], seconds: float) -> None:
+    def __init__(self, manager: _PgEngine[Any], items: list[tuple[Hashable, int]],
+                 acquire: Callable[[], bool], release: Callable[[], None],
+                 seconds: float) -> None:
+        self._manager = manager
+        self._items = items
         self._acquire = acquire
         self._release = release
-        self._keys = keys
         self._seconds = seconds
 
-    def __enter__(self) -> bool:
+    def __enter__(self) -> Lease:
         if not self._acquire():
-            raise timed_out(self._keys[0] if len(self._keys) == 1 else self._keys, self._seconds)
-        return True
+            keys = [key for key, _ in self._items]
+            raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
+        return self._manager._lease(self._items)
 
     def __exit__(self, *exc_info: object) -> None:
         self._release()

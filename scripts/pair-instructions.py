@@ -1,0 +1,66 @@
+"""Instructions per uncontended ``acquire`` + ``release`` of the compiled core, by callgrind:
+the same loop run for N and 2N iterations, the difference divided by N (what the
+interpreter does to start and stop cancels out). Deterministic, so a few instructions of
+difference between two builds show, where wall-clock timings on a shared machine would not.
+
+    python3 scripts/pair-instructions.py                      # LockManager()
+    python3 scripts/pair-instructions.py --log-waits-after 1  # the slow-wait log on
+    python3 scripts/pair-instructions.py --src OTHER/src      # another checkout's build
+
+Needs valgrind; the core must be built (``pip install -e .`` or ``build_ext --inplace``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LOOP = """
+import sys
+if sys.argv[1]:
+    sys.path.insert(0, sys.argv[1])
+from lockmgr._core import LockManager
+after = float(sys.argv[2])
+locks = LockManager(log_waits_after=after) if after >= 0 else LockManager()
+
+def run(iterations, acquire=locks.acquire, release=locks.release):
+    for _ in range(iterations):
+        acquire("k"); release("k")
+
+run(int(sys.argv[3]))
+if after >= 0:
+    locks.metrics()
+"""
+
+
+def instructions(src: str, after: float, iterations: int) -> int:
+    with tempfile.TemporaryDirectory() as work:
+        script = Path(work) / "loop.py"
+        script.write_text(LOOP)
+        done = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/out",
+             sys.executable, str(script), src, str(after), str(iterations)],
+            capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict probes every run
+    return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", default="", help="a checkout's src/ to import lockmgr from")
+    parser.add_argument("--log-waits-after", type=float, default=-1.0)
+    parser.add_argument("--iterations", type=int, default=100_000)
+    args = parser.parse_args()
+    once = instructions(args.src, args.log_waits_after, args.iterations)
+    twice = instructions(args.src, args.log_waits_after, 2 * args.iterations)
+    print(f"{(twice - once) / args.iterations:.1f} instructions per acquire + release "
+          "(the loop included)")
+
+
+if __name__ == "__main__":
+    main()

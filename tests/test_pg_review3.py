@@ -1,0 +1,453 @@
+"""The third adversarial review of the PostgreSQL backend (``lockmgr.postgres`` and
+``lockmgr._pg_aio``), of the fix round 6c71166..2bf63ad: reproducers against a real server,
+one per finding. Each test states what must hold; each fails on the reviewed commit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from conftest import PATIENCE, wait_until
+from lockmgr import postgres
+from test_pg_aio import HOLDER, locks, until  # noqa: F401
+from test_pg_aio_review import slow_abort
+from test_postgres import (  # noqa: F401
+    _waiting_on_server,
+    child,
+    children_reaped,
+    dsn,
+    engine,
+    expect,
+    finish,
+    held_on_server,
+    namespace,
+    nothing_left_held,
+)
+
+
+def quietly_collect() -> list[str]:
+    """Collect the garbage (stranded tasks whose last reference the caller dropped); what
+    their coroutines' finalization raised (sys.unraisablehook) is returned, not printed."""
+    raised: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda info: raised.append(repr(info.exc_value))
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    return raised
+
+
+def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
+                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
+                    ) -> asyncio.Task[None]:
+    """A task holding ``key`` (in process and on the server) whose loop is closed while it
+    is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
+    It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
+    ``locks.aio[key]``: one object, which other tasks may use too)."""
+    loop = asyncio.new_event_loop()
+    started = asyncio.Event()
+
+    async def holds() -> None:
+        async with locks.aio.hold(key) if lock is None else lock:
+            started.set()
+            await asyncio.sleep(3600)
+
+    async def until_held() -> asyncio.Task[None]:
+        task = asyncio.create_task(holds())
+        await started.wait()
+        return task
+
+    task = loop.run_until_complete(until_held())
+    loop.close()
+    return task
+
+
+# -- 1. the sweep runs only after the in-process acquisition: the stranded key blocks forever --
+
+
+def test_a_task_acquiring_the_key_a_closed_loops_task_holds_gets_it(locks, dsn) -> None:  # noqa: F811
+    """The sweep moved from ``_Tasks.session()`` (every acquire) to ``attach()`` (once a
+    connection is needed), and ``end_stranded_task`` (new) is what frees a stranded task's
+    in-process keys. But ``take`` acquires in process *before* it needs a connection: a task
+    of a new loop acquiring the very key the stranded task held waits in process for a
+    task that can never run, and never reaches the sweep that would end it. It times out
+    here; without a timeout it waits forever (and so does a thread: ``_PgEngine._take``
+    has the same order). Nothing else in the process calls lost_keys()."""
+    stranded = strand_a_holder(locks, "mine")
+    outcome: list[object] = []
+
+    async def main() -> None:
+        try:
+            got = await locks.aio.acquire("mine", timeout=3.0)
+        except Exception as error:  # noqa: BLE001
+            got = error
+        outcome.append(got)
+        if got is True:
+            await locks.aio.release("mine")
+
+    with warnings.catch_warnings(record=True):  # AbandonedLockWarning, once swept
+        warnings.simplefilter("always")
+        try:
+            asyncio.run(main())
+        finally:
+            locks.lost_keys()  # (for the fixtures: the sweep ends the stranded task)
+            del stranded
+            quietly_collect()
+    assert outcome == [True], outcome
+
+
+def test_a_thread_acquiring_the_key_a_closed_loops_task_holds_gets_it(locks, dsn) -> None:  # noqa: F811
+    """The same from a thread: ``_PgEngine._take`` acquires in process first, and only
+    ``_attach`` (after it) sweeps."""
+    stranded = strand_a_holder(locks, "mine")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        outcome: list[object] = []
+
+        def another_thread() -> None:  # (this one is the loop's: DeadlockError here)
+            try:
+                outcome.append(locks.acquire("mine", timeout=3.0))
+                if outcome[0] is True:
+                    locks.release("mine")
+            except Exception as error:  # noqa: BLE001
+                outcome.append(error)
+
+        try:
+            thread = threading.Thread(target=another_thread)
+            thread.start()
+            thread.join(PATIENCE)
+        finally:
+            locks.lost_keys()
+            del stranded
+            quietly_collect()
+    assert outcome == [True], outcome
+
+
+# -- 2. a coroutine closed in its clean-up's wait releases another task's key in process --------
+
+
+def strand_a_cancelled_waiter(locks: postgres.PgLockManager[Any], dsn: str, key: str,
+                              monkeypatch: pytest.MonkeyPatch) -> asyncio.Task[bool]:
+    """A task cancelled while it waits for ``key`` on the server, whose loop is closed while
+    its clean-up runs (a slow one: over a slow network, or a server slow to cancel): the
+    task is left in ``take``'s ``except`` block, awaiting ``clean_up`` under shield."""
+    slow_abort(monkeypatch, 30.0)
+    loop = asyncio.new_event_loop()
+
+    async def until_cleaning() -> asyncio.Task[bool]:
+        task = asyncio.create_task(locks.aio.acquire(key))
+        await until(lambda: _waiting_on_server(dsn) == 1, "the task waits on the server")
+        session = locks._tasks.sessions[task]
+        task.cancel()
+        await until(lambda: session.cleaning is not None, "its clean-up started")
+        await asyncio.sleep(0.05)  # the task is awaiting its clean-up
+        return task
+
+    task = loop.run_until_complete(until_cleaning())
+    loop.close()
+    return task
+
+
+def test_a_coroutine_closed_during_its_clean_up_leaves_other_tasks_keys_alone(
+        locks, dsn, namespace, monkeypatch) -> None:  # noqa: F811
+    """``take`` decides ``unrun`` from the exception its ``except`` caught: a CancelledError.
+    The GeneratorExit of the coroutine's close comes later, out of the ``await
+    self.clean_up(session)`` in that same block, so ``unrun`` stays False and the
+    ``finally`` runs ``local_release()`` — the in-process aio release, which acts on
+    *the current task*: when the garbage collector finalizes the stranded task while a task
+    of another loop of the same thread runs, it releases that task's in-process hold of
+    the key. (With no loop running it raises RuntimeError instead, printed as "Exception
+    ignored".) ``give`` (cancelled in ``settle``, then closed in ``hand_over``) and
+    ``release_all`` (``local_release_all()``: every key of the current task) do the same."""
+    holder = child(dsn, namespace, HOLDER)
+    expect(holder, held=True)
+    stranded = strand_a_cancelled_waiter(locks, dsn, "k", monkeypatch)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        locks.lost_keys()  # the sweep: its connection closes, the task is ended in process
+    wait_until(lambda: _waiting_on_server(dsn) == 0, "its wait ended on the server")
+    finish(holder)
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        nonlocal stranded
+        aio = locks.aio
+        assert await aio.acquire("k", timeout=PATIENCE)
+        before = aio.recursion_count("k")
+        del stranded  # its last reference
+        outcome["finalizing raised"] = quietly_collect()
+        outcome["held by me"] = (before, aio.recursion_count("k"))
+        try:
+            await aio.release("k")
+        except Exception as error:  # noqa: BLE001
+            outcome["release"] = repr(error)
+
+    try:
+        asyncio.run(main())
+    finally:
+        locks.release_all()
+    assert outcome == {"finalizing raised": [], "held by me": (1, 1)}, outcome
+
+
+# -- 3. a coroutine closed in an ``async with`` body releases another task's key on the server --
+
+
+@pytest.mark.parametrize("how", ["hold", "item"])
+def test_a_coroutine_closed_in_its_async_with_body_leaves_other_tasks_keys_alone(
+        locks, dsn, how) -> None:  # noqa: F811
+    """A stranded task is most often closed where it spends its time: in the body of
+    ``async with aio.hold(key)``. Its GeneratorExit runs ``__aexit__`` -> ``release`` ->
+    ``_Tasks.give``, which finds its session by *the current task* (``session_or_none``)
+    before anything has raised, so none of the ``unrun`` handling applies: collected while a
+    task of another loop holding the same key runs, it sends that task's unlock on that
+    task's connection, then awaits the answer, which a closing coroutine cannot
+    ("coroutine ignored GeneratorExit"). The other task still believes it holds "k"; on the
+    server nobody does. (With no loop running, the RuntimeError of ``current_task_or_raise``
+    is printed as "Exception ignored" instead, as in every test of a stranded task.)"""
+    stranded = strand_a_holder(locks, "k", None if how == "hold" else locks.aio["k"])
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        locks.lost_keys()  # the sweep: its connection closes, the task is ended in process
+    wait_until(lambda: not held_on_server(dsn, locks, "k"), "its session ended")
+    outcome: dict[str, object] = {}
+
+    coroutine = stranded.get_coro()  # what the garbage collector's finalization calls: close()
+
+    async def main() -> None:
+        aio = locks.aio
+        assert await aio.acquire("k", timeout=PATIENCE)
+        await aio.release("k")  # (its unlock is prepared on the connection from now on)
+        assert await aio.acquire("k", timeout=PATIENCE)
+        try:
+            coroutine.close()
+        except BaseException as error:  # noqa: BLE001
+            outcome["close"] = repr(error)
+        outcome["owned"] = aio.owned("k")
+        await asyncio.sleep(0.5)
+        outcome["held on the server"] = await asyncio.to_thread(held_on_server, dsn, locks, "k")
+        try:  # (a second close, as a later collection would: the zombie frame ends)
+            coroutine.close()
+        except BaseException as error:  # noqa: BLE001
+            outcome["second close"] = repr(error)
+        try:
+            await aio.release("k")
+        except Exception as error:  # noqa: BLE001
+            outcome["release"] = repr(error)
+
+    try:
+        asyncio.run(main())
+    finally:
+        locks.release_all()
+        del stranded, coroutine
+        quietly_collect()
+    assert outcome == {"owned": True, "held on the server": True}, outcome
+
+
+def test_one_key_lock_object_shared_by_a_stranded_task_and_a_running_one(locks, dsn) -> None:  # noqa: F811
+    """``locks.aio[key]`` is one object any task may ``async with``: when the stranded
+    task's coroutine is closed inside it while another task is inside it too, the exit is
+    the stranded task's (its loop is closed), and the running task keeps the key."""
+    shared = locks.aio["k"]
+    stranded = strand_a_holder(locks, "k", shared)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        locks.lost_keys()  # the sweep: its connection closes, the task is ended in process
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        async with shared:
+            stranded.get_coro().close()  # what the garbage collector's finalization does
+            outcome["owned"] = locks.aio.owned("k")
+            outcome["held on the server"] = await asyncio.to_thread(
+                held_on_server, dsn, locks, "k")
+        outcome["released"] = not await asyncio.to_thread(held_on_server, dsn, locks, "k")
+
+    try:
+        asyncio.run(main())
+    finally:
+        locks.release_all()
+        del stranded
+        quietly_collect()
+    assert outcome == {"owned": True, "held on the server": True, "released": True}, outcome
+
+
+# -- 4. under pytest, SIGTERM fails one test and the run goes on ---------------------------------
+
+
+TERMINATED_RUN = '''
+import os, sys, time
+import pytest
+sys.path.insert(0, {tests!r})
+import pgserver
+
+@pytest.fixture(scope="module")
+def dsn():
+    with pgserver.running_server() as running:
+        with open({started!r}, "w") as note:
+            note.write(repr(pgserver._CONTROLS[running]))
+        yield running
+
+def test_one(dsn):
+    time.sleep(30)  # still running when CI's time limit (or `timeout`) sends SIGTERM
+
+def test_two(dsn):
+    open({second!r}, "w").close()
+    time.sleep(30)
+'''
+
+
+def test_a_terminated_pytest_run_stops_at_once_and_stops_its_server(tmp_path) -> None:
+    """``sigterm_exits`` turns SIGTERM into SystemExit "so that what the block started is
+    stopped by its finally". But pgserver's block is a module-scoped pytest fixture, and
+    pytest catches a SystemExit raised inside a test like any other exception
+    (``CallInfo.from_call`` re-raises only ``Exit`` and KeyboardInterrupt): the running
+    test fails, and the run goes on with the next tests, the server still running. The
+    run ends only when CI's grace period runs out (SIGKILL), which no ``finally`` survives:
+    the server is left running, as before the fix. KeyboardInterrupt (what SIGINT gives,
+    and what pytest does stop for) would end the run and tear the fixture down."""
+    import ast
+
+    started, second = tmp_path / "started", tmp_path / "second-test-ran"
+    test_file = tmp_path / "test_terminated.py"
+    test_file.write_text(TERMINATED_RUN.format(tests=os.path.dirname(__file__),
+                                               started=str(started), second=str(second)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                "-c", str(tmp_path / "pytest.ini"), str(test_file)],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        wait_until(started.exists, "the server started", patience=120)
+        time.sleep(1.0)  # test_one is running
+        process.send_signal(signal.SIGTERM)
+        try:
+            out, _ = process.communicate(timeout=10)
+            ended = True
+        except subprocess.TimeoutExpired:
+            ended = False
+    finally:
+        process.kill()  # what CI does once its grace period is over
+        out = process.communicate(timeout=PATIENCE)[0] if ended is False else out
+        control = ast.literal_eval(started.read_text()) if started.exists() else None
+        if control is not None:
+            stopped = subprocess.run([*control[:control.index("-w")], "status"],
+                                     capture_output=True).returncode != 0
+            subprocess.run([*control[:control.index("-w")], "-m", "immediate", "stop"],
+                           capture_output=True, timeout=60)
+            datadir = control[control.index("-D") + 1]
+            shutil.rmtree(os.path.dirname(datadir), ignore_errors=True)
+    assert (ended, second.exists(), stopped) == (True, False, True), out[-2000:]
+
+
+# -- 5. the distributed bench drops real overlaps ------------------------------------------------
+
+
+def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch) -> None:
+    """The fix for the second review's finding 5 reports overlap 0 for a second holder that
+    answered after the pause, calling it "the race every lock has at a release". It is
+    not: ``release`` answers when the first one's release *began* and ``acquire`` when
+    the second one's acquisition had *returned*, so second_held_at < first_released_at
+    means both held the key at once — the lease ran out during the pause (the pause's
+    doing), the waiter's poll found it only just after. No correct lock ever shows it; a
+    Redis lock whose waiter polls does, and its row now reads "no overlap"."""
+    from lockmgr import _distributed_bench
+    from test_pg_review2 import ScriptedWorker
+
+    monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
+    log: dict[str, Any] = {}
+    pause = _distributed_bench.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
+                                             ScriptedWorker("second", log), "k")  # type: ignore[arg-type]
+    assert log["second acquired"] < time.monotonic()  # (it held "k" before the first released)
+    assert pause.overlap > 0, pause
+
+
+# -- 6. the sweep and a grant both end a stranded task: its token freed twice (compiled core) ----
+
+
+BOTH_END_IT = """
+import asyncio, os, sys, threading, warnings
+from lockmgr import _common, postgres
+locks = postgres.PgLockManager(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
+g_has_lost, s_warns, g_done = threading.Event(), threading.Event(), threading.Event()
+sweeper = threading.get_ident()
+
+def post(self):  # Waker.post as it is, with a pause where the GIL may pass to another thread
+    try:
+        if self.loop.is_closed():
+            raise RuntimeError("its event loop is closed")
+        self.loop.call_soon_threadsafe(self._post_here)
+    except RuntimeError:
+        lost, self.lost = self.lost, None
+        g_has_lost.set()
+        s_warns.wait(5)  # (a switch of the GIL, or a free-threaded build, does it unaided)
+        if lost is not None:
+            lost()
+        g_done.set()
+_common.Waker.post = post
+
+def showwarning(message, *args, **kwargs):  # AbandonedLockWarning's handlers run Python code
+    print("warned:", message, flush=True)
+    if threading.get_ident() == sweeper and not s_warns.is_set():
+        s_warns.set()
+        g_done.wait(5)
+warnings.showwarning = showwarning
+warnings.simplefilter("always")
+
+holding, release = threading.Event(), threading.Event()
+def grantor():  # a thread holding "x", released later: the grant goes to the stranded task
+    locks.acquire("x")
+    holding.set()
+    release.wait()
+    locks.release("x")
+thread = threading.Thread(target=grantor)
+thread.start()
+holding.wait()
+
+loop = asyncio.new_event_loop()
+async def stranded():
+    await locks.aio.acquire("y")
+    await locks.aio.acquire("x")  # waits in process
+async def setup():
+    task = asyncio.create_task(stranded())
+    while "waiting=1" not in repr(locks._engine):  # its wait for "x" is queued
+        await asyncio.sleep(0.01)
+    return task
+task = loop.run_until_complete(setup())
+loop.close()  # asyncio.run's shutdown cut short: the task waits for "x", holding "y"
+release.set()
+g_has_lost.wait(5)  # the grant found the loop closed; its ``lost`` is on its way
+locks.lost_keys()   # the sweep: end_stranded_task, beside the grant's _loop_closed
+thread.join()
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.compiled
+def test_a_sweep_beside_a_grant_to_a_stranded_task_frees_its_token_once(dsn, namespace) -> None:  # noqa: F811
+    """Two paths now end a stranded task in the core: a grant that finds its loop closed
+    (``_TaskWait._loop_closed`` -> ``_TaskOwner._task_done``, called directly) and the sweep
+    (``end_stranded_task``, new). ``_task_done`` checks ``self.token`` on entry but clears
+    it only at its end, after release_abandoned has run the AbandonedLockWarning's Python
+    code: a grantor that took the waker's ``lost`` before the sweep's ``_task_done``
+    abandoned the wait runs its own ``_task_done`` meanwhile, frees the token, and the
+    sweep then uses it and frees it again (here: a crash under PYTHONMALLOC=debug). The
+    pause in Waker.post only widens a window a GIL switch (or a free-threaded build) opens."""
+    process = subprocess.run([sys.executable, "-c", BOTH_END_IT], capture_output=True,
+                             text=True, timeout=120,
+                             env={**os.environ, "DSN": dsn, "NAMESPACE": namespace,
+                                  "PYTHONMALLOC": "debug"})
+    assert process.returncode == 0 and "survived" in process.stdout, (
+        process.returncode, process.stdout[-1500:], process.stderr[-3000:])
