@@ -374,70 +374,127 @@ cdef class KeyLock:
 cdef class _Blocks:
     """lockmgr._common.BlocksInside in C, for the compiled core's ``async with`` objects:
     which task runs each block of one object, by the frame running it. Most objects have
-    one block at a time, which needs no dict.
+    one block at a time, which needs no dict. As there, the ending of a task (done, or
+    stranded on a closed loop) moves its entries to ``ended``, which keeps no frame: each
+    _TaskOwner lists the objects holding its frames (``blocks``).
 
     A frame's entry is changed by the code running that frame, but a stranded task's frame
-    is closed by whoever collects it, in any thread: free-threaded, the record is changed
-    in a critical section of this object (nothing on a GIL build)."""
+    is closed by whoever collects it, in any thread, and a task's ending may run in another
+    thread than its loop's: free-threaded, the record is changed in a critical section of
+    this object (nothing on a GIL build). Frames it lets go are dropped after the section
+    (their finalizers run Python code)."""
     cdef object frame              # the frame running a block (None: none is)
     cdef object task_ref           # a weak reference to the task that block runs for
     cdef Py_ssize_t depth          # how many blocks of the object that frame is inside
     cdef dict others               # the other frames inside at once: frame -> [weak
                                    # reference to the task, depth] (None until needed)
+    cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
+                                   # id: id(frame) -> [weak reference to the task, depth]
+                                   # (None until needed); an entry goes when its block
+                                   # exits or a new block is counted in under that id
 
-    cdef int count_in(self, frame, task_ref) except -1:
-        """A block running in ``frame`` for the task ``task_ref`` refers to holds what it
-        asked for."""
+    cdef int count_in(self, frame, _TaskOwner owner) except -1:
+        """A block running in ``frame`` for ``owner``'s task holds what it asked for."""
+        cdef bint new_entry = False
         with cython.critical_section(self):
             if self.frame is frame:
                 self.depth += 1
             elif self.frame is None and not (self.others and frame in self.others):
                 self.frame = frame
-                self.task_ref = task_ref
+                self.task_ref = owner.task_ref
                 self.depth = 1
+                new_entry = True
             else:
                 if self.others is None:
                     self.others = {}
                 entry = self.others.get(frame)
                 if entry is None:
-                    self.others[frame] = [task_ref, 1]
+                    self.others[frame] = [owner.task_ref, 1]
+                    new_entry = True
                 else:
                     entry[1] += 1
+            if new_entry and self.ended:
+                self.ended.pop(id(frame), None)  # that frame is gone: its id is reused
+        if new_entry:
+            owner.blocks.append(self)
         return 0
 
-    cdef object leave_block(self, frame, current_ref):
+    cdef object leave_block(self, frame, _TaskOwner current):
         """A weak reference to the task whose block in ``frame`` exits (its _TaskOwner's
         ``task_ref``); NOT_ENTERED if none was counted in there: entered in another frame,
-        whose entry, one of the running task's (``current_ref``: its ``task_ref``, None if
-        it has none), goes instead (see BlocksInside)."""
+        whose entry, one of the running task's (``current``: its owner, None if it has
+        none), goes instead (see BlocksInside)."""
         entered = NOT_ENTERED
+        current_ref = None if current is None else current.task_ref
+        let_go = None  # a frame whose last entry went, dropped after the section
+        cdef bint current_left = False  # an entry of the current task's went
         with cython.critical_section(self):
             if frame is not None and self.frame is frame:
                 entered = self.task_ref
-                self.count_down_first()
+                current_left = self.count_down_first() and entered is current_ref
             elif self.others and frame in self.others:
                 entered = self.others[frame][0]
-                self.count_down_other(frame)
+                current_left = self.count_down_other(frame) and entered is current_ref
+            elif self.ended and id(frame) in self.ended:
+                entered = self.count_down_ended(id(frame))
             elif current_ref is not None and self.task_ref is current_ref:
-                self.count_down_first()
+                let_go = self.frame
+                current_left = self.count_down_first()
             elif current_ref is not None and self.others:
                 for other, entry in list(self.others.items()):
                     if entry[0] is current_ref:
-                        self.count_down_other(other)
+                        let_go = other
+                        current_left = self.count_down_other(other)
                         break
+        if current_left:
+            current.forget_block(self)
         return entered
 
-    cdef int count_down_first(self) except -1:
+    cdef bint count_down_first(self) except -1:
+        """One block of the first frame exits: whether it was its last."""
         self.depth -= 1
         if self.depth == 0:
             self.frame = self.task_ref = None
-        return 0
+            return True
+        return False
 
-    cdef int count_down_other(self, frame) except -1:
+    cdef bint count_down_other(self, frame) except -1:
         entry = self.others[frame]
         entry[1] -= 1
         if entry[1] == 0:
             del self.others[frame]
+            return True
+        return False
+
+    cdef object count_down_ended(self, Py_ssize_t frame_id):
+        entry = self.ended[frame_id]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.ended[frame_id]
+        return entry[0]
+
+    cdef list forget_task(self, task_ref):
+        """Move the entries of the task ``task_ref`` refers to, which lockmgr has ended, to
+        ``ended``; answers their frames, for the caller to drop after the section."""
+        frames = []
+        with cython.critical_section(self):
+            if self.frame is not None and self.task_ref is task_ref:
+                frames.append(self.frame)
+                self.set_ended(self.frame, [task_ref, self.depth])
+                self.frame = self.task_ref = None
+                self.depth = 0
+            if self.others:
+                for other, entry in list(self.others.items()):
+                    if entry[0] is task_ref and self.others.get(other) is entry:
+                        del self.others[other]
+                        frames.append(other)
+                        self.set_ended(other, entry)
+        return frames
+
+    cdef int set_ended(self, frame, list entry) except -1:
+        if self.ended is None:
+            self.ended = {}
+        self.ended[id(frame)] = entry
         return 0
 
 

@@ -198,10 +198,22 @@ cdef class _TaskOwner:
     cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
                         # (whatever happens to the coroutine's frame meanwhile); a task has
                         # one at a time (the table refuses a second: NestedWaitError)
+    cdef list blocks    # the _Blocks holding a block of the task by its frame, once per
+                        # such frame (appended and removed by the task's own blocks; taken
+                        # by its ending, which moves their entries aside: see _Blocks)
 
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
             free_token(self.token)
+
+    cdef int forget_block(self, _Blocks inside) except -1:
+        """``inside`` holds one block fewer of the task by its frame."""
+        cdef Py_ssize_t index
+        for index in range(len(self.blocks) - 1, -1, -1):
+            if self.blocks[index] is inside:
+                del self.blocks[index]
+                break
+        return 0
 
     cdef int abandon_stranded(self) except -1:
         """Abandon the task's wait if nothing ever awaited it: an exception came between the
@@ -223,6 +235,9 @@ cdef class _TaskOwner:
         if token is NULL or task_owners.pop(task, None) is not self:
             return
         owners_by_ident.pop(token.ident, None)
+        blocks, self.blocks = self.blocks, []
+        frames = [(<_Blocks>inside).forget_task(self.task_ref) for inside in blocks]
+        del frames  # (their finalizers may run here, after every record is consistent)
         if self.wait is not None:
             # A done task awaits nothing: its wait was stranded (see abandon_stranded).
             self.wait.abandon()
@@ -266,7 +281,7 @@ cdef int count_block_in(object got, _TaskOwner owner, _Blocks inside,
     if inside is None or owner is None:  # (an empty hold_many makes no owner)
         return 0
     if got is True:
-        inside.count_in(frame, owner.task_ref)
+        inside.count_in(frame, owner)
     elif type(got) is _TaskWait:
         (<_TaskWait>got).entering = inside
         (<_TaskWait>got).entering_frame = frame
@@ -283,7 +298,7 @@ cdef bint exit_releases(_Blocks blocks, object frame, object kind, object key,
     task = current_task()
     owner = None if task is None else task_owners.get(task)
     current_ref = None if owner is None else (<_TaskOwner>owner).task_ref
-    entered = blocks.leave_block(frame, current_ref)
+    entered = blocks.leave_block(frame, <_TaskOwner>owner)
     if entered is not NOT_ENTERED:
         if current_ref is None or entered is not current_ref:
             if kind is GeneratorExit:
@@ -313,6 +328,7 @@ cdef _TaskOwner task_owner(bint create):
     created.token = token  # from here on the owner frees it
     created.task = task
     created.task_ref = PyWeakref_NewRef(task, None)
+    created.blocks = []
     token.ident = <unsigned long>id(task)
     token.is_task = True
     token.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
@@ -398,7 +414,7 @@ cdef class _TaskWait:
         self._ended()
         finish(&after, self.request.token)
         if self.entering is not None:
-            self.entering.count_in(self.entering_frame, self.owner.task_ref)
+            self.entering.count_in(self.entering_frame, self.owner)
 
     def abandon(self):
         """Leave the queues, or give back a grant that raced the exception ending the wait."""

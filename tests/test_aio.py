@@ -1065,6 +1065,78 @@ def test_closing_an_ended_tasks_coroutine_with_no_loop_running_raises_nothing(im
     assert len(locks) == 0 and locks.stats().waiting == 0
 
 
+class _Key:
+    """A key that can be referred to weakly: whether anything still keeps it."""
+
+
+def test_a_task_stranded_on_its_own_future_inside_a_shared_view_is_collectable(impl) -> None:
+    """A task inside a block of a long-lived view, waiting on a future of its own (not on
+    lockmgr), is stranded on a closed loop and ended with ``end_stranded_task``: neither
+    the view nor anything of lockmgr keeps the task. (On 3.10 a frame owns what it
+    awaits: the view, by keeping the block's frame, kept the future and so the task.)"""
+    locks = impl.LockManager()
+    shared = locks.aio["k"]
+
+    async def in_block() -> None:
+        async with shared:
+            await asyncio.get_running_loop().create_future()  # never done
+
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(in_block())
+        loop.run_until_complete(until(lambda: "k" in locks, "the task holds k"))
+    finally:
+        loop.close()
+    task._log_destroy_pending = False
+    with abandoned_warnings():
+        impl.end_stranded_task(task)
+    assert "k" not in locks
+    alive = weakref.ref(task)
+    del task
+    gc.collect()
+    assert alive() is None, "the stranded task is kept alive"
+    run(lambda: _enter_and_leave(shared))  # the view still serves
+    assert len(locks) == 0
+
+
+async def _enter_and_leave(view: Any) -> None:
+    async with view:
+        pass
+
+
+@pytest.mark.parametrize("how", ["aio[key]", "hold()", "AsyncExitStack"])
+def test_a_running_task_keeps_nothing_of_the_blocks_it_left(impl, how) -> None:
+    """A long-lived task's blocks, each on a fresh view of a fresh key: once a block has
+    exited, its key is collectable while the task runs on (what the task remembers of the
+    blocks it is inside, for its ending, goes with each block)."""
+    import contextlib
+
+    locks = impl.LockManager()
+    refs: list[weakref.ref[_Key]] = []
+
+    async def main() -> None:
+        for _ in range(20):
+            key = _Key()
+            refs.append(weakref.ref(key))
+            if how == "aio[key]":
+                async with locks.aio[key]:
+                    pass
+            elif how == "hold()":
+                async with locks.aio.hold(key):
+                    pass
+            else:  # entered and exited in other frames than the block's
+                async with contextlib.AsyncExitStack() as stack:
+                    await stack.enter_async_context(locks.aio[key])
+                del stack
+            del key
+        gc.collect()
+        kept = sum(ref() is not None for ref in refs)
+        assert kept == 0, f"{kept} of 20 keys of exited blocks are still kept"
+
+    run(main)
+    assert len(locks) == 0
+
+
 @pytest.mark.parametrize("style", list(BLOCKS))
 def test_a_block_a_finished_task_left_suspended_exits_as_that_tasks(impl, style) -> None:
     """A task drove a coroutine into a block (it holds "k" there) and finished, leaving it

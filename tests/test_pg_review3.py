@@ -451,3 +451,33 @@ def test_a_sweep_beside_a_grant_to_a_stranded_task_frees_its_token_once(dsn, nam
                                   "PYTHONMALLOC": "debug"})
     assert process.returncode == 0 and "survived" in process.stdout, (
         process.returncode, process.stdout[-1500:], process.stderr[-3000:])
+
+
+# -- 7. a long-lived view keeps no stranded task once the sweep ended it -------------------------
+
+
+@pytest.mark.parametrize("view", ["aio[key]", "hold()"])
+def test_a_shared_view_keeps_no_stranded_task_once_swept(locks, view) -> None:  # noqa: F811
+    """A task inside a block of a long-lived object (one ``aio[key]`` view, one
+    ``hold()``), stranded on a closed loop while it sleeps, and swept (its connection
+    closed, ended in process): the object must not keep it. (On 3.10 a frame owns what it
+    awaits; an object that kept the block's frame kept the sleep's future and so the task,
+    for as long as the object lived.)"""
+    import weakref
+
+    shared = locks.aio["k"] if view == "aio[key]" else locks.aio.hold("k")
+    stranded = strand_a_holder(locks, "k", shared)
+    with warnings.catch_warnings(record=True):  # AbandonedLockWarning, once swept
+        warnings.simplefilter("always")
+        locks.lost_keys()  # the sweep
+    alive = weakref.ref(stranded)
+    del stranded
+    quietly_collect()
+    assert alive() is None, "the shared object keeps the stranded task alive"
+
+    async def main() -> None:  # the object still serves
+        async with shared:
+            assert await locks.aio.locked("k")
+
+    asyncio.run(main())
+    assert not locks.locked("k")

@@ -268,26 +268,50 @@ class BlocksInside:
     a ``contextlib.AsyncExitStack``, or a wrapper's ``__aenter__``) cannot be told apart:
     its exit gives back an entry of the current task's instead, so entries stay bounded,
     and releases nothing under GeneratorExit (a collected task's exit and the current
-    task's own look alike there). Tasks are held weakly: a stranded task whose block never
-    exits is not kept alive by a long-lived object. Each frame's entry is changed only by
-    the code running that frame (or closing it), so no lock is needed."""
+    task's own look alike there).
 
-    __slots__ = ("_by_frame",)
+    Nothing here keeps a task alive once lockmgr has ended it (done, or stranded on a
+    closed loop): its task's token lists the objects holding its frames (``blocks``), and
+    the ending moves its entries to ``_ended``, by the frame's id. On 3.10 a frame owns
+    its value stack, which holds what the frame awaits and so, through the future's
+    callback, its task: a stranded task held that way by a long-lived view would never be
+    collected. An ended entry goes when its frame's block exits (the frame's coroutine is
+    closed before the frame dies) or when a new block is counted in under the same id.
+    Each frame's entry is changed only by the code running that frame (or closing it), or
+    by its task's ending, when that code can run no more, so no lock is needed."""
+
+    __slots__ = ("_by_frame", "_ended")
 
     def __init__(self) -> None:
         self._by_frame: dict[Any, list[Any]] = {}  # frame -> [ref to its task, blocks]
+        self._ended: dict[int, list[Any]] = {}  # id(frame) -> the same, for ended tasks
 
-    def _count_in(self, frame: Any, task: Any) -> None:
+    def _count_in(self, frame: Any, task: Any, blocks: list[BlocksInside] | None = None
+                  ) -> None:
+        """``blocks``: the task's token's list of the objects holding its frames."""
         entry = self._by_frame.get(frame)
-        if entry is None:
-            self._by_frame[frame] = [weakref.ref(task), 1]
-        else:
+        if entry is not None:
             entry[1] += 1
+            return
+        if self._ended:
+            self._ended.pop(id(frame), None)  # that frame is gone: its id is reused
+        self._by_frame[frame] = [weakref.ref(task), 1]
+        if blocks is not None:
+            blocks.append(self)
 
-    def _leave(self, frame: Any, current: Any) -> Any:
+    def _leave(self, frame: Any, current: Any, blocks: list[BlocksInside] | None = None
+               ) -> Any:
         """A weak reference to the task whose block in ``frame`` exits; NOT_ENTERED if none
-        was counted in there (then an entry of ``current``, the running task, goes)."""
+        was counted in there (then an entry of ``current``, the running task, goes).
+        ``blocks``: the current task's token's list, if it has a token."""
         entry = self._by_frame.get(frame)
+        if entry is None and self._ended:
+            ended = self._ended.get(id(frame))
+            if ended is not None:
+                ended[1] -= 1
+                if not ended[1]:
+                    del self._ended[id(frame)]
+                return ended[0]
         entered = NOT_ENTERED if entry is None else entry[0]
         if entry is None and current is not None:
             frame, entry = next(((other, entry) for other, entry in list(self._by_frame.items())
@@ -296,7 +320,34 @@ class BlocksInside:
             entry[1] -= 1
             if not entry[1]:
                 self._by_frame.pop(frame, None)
+                if blocks is not None and entry[0]() is current:
+                    _remove_last(blocks, self)
         return entered
+
+    def _forget(self, task: Any) -> list[Any]:
+        """Move the entries of ``task``, which lockmgr has ended, to ``_ended``; answers
+        their frames, for the caller to drop."""
+        frames = [frame for frame, entry in list(self._by_frame.items()) if entry[0]() is task]
+        for frame in frames:
+            entry = self._by_frame.pop(frame, None)
+            if entry is not None:
+                self._ended[id(frame)] = entry
+        return frames
+
+
+def _remove_last(items: list[Any], item: Any) -> None:
+    """Remove the last occurrence of ``item`` (by identity) from ``items``."""
+    for index in range(len(items) - 1, -1, -1):
+        if items[index] is item:
+            del items[index]
+            return
+
+
+def forget_blocks(blocks: list[BlocksInside], task: Any) -> None:
+    """The ending of ``task`` (see BlocksInside): none of ``blocks`` keeps its frames."""
+    frames = [inside._forget(task) for inside in blocks]
+    blocks.clear()
+    del frames  # (their finalizers may run here, after every record is consistent)
 
 
 def current_task_or_none() -> Any:

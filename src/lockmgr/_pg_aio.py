@@ -55,6 +55,7 @@ from ._common import (
     DeadlockError,
     current_task_or_none,
     current_task_or_raise,
+    forget_blocks,
     hold_seconds,
     many_items,
     not_owned,
@@ -247,11 +248,14 @@ def _set_once(future: asyncio.Future[None]) -> None:
 class _TaskSession(_Session):
     """One task's standing with one manager (a ``_Session``, the task as its owner)."""
 
-    __slots__ = ("cleaning",)
+    __slots__ = ("blocks", "cleaning")
     link: _AsyncLink | None
 
     def __init__(self) -> None:
         super().__init__()
+        # The async with objects holding a block of the task by its frame (once per such
+        # frame): the session's end moves their entries aside (see BlocksInside).
+        self.blocks: list[BlocksInside] = []
         # The clean-up task giving back what a cancelled call may hold (set by the owner,
         # cleared by the clean-up when it ends): the owner's next call waits for it.
         self.cleaning: asyncio.Task[None] | None = None
@@ -538,7 +542,19 @@ class _Tasks:
         with self.manager._guard:
             session = self.sessions.pop(task, None)
         if session is not None:
+            forget_blocks(session.blocks, task)
             _close_link(session)
+
+    def count_in(self, inside: BlocksInside, frame: FrameType) -> None:
+        """The current task's block running in ``frame`` holds its keys."""
+        task = current_task_or_raise()
+        session = self.sessions.get(task)
+        inside._count_in(frame, task, None if session is None else session.blocks)
+
+    def leave(self, inside: BlocksInside, frame: FrameType, running: Any) -> Any:
+        """``BlocksInside._leave`` for a block exiting in ``frame``, ``running`` the task."""
+        session = None if running is None else self.sessions.get(running)
+        return inside._leave(frame, running, None if session is None else session.blocks)
 
     async def settle(self, session: _TaskSession) -> None:
         """``_PgEngine._settle`` for the task: first wait for a clean-up still running."""
@@ -680,6 +696,7 @@ class _Tasks:
             finally:  # ended or not: a task ends once (end_stranded_task is a no-op after)
                 with self.manager._guard:
                     self.sessions.pop(task, None)
+                forget_blocks(session.blocks, task)
 
     def close(self) -> None:
         self.sweep_closed_loops()
@@ -719,7 +736,7 @@ class _Tasks:
         return bool(result.get_value(0, 0) == b"t")
 
 
-async def _exit_block(inside: BlocksInside, frame: FrameType,
+async def _exit_block(tasks: _Tasks, inside: BlocksInside, frame: FrameType,
                       kind: type[BaseException] | None, key: Hashable,
                       release: Callable[[], Awaitable[None]]) -> None:
     """The exit of a block running in ``frame``: released for its own task only. Another
@@ -728,7 +745,7 @@ async def _exit_block(inside: BlocksInside, frame: FrameType,
     task's end releases, or released, what it holds, here and on the server. Another
     task's block exited otherwise is NotOwnedError (``key``: the one to name)."""
     running = current_task_or_none()
-    entered = inside._leave(frame, running)
+    entered = tasks.leave(inside, frame, running)
     if entered is not NOT_ENTERED:
         if running is None or entered() is not running:
             if kind is GeneratorExit:
@@ -765,12 +782,12 @@ class _AsyncHeld:
         if not await self._acquire():
             keys = [key for key, _ in self._items]
             raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
-        self._inside._count_in(sys._getframe(1), current_task_or_raise())
+        self._tasks.count_in(self._inside, sys._getframe(1))
         return self._tasks.lease(self._items)
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._inside, sys._getframe(1), kind, self._items[0][0],
-                          self._release)
+        await _exit_block(self._tasks, self._inside, sys._getframe(1), kind,
+                          self._items[0][0], self._release)
 
 
 class _PgAsyncView(Generic[K]):
@@ -1017,11 +1034,11 @@ class PgAsyncKeyLock(Generic[K]):
 
     async def __aenter__(self) -> bool:
         got = await self._view.acquire(self._key)
-        self._inside._count_in(sys._getframe(1), current_task_or_raise())
+        self._view._tasks.count_in(self._inside, sys._getframe(1))
         return got
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._inside, sys._getframe(1), kind, self._key,
+        await _exit_block(self._view._tasks, self._inside, sys._getframe(1), kind, self._key,
                           lambda: self._view.release(self._key))
 
     def __repr__(self) -> str:

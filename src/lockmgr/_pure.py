@@ -124,6 +124,7 @@ from ._common import (
     LockStats,
     count_overflow,
     deadlock,
+    forget_blocks,
     hold_seconds,
     key_lock_repr,
     manager_repr,
@@ -318,7 +319,7 @@ class _TaskWakeup:
 class _TaskToken(_Token):
     """The identity of one asyncio task towards every manager (``ident`` is the task)."""
 
-    __slots__ = ("loop_ident", "wait")
+    __slots__ = ("blocks", "loop_ident", "wait")
 
     def __init__(self, task: Any) -> None:  # noqa: D107 - not a thread: no _Token.__init__
         self.ident = task
@@ -331,6 +332,9 @@ class _TaskToken(_Token):
         # Its queued request's wait, until settle or abandon ends it (one at a time: the
         # table refuses a second with NestedWaitError).
         self.wait: _TaskWait | None = None
+        # The async with objects holding a block of the task by its frame (once per such
+        # frame): its ending moves their entries aside (see BlocksInside).
+        self.blocks: list[BlocksInside] = []
 
 
 def _abandon_stranded(token: _TaskToken) -> None:
@@ -370,6 +374,7 @@ def _task_done(task: Any) -> None:
     exit does."""
     token = _task_tokens.pop(task, None)
     if token is not None:
+        forget_blocks(token.blocks, task)
         if token.wait is not None:  # a done task awaits nothing: it was stranded
             token.wait.abandon()
         for _ in range(_EXIT_ROUNDS):
@@ -406,7 +411,7 @@ def _count_block_in(got: object, token: _TaskToken, inside: BlocksInside | None,
     if inside is None:
         return
     if got is True:
-        inside._count_in(frame, token.ident)
+        inside._count_in(frame, token.ident, token.blocks)
     elif type(got) is _TaskWait:
         got.entering, got.entering_frame = inside, frame
 
@@ -418,7 +423,8 @@ def _exit_releases(inside: BlocksInside, frame: Any, kind: type[BaseException] |
     its coroutine is being closed), nor under a GeneratorExit for a block entered in
     another frame. RuntimeError outside a task otherwise."""
     current = current_task_or_none()
-    entered = inside._leave(frame, current)
+    token = None if current is None else _task_tokens.get(current)
+    entered = inside._leave(frame, current, None if token is None else token.blocks)
     if entered is not NOT_ENTERED:
         if current is None or entered() is not current:
             if kind is GeneratorExit:
@@ -505,7 +511,9 @@ class _TaskWait:
         # The block is counted in first: an exception that lands in the counting finds the
         # grant not yet completed, which abandon() then gives back.
         if self.entering is not None:
-            self.entering._count_in(self.entering_frame, self.request.token.ident)
+            token = self.request.token
+            assert type(token) is _TaskToken
+            self.entering._count_in(self.entering_frame, token.ident, token.blocks)
         _section(self.manager._complete_section, self.request)
         self._ended()
 
