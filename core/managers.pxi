@@ -416,7 +416,7 @@ cdef class _Blocks:
             if new_entry and self.ended:
                 self.ended.pop(id(frame), None)  # that frame is gone: its id is reused
         if new_entry:
-            owner.blocks.append(self)
+            owner.remember_block(self)
         return 0
 
     cdef object leave_block(self, frame, _TaskOwner current):

@@ -199,19 +199,40 @@ cdef class _TaskOwner:
                         # (whatever happens to the coroutine's frame meanwhile); a task has
                         # one at a time (the table refuses a second: NestedWaitError)
     cdef list blocks    # the _Blocks holding a block of the task by its frame, once per
-                        # such frame (appended and removed by the task's own blocks; taken
-                        # by its ending, which moves their entries aside: see _Blocks)
+                        # such frame, in its first n_blocks slots (the rest None): changed
+                        # by the task's own blocks, taken by its ending, which moves their
+                        # entries aside (see _Blocks); nothing else runs the task meanwhile
+    cdef Py_ssize_t n_blocks
 
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
             free_token(self.token)
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    cdef int remember_block(self, _Blocks inside) except -1:
+        """``inside`` holds one more block of the task by its frame."""
+        if self.n_blocks < len(self.blocks):
+            self.blocks[self.n_blocks] = inside
+        else:
+            self.blocks.append(inside)
+        self.n_blocks += 1
+        return 0
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     cdef int forget_block(self, _Blocks inside) except -1:
-        """``inside`` holds one block fewer of the task by its frame."""
+        """``inside`` holds one block fewer of the task by its frame. Blocks nest, so it is
+        usually the last listed; the slots stay (a list that shrinks to nothing and grows
+        again reallocates at every block), and order does not matter (the ending takes
+        them all): the last fills the hole."""
+        cdef Py_ssize_t last = self.n_blocks - 1
         cdef Py_ssize_t index
-        for index in range(len(self.blocks) - 1, -1, -1):
+        for index in range(last, -1, -1):
             if self.blocks[index] is inside:
-                del self.blocks[index]
+                self.blocks[index] = self.blocks[last]
+                self.blocks[last] = None
+                self.n_blocks = last
                 break
         return 0
 
@@ -235,7 +256,8 @@ cdef class _TaskOwner:
         if token is NULL or task_owners.pop(task, None) is not self:
             return
         owners_by_ident.pop(token.ident, None)
-        blocks, self.blocks = self.blocks, []
+        blocks, self.blocks = self.blocks[:self.n_blocks], []
+        self.n_blocks = 0
         frames = [(<_Blocks>inside).forget_task(self.task_ref) for inside in blocks]
         del frames  # (their finalizers may run here, after every record is consistent)
         if self.wait is not None:
