@@ -213,12 +213,16 @@ async def leaves():  # a task that finishes with a generator suspended inside th
 
 def loop_thread():
     async def main():
+        # The closers own these generators: without this, asyncio.run's shutdown_asyncgens
+        # closes those still queued, racing a closer on the same generator ("aclose():
+        # asynchronous generator is already running", seen on 3.13t).
+        sys.set_asyncgen_hooks(firstiter=None, finalizer=None)
         while time.monotonic() < stop:
             left.append(await asyncio.create_task(leaves()))
     asyncio.run(main())
 
 def closer():  # closes those generators: each exit is a finished task's (no task current)
-    while time.monotonic() < stop or left:
+    while any(thread.is_alive() for thread in loop_threads) or left:
         try:
             generator = left.popleft()
         except IndexError:
@@ -231,8 +235,8 @@ def closer():  # closes those generators: each exit is a finished task's (no tas
         except BaseException as error:
             errors.append(repr(error))
 
-threads = [threading.Thread(target=loop_thread) for _ in range(2)]
-threads += [threading.Thread(target=closer) for _ in range(3)]
+loop_threads = [threading.Thread(target=loop_thread) for _ in range(2)]
+threads = loop_threads + [threading.Thread(target=closer) for _ in range(3)]
 for thread in threads:
     thread.start()
 for thread in threads:
