@@ -389,9 +389,10 @@ cdef class _Blocks:
     cdef dict others               # the other frames inside at once: frame -> [weak
                                    # reference to the task, depth] (None until needed)
     cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
-                                   # id: id(frame) -> [weak reference to the task, depth]
-                                   # (None until needed); an entry goes when its block
-                                   # exits or a new block is counted in under that id
+                                   # id: id(frame) -> [weak reference to the task, depth,
+                                   # the frame's code] (None until needed); an entry goes
+                                   # when its block exits, or once its id names another
+                                   # frame (counted in, or exiting with other code)
 
     cdef int count_in(self, frame, _TaskOwner owner) except -1:
         """A block running in ``frame`` for ``owner``'s task holds what it asked for."""
@@ -435,7 +436,7 @@ cdef class _Blocks:
             elif self.others and frame in self.others:
                 entered = self.others[frame][0]
                 current_left = self.count_down_other(frame) and entered is current_ref
-            elif self.ended and id(frame) in self.ended:
+            elif self.ended and self.is_ended_frame(frame):
                 entered = self.count_down_ended(id(frame))
             elif current_ref is not None and self.task_ref is current_ref:
                 let_go = self.frame
@@ -466,6 +467,21 @@ cdef class _Blocks:
             return True
         return False
 
+    cdef bint is_ended_frame(self, frame) except -1:
+        """Whether ``frame`` is the frame of an entry in ``ended``. Only its id was kept, and
+        a frame that died may leave it to another: one running other code (an
+        ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
+        then goes. A frame of the same code under a dead one's id still passes for it."""
+        if frame is None:
+            return False
+        entry = self.ended.get(id(frame))
+        if entry is None:
+            return False
+        if entry[2] is not (<object>frame).f_code:
+            del self.ended[id(frame)]
+            return False
+        return True
+
     cdef object count_down_ended(self, Py_ssize_t frame_id):
         entry = self.ended[frame_id]
         entry[1] -= 1
@@ -494,7 +510,7 @@ cdef class _Blocks:
     cdef int set_ended(self, frame, list entry) except -1:
         if self.ended is None:
             self.ended = {}
-        self.ended[id(frame)] = entry
+        self.ended[id(frame)] = [entry[0], entry[1], (<object>frame).f_code]
         return 0
 
 

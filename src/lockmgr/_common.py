@@ -276,7 +276,8 @@ class BlocksInside:
     its value stack, which holds what the frame awaits and so, through the future's
     callback, its task: a stranded task held that way by a long-lived view would never be
     collected. An ended entry goes when its frame's block exits (the frame's coroutine is
-    closed before the frame dies) or when a new block is counted in under the same id.
+    closed before the frame dies), or once its id names another frame (see
+    ``_is_ended_frame``).
     Each frame's entry is changed only by the code running that frame (or closing it), or
     by its task's ending, when that code can run no more, so no lock is needed."""
 
@@ -284,7 +285,8 @@ class BlocksInside:
 
     def __init__(self) -> None:
         self._by_frame: dict[Any, list[Any]] = {}  # frame -> [ref to its task, blocks]
-        self._ended: dict[int, list[Any]] = {}  # id(frame) -> the same, for ended tasks
+        # id(frame) -> [ref to its task, blocks, the frame's code], for ended tasks
+        self._ended: dict[int, list[Any]] = {}
 
     def _count_in(self, frame: Any, task: Any, blocks: list[BlocksInside] | None = None
                   ) -> None:
@@ -305,13 +307,12 @@ class BlocksInside:
         was counted in there (then an entry of ``current``, the running task, goes).
         ``blocks``: the current task's token's list, if it has a token."""
         entry = self._by_frame.get(frame)
-        if entry is None and self._ended:
-            ended = self._ended.get(id(frame))
-            if ended is not None:
-                ended[1] -= 1
-                if not ended[1]:
-                    del self._ended[id(frame)]
-                return ended[0]
+        if entry is None and self._ended and self._is_ended_frame(frame):
+            ended = self._ended[id(frame)]
+            ended[1] -= 1
+            if not ended[1]:
+                self._ended.pop(id(frame), None)
+            return ended[0]
         entered = NOT_ENTERED if entry is None else entry[0]
         if entry is None and current is not None:
             frame, entry = next(((other, entry) for other, entry in list(self._by_frame.items())
@@ -324,6 +325,19 @@ class BlocksInside:
                     _remove_last(blocks, self)
         return entered
 
+    def _is_ended_frame(self, frame: Any) -> bool:
+        """Whether ``frame`` is the frame of an entry in ``_ended``. Only its id was kept,
+        and a frame that died may leave it to another: one running other code (an
+        ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
+        then goes. A frame of the same code under a dead one's id still passes for it."""
+        ended = self._ended.get(id(frame))
+        if ended is None:
+            return False
+        if ended[2] is not frame.f_code:
+            self._ended.pop(id(frame), None)
+            return False
+        return True
+
     def _forget(self, task: Any) -> list[Any]:
         """Move the entries of ``task``, which lockmgr has ended, to ``_ended``; answers
         their frames, for the caller to drop."""
@@ -331,7 +345,7 @@ class BlocksInside:
         for frame in frames:
             entry = self._by_frame.pop(frame, None)
             if entry is not None:
-                self._ended[id(frame)] = entry
+                self._ended[id(frame)] = [entry[0], entry[1], frame.f_code]
         return frames
 
 
