@@ -374,20 +374,22 @@ cdef class KeyLock:
 cdef class _Blocks:
     """lockmgr._common.BlocksInside in C, for the compiled core's ``async with`` objects:
     which task runs each block of one object, by the frame running it. Most objects have
-    one block at a time, which needs no dict. As there, the ending of a task (done, or
-    stranded on a closed loop) moves its entries to ``ended``, which keeps no frame: each
-    _TaskOwner lists the objects holding its frames (``blocks``).
+    one block at a time, which needs no dict. As there, each _TaskOwner lists the objects
+    holding its frames (``blocks``, a slot per frame, which goes with the frame's last
+    entry, whoever's exit that is), and the ending of a task (done, or stranded on a closed
+    loop) moves its entries to ``ended``, which keeps no frame.
 
     A frame's entry is changed by the code running that frame, but a stranded task's frame
     is closed by whoever collects it, in any thread, and a task's ending may run in another
     thread than its loop's: free-threaded, the record is changed in a critical section of
-    this object (nothing on a GIL build). Frames it lets go are dropped after the section
-    (their finalizers run Python code)."""
+    this object (nothing on a GIL build). A _TaskOwner's list is changed in a critical
+    section of that owner; the two are never nested. Frames the record lets go are dropped
+    after the section (their finalizers run Python code)."""
     cdef object frame              # the frame running a block (None: none is)
-    cdef object task_ref           # a weak reference to the task that block runs for
+    cdef _TaskOwner owner          # the owner of the task that block runs for
     cdef Py_ssize_t depth          # how many blocks of the object that frame is inside
-    cdef dict others               # the other frames inside at once: frame -> [weak
-                                   # reference to the task, depth] (None until needed)
+    cdef dict others               # the other frames inside at once: frame -> [the
+                                   # task's _TaskOwner, depth] (None until needed)
     cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
                                    # id: id(frame) -> [weak reference to the task, depth,
                                    # the frame's code] (None until needed); an entry goes
@@ -402,7 +404,7 @@ cdef class _Blocks:
                 self.depth += 1
             elif self.frame is None and not (self.others and frame in self.others):
                 self.frame = frame
-                self.task_ref = owner.task_ref
+                self.owner = owner
                 self.depth = 1
                 new_entry = True
             else:
@@ -410,7 +412,7 @@ cdef class _Blocks:
                     self.others = {}
                 entry = self.others.get(frame)
                 if entry is None:
-                    self.others[frame] = [owner.task_ref, 1]
+                    self.others[frame] = [owner, 1]
                     new_entry = True
                 else:
                     entry[1] += 1
@@ -426,46 +428,46 @@ cdef class _Blocks:
         whose entry, one of the running task's (``current``: its owner, None if it has
         none), goes instead (see BlocksInside)."""
         entered = NOT_ENTERED
-        current_ref = None if current is None else current.task_ref
         let_go = None  # a frame whose last entry went, dropped after the section
-        cdef bint current_left = False  # an entry of the current task's went
+        cdef _TaskOwner emptied = None  # whose frame's last entry went: its slot goes
         with cython.critical_section(self):
             if frame is not None and self.frame is frame:
-                entered = self.task_ref
-                current_left = self.count_down_first() and entered is current_ref
+                entered = self.owner.task_ref
+                emptied = self.count_down_first()
             elif self.others and frame in self.others:
-                entered = self.others[frame][0]
-                current_left = self.count_down_other(frame) and entered is current_ref
+                entered = (<_TaskOwner>self.others[frame][0]).task_ref
+                emptied = self.count_down_other(frame)
             elif self.ended and self.is_ended_frame(frame):
                 entered = self.count_down_ended(id(frame))
-            elif current_ref is not None and self.task_ref is current_ref:
+            elif current is not None and self.owner is current:
                 let_go = self.frame
-                current_left = self.count_down_first()
-            elif current_ref is not None and self.others:
+                emptied = self.count_down_first()
+            elif current is not None and self.others:
                 for other, entry in list(self.others.items()):
-                    if entry[0] is current_ref:
+                    if entry[0] is current:
                         let_go = other
-                        current_left = self.count_down_other(other)
+                        emptied = self.count_down_other(other)
                         break
-        if current_left:
-            current.forget_block(self)
+        if emptied is not None:
+            emptied.forget_block(self)
         return entered
 
-    cdef bint count_down_first(self) except -1:
-        """One block of the first frame exits: whether it was its last."""
+    cdef _TaskOwner count_down_first(self):
+        """One block of the first frame exits: its owner if it was its last, else None."""
+        owner = self.owner
         self.depth -= 1
         if self.depth == 0:
-            self.frame = self.task_ref = None
-            return True
-        return False
+            self.frame = self.owner = None
+            return owner
+        return None
 
-    cdef bint count_down_other(self, frame) except -1:
+    cdef _TaskOwner count_down_other(self, frame):
         entry = self.others[frame]
         entry[1] -= 1
         if entry[1] == 0:
             del self.others[frame]
-            return True
-        return False
+            return <_TaskOwner>entry[0]
+        return None
 
     cdef bint is_ended_frame(self, frame) except -1:
         """Whether ``frame`` is the frame of an entry in ``ended``. Only its id was kept, and
@@ -489,28 +491,28 @@ cdef class _Blocks:
             del self.ended[frame_id]
         return entry[0]
 
-    cdef list forget_task(self, task_ref):
-        """Move the entries of the task ``task_ref`` refers to, which lockmgr has ended, to
-        ``ended``; answers their frames, for the caller to drop after the section."""
+    cdef list forget_task(self, _TaskOwner owner):
+        """Move the entries of ``owner``'s task, which lockmgr has ended, to ``ended``;
+        answers their frames, for the caller to drop after the section."""
         frames = []
         with cython.critical_section(self):
-            if self.frame is not None and self.task_ref is task_ref:
+            if self.frame is not None and self.owner is owner:
                 frames.append(self.frame)
-                self.set_ended(self.frame, [task_ref, self.depth])
-                self.frame = self.task_ref = None
+                self.set_ended(self.frame, owner.task_ref, self.depth)
+                self.frame = self.owner = None
                 self.depth = 0
             if self.others:
                 for other, entry in list(self.others.items()):
-                    if entry[0] is task_ref and self.others.get(other) is entry:
+                    if entry[0] is owner and self.others.get(other) is entry:
                         del self.others[other]
                         frames.append(other)
-                        self.set_ended(other, entry)
+                        self.set_ended(other, owner.task_ref, entry[1])
         return frames
 
-    cdef int set_ended(self, frame, list entry) except -1:
+    cdef int set_ended(self, frame, task_ref, Py_ssize_t depth) except -1:
         if self.ended is None:
             self.ended = {}
-        self.ended[id(frame)] = [entry[0], entry[1], (<object>frame).f_code]
+        self.ended[id(frame)] = [task_ref, depth, (<object>frame).f_code]
         return 0
 
 

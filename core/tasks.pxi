@@ -194,14 +194,17 @@ cdef class _TaskOwner:
     done-callback then releases what the task still holds, as a thread's exit does."""
     cdef Token *token   # the task's token (Token.is_task); freed once the task is done
     cdef object task    # the task (a strong reference: ``task_owners`` is released when done)
-    cdef object task_ref # a weak reference to it, made once: what _Blocks records
+    cdef object task_ref # a weak reference to it, made once: whose block an exit was, as
+                         # _Blocks answers, and what it keeps of the task once ended
     cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
                         # (whatever happens to the coroutine's frame meanwhile); a task has
                         # one at a time (the table refuses a second: NestedWaitError)
     cdef list blocks    # the _Blocks holding a block of the task by its frame, once per
-                        # such frame, in its first n_blocks slots (the rest None): changed
-                        # by the task's own blocks, taken by its ending, which moves their
-                        # entries aside (see _Blocks); nothing else runs the task meanwhile
+                        # such frame, in its first n_blocks slots (the rest None): a slot
+                        # comes with the frame's first entry and goes with its last, whoever's
+                        # exit that is (another task's may close the frame's coroutine);
+                        # taken by the task's ending, which moves the entries aside (see
+                        # _Blocks). Changed in a critical section of this owner (free-threaded)
     cdef Py_ssize_t n_blocks
 
     def __dealloc__(self):
@@ -212,11 +215,12 @@ cdef class _TaskOwner:
     @cython.wraparound(False)
     cdef int remember_block(self, _Blocks inside) except -1:
         """``inside`` holds one more block of the task by its frame."""
-        if self.n_blocks < len(self.blocks):
-            self.blocks[self.n_blocks] = inside
-        else:
-            self.blocks.append(inside)
-        self.n_blocks += 1
+        with cython.critical_section(self):
+            if self.n_blocks < len(self.blocks):
+                self.blocks[self.n_blocks] = inside
+            else:
+                self.blocks.append(inside)
+            self.n_blocks += 1
         return 0
 
     @cython.boundscheck(False)
@@ -226,15 +230,24 @@ cdef class _TaskOwner:
         usually the last listed; the slots stay (a list that shrinks to nothing and grows
         again reallocates at every block), and order does not matter (the ending takes
         them all): the last fills the hole."""
-        cdef Py_ssize_t last = self.n_blocks - 1
+        cdef Py_ssize_t last
         cdef Py_ssize_t index
-        for index in range(last, -1, -1):
-            if self.blocks[index] is inside:
-                self.blocks[index] = self.blocks[last]
-                self.blocks[last] = None
-                self.n_blocks = last
-                break
+        with cython.critical_section(self):
+            last = self.n_blocks - 1
+            for index in range(last, -1, -1):
+                if self.blocks[index] is inside:  # (the caller holds it: no dealloc here)
+                    self.blocks[index] = self.blocks[last]
+                    self.blocks[last] = None
+                    self.n_blocks = last
+                    break
         return 0
+
+    cdef list take_blocks(self):
+        """The task's ending takes its list (see ``blocks``)."""
+        with cython.critical_section(self):
+            blocks, self.blocks = self.blocks[:self.n_blocks], []
+            self.n_blocks = 0
+        return blocks
 
     cdef int abandon_stranded(self) except -1:
         """Abandon the task's wait if nothing ever awaited it: an exception came between the
@@ -256,9 +269,7 @@ cdef class _TaskOwner:
         if token is NULL or task_owners.pop(task, None) is not self:
             return
         owners_by_ident.pop(token.ident, None)
-        blocks, self.blocks = self.blocks[:self.n_blocks], []
-        self.n_blocks = 0
-        frames = [(<_Blocks>inside).forget_task(self.task_ref) for inside in blocks]
+        frames = [(<_Blocks>inside).forget_task(self) for inside in self.take_blocks()]
         del frames  # (their finalizers may run here, after every record is consistent)
         if self.wait is not None:
             # A done task awaits nothing: its wait was stranded (see abandon_stranded).

@@ -102,6 +102,13 @@ def xfail_if_the_interpreter_aborted(returncode: int, stderr: str, pure: bool) -
         pytest.xfail("CPython 3.13.5t aborted in glibc's futex code (pure Python child)")
 
 
+def block_records() -> int:
+    """How many records of which task runs each block of an ``async with`` object are alive
+    (one per object: ``BlocksInside``, the core's ``_Blocks``)."""
+    gc.collect()
+    return sum(type(o).__name__ in ("BlocksInside", "_Blocks") for o in gc.get_objects())
+
+
 def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
     """Poll ``condition`` (a real state: a queue length, an owner) until it holds."""
     deadline = time.monotonic() + patience

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, Worker, abandoned_warnings, held_by_another_task, wait_until
+from conftest import (
+    PATIENCE,
+    Worker,
+    abandoned_warnings,
+    block_records,
+    held_by_another_task,
+    wait_until,
+)
 from lockmgr import (
     AsyncLockManager,
     AsyncRWLockManager,
@@ -1185,6 +1192,40 @@ def test_an_exit_in_a_frame_reusing_an_ended_blocks_frame_id_gives_back_the_task
             assert len(caught) == 1, caught
             held = await asyncio.create_task(own_block_exited_in_a_helper(f"exit_{round_}"))
             assert (held, "k" in locks) == (0, False), f"round {round_}"
+
+    run(main)
+    assert len(locks) == 0
+
+
+def test_a_running_task_keeps_nothing_of_its_blocks_another_task_closed(impl) -> None:
+    """A long-lived task drives async generators into blocks on fresh views, and another
+    task closes each (GeneratorExit: the exit is the first task's block, and releases
+    nothing); the first task then releases the key itself. While it runs on, nothing of
+    those blocks stays with it: each view's record is collected with the view.
+
+    On c7ec321 a task's list of the objects holding its frames lost a slot to the task's
+    own exits only: each generator another task closed left one, which kept the view's
+    record for as long as the task ran."""
+    locks = impl.LockManager()
+
+    async def inside(view: Any) -> AsyncIterator[None]:
+        async with view:
+            yield
+
+    async def closes(generator: Any) -> None:
+        await generator.aclose()
+
+    async def main() -> None:
+        before = block_records()
+        for index in range(20):
+            generator = inside(locks.aio[index])
+            await generator.__anext__()
+            await asyncio.create_task(closes(generator))
+            assert locks.aio.recursion_count(index) == 1  # the closing released nothing
+            locks.aio.release(index)
+            del generator
+        kept = block_records() - before
+        assert kept == 0, f"{kept} records of 20 views are kept by the running task"
 
     run(main)
     assert len(locks) == 0

@@ -271,7 +271,8 @@ class BlocksInside:
     task's own look alike there).
 
     Nothing here keeps a task alive once lockmgr has ended it (done, or stranded on a
-    closed loop): its task's token lists the objects holding its frames (``blocks``), and
+    closed loop): its task's token lists the objects holding its frames (``blocks``, a
+    slot per frame, which goes with the frame's last entry, whoever's exit that is), and
     the ending moves its entries to ``_ended``, by the frame's id. On 3.10 a frame owns
     its value stack, which holds what the frame awaits and so, through the future's
     callback, its task: a stranded task held that way by a long-lived view would never be
@@ -284,7 +285,8 @@ class BlocksInside:
     __slots__ = ("_by_frame", "_ended")
 
     def __init__(self) -> None:
-        self._by_frame: dict[Any, list[Any]] = {}  # frame -> [ref to its task, blocks]
+        # frame -> [ref to its task, blocks, its task's token's list (None: no token)]
+        self._by_frame: dict[Any, list[Any]] = {}
         # id(frame) -> [ref to its task, blocks, the frame's code], for ended tasks
         self._ended: dict[int, list[Any]] = {}
 
@@ -297,15 +299,13 @@ class BlocksInside:
             return
         if self._ended:
             self._ended.pop(id(frame), None)  # that frame is gone: its id is reused
-        self._by_frame[frame] = [weakref.ref(task), 1]
+        self._by_frame[frame] = [weakref.ref(task), 1, blocks]
         if blocks is not None:
             blocks.append(self)
 
-    def _leave(self, frame: Any, current: Any, blocks: list[BlocksInside] | None = None
-               ) -> Any:
+    def _leave(self, frame: Any, current: Any) -> Any:
         """A weak reference to the task whose block in ``frame`` exits; NOT_ENTERED if none
-        was counted in there (then an entry of ``current``, the running task, goes).
-        ``blocks``: the current task's token's list, if it has a token."""
+        was counted in there (then an entry of ``current``, the running task, goes)."""
         entry = self._by_frame.get(frame)
         if entry is None and self._ended and self._is_ended_frame(frame):
             ended = self._ended[id(frame)]
@@ -321,8 +321,8 @@ class BlocksInside:
             entry[1] -= 1
             if not entry[1]:
                 self._by_frame.pop(frame, None)
-                if blocks is not None and entry[0]() is current:
-                    _remove_last(blocks, self)
+                if entry[2] is not None:
+                    _remove_slot(entry[2], self)
         return entered
 
     def _is_ended_frame(self, frame: Any) -> bool:
@@ -349,18 +349,21 @@ class BlocksInside:
         return frames
 
 
-def _remove_last(items: list[Any], item: Any) -> None:
-    """Remove the last occurrence of ``item`` (by identity) from ``items``."""
-    for index in range(len(items) - 1, -1, -1):
-        if items[index] is item:
-            del items[index]
-            return
+def _remove_slot(blocks: list[BlocksInside], inside: BlocksInside) -> None:
+    """A task's list loses a slot of ``inside``: one call on the list, for another task's
+    exit may remove a slot while the task's own does (free-threaded)."""
+    try:
+        blocks.remove(inside)  # (BlocksInside compares by identity: no Python code runs)
+    except ValueError:  # the task's ending took the list
+        pass
 
 
 def forget_blocks(blocks: list[BlocksInside], task: Any) -> None:
-    """The ending of ``task`` (see BlocksInside): none of ``blocks`` keeps its frames."""
-    frames = [inside._forget(task) for inside in blocks]
+    """The ending of ``task`` (see BlocksInside): none of ``blocks`` keeps its frames.
+    Taken whole first: another task's exit may still remove a slot (see ``_leave``)."""
+    taken = blocks[:]
     blocks.clear()
+    frames = [inside._forget(task) for inside in taken]
     del frames  # (their finalizers may run here, after every record is consistent)
 
 

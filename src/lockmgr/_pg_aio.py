@@ -253,8 +253,9 @@ class _TaskSession(_Session):
 
     def __init__(self) -> None:
         super().__init__()
-        # The async with objects holding a block of the task by its frame (once per such
-        # frame): the session's end moves their entries aside (see BlocksInside).
+        # The async with objects holding a block of the task by its frame (a slot per
+        # frame, going with its last entry, whoever's exit that is): the session's end
+        # moves their entries aside (see BlocksInside).
         self.blocks: list[BlocksInside] = []
         # The clean-up task giving back what a cancelled call may hold (set by the owner,
         # cleared by the clean-up when it ends): the owner's next call waits for it.
@@ -551,11 +552,6 @@ class _Tasks:
         session = self.sessions.get(task)
         inside._count_in(frame, task, None if session is None else session.blocks)
 
-    def leave(self, inside: BlocksInside, frame: FrameType, running: Any) -> Any:
-        """``BlocksInside._leave`` for a block exiting in ``frame``, ``running`` the task."""
-        session = None if running is None else self.sessions.get(running)
-        return inside._leave(frame, running, None if session is None else session.blocks)
-
     async def settle(self, session: _TaskSession) -> None:
         """``_PgEngine._settle`` for the task: first wait for a clean-up still running."""
         if session.cleaning is not None:
@@ -736,7 +732,7 @@ class _Tasks:
         return bool(result.get_value(0, 0) == b"t")
 
 
-async def _exit_block(tasks: _Tasks, inside: BlocksInside, frame: FrameType,
+async def _exit_block(inside: BlocksInside, frame: FrameType,
                       kind: type[BaseException] | None, key: Hashable,
                       release: Callable[[], Awaitable[None]]) -> None:
     """The exit of a block running in ``frame``: released for its own task only. Another
@@ -745,7 +741,7 @@ async def _exit_block(tasks: _Tasks, inside: BlocksInside, frame: FrameType,
     task's end releases, or released, what it holds, here and on the server. Another
     task's block exited otherwise is NotOwnedError (``key``: the one to name)."""
     running = current_task_or_none()
-    entered = tasks.leave(inside, frame, running)
+    entered = inside._leave(frame, running)
     if entered is not NOT_ENTERED:
         if running is None or entered() is not running:
             if kind is GeneratorExit:
@@ -786,7 +782,7 @@ class _AsyncHeld:
         return self._tasks.lease(self._items)
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._tasks, self._inside, sys._getframe(1), kind,
+        await _exit_block(self._inside, sys._getframe(1), kind,
                           self._items[0][0], self._release)
 
 
@@ -1038,7 +1034,7 @@ class PgAsyncKeyLock(Generic[K]):
         return got
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._view._tasks, self._inside, sys._getframe(1), kind, self._key,
+        await _exit_block(self._inside, sys._getframe(1), kind, self._key,
                           lambda: self._view.release(self._key))
 
     def __repr__(self) -> str:

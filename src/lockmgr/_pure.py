@@ -332,8 +332,9 @@ class _TaskToken(_Token):
         # Its queued request's wait, until settle or abandon ends it (one at a time: the
         # table refuses a second with NestedWaitError).
         self.wait: _TaskWait | None = None
-        # The async with objects holding a block of the task by its frame (once per such
-        # frame): its ending moves their entries aside (see BlocksInside).
+        # The async with objects holding a block of the task by its frame (a slot per
+        # frame, going with its last entry, whoever's exit that is): its ending moves their
+        # entries aside (see BlocksInside).
         self.blocks: list[BlocksInside] = []
 
 
@@ -423,8 +424,7 @@ def _exit_releases(inside: BlocksInside, frame: Any, kind: type[BaseException] |
     its coroutine is being closed), nor under a GeneratorExit for a block entered in
     another frame. RuntimeError outside a task otherwise."""
     current = current_task_or_none()
-    token = None if current is None else _task_tokens.get(current)
-    entered = inside._leave(frame, current, None if token is None else token.blocks)
+    entered = inside._leave(frame, current)
     if entered is not NOT_ENTERED:
         if current is None or entered() is not current:
             if kind is GeneratorExit:
