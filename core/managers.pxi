@@ -391,10 +391,11 @@ cdef class _Blocks:
     cdef dict others               # the other frames inside at once: frame -> [the
                                    # task's _TaskOwner, depth] (None until needed)
     cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
-                                   # id: id(frame) -> [weak reference to the task, depth,
-                                   # the frame's code] (None until needed); an entry goes
-                                   # when its block exits, or once its id names another
-                                   # frame (counted in, or exiting with other code)
+                                   # id, for frames a generator or coroutine still owns:
+                                   # id(frame) -> [weak reference to the task, depth, weak
+                                   # reference to that owner] (None until needed); an
+                                   # entry goes when its block exits, or once its id names
+                                   # another frame (counted in, or exiting)
 
     cdef int count_in(self, frame, _TaskOwner owner) except -1:
         """A block running in ``frame`` for ``owner``'s task holds what it asked for."""
@@ -471,15 +472,16 @@ cdef class _Blocks:
 
     cdef bint is_ended_frame(self, frame) except -1:
         """Whether ``frame`` is the frame of an entry in ``ended``. Only its id was kept, and
-        a frame that died may leave it to another: one running other code (an
-        ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
-        then goes. A frame of the same code under a dead one's id still passes for it."""
+        a frame that died may leave it to another (an ``AsyncExitStack``'s exit, a wrapper's
+        ``__aexit__``, the same helper called again): its owner tells, for a generator
+        owns one frame. Another frame's entry then goes."""
         if frame is None:
             return False
         entry = self.ended.get(id(frame))
         if entry is None:
             return False
-        if entry[2] is not (<object>frame).f_code:
+        owner = frame_owner(frame)
+        if owner is None or entry[2]() is not owner:
             del self.ended[id(frame)]
             return False
         return True
@@ -492,8 +494,10 @@ cdef class _Blocks:
         return entry[0]
 
     cdef list forget_task(self, _TaskOwner owner):
-        """Move the entries of ``owner``'s task, which lockmgr has ended, to ``ended``;
-        answers their frames, for the caller to drop after the section."""
+        """Move the entries of ``owner``'s task, which lockmgr has ended, to ``ended``, but
+        for frames no generator owns any more (returned or raised: a helper's that entered
+        for its caller), which can run no exit; answers their frames, for the caller to drop
+        after the section."""
         frames = []
         with cython.critical_section(self):
             if self.frame is not None and self.owner is owner:
@@ -510,9 +514,12 @@ cdef class _Blocks:
         return frames
 
     cdef int set_ended(self, frame, task_ref, Py_ssize_t depth) except -1:
+        owner = frame_owner(frame)
+        if owner is None:
+            return 0
         if self.ended is None:
             self.ended = {}
-        self.ended[id(frame)] = [task_ref, depth, (<object>frame).f_code]
+        self.ended[id(frame)] = [task_ref, depth, PyWeakref_NewRef(owner, None)]
         return 0
 
 

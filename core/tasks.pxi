@@ -307,6 +307,37 @@ cdef object running_frame():
     return None if frame is NULL else <object><PyObject*>frame
 
 
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "frameobject.h"  /* 3.10: the frame's struct, with f_gen */
+    #endif
+    /* The generator, coroutine or async generator that owns ``frame`` (a new reference),
+       or NULL: a plain function's frame, or one whose code has returned or raised. */
+    static PyObject *lockmgr_frame_owner(PyObject *frame) {
+    #if PY_VERSION_HEX >= 0x030B0000
+        return PyFrame_GetGenerator((PyFrameObject *)frame);
+    #else
+        PyObject *generator = ((PyFrameObject *)frame)->f_gen;
+        Py_XINCREF(generator);
+        return generator;
+    #endif
+    }
+    """
+    PyObject *lockmgr_frame_owner(object frame)
+
+
+cdef object frame_owner(frame):
+    """The generator, coroutine or async generator that owns ``frame``; None if none does
+    (see lockmgr_frame_owner): such a frame can run no exit any more."""
+    cdef PyObject *owner = lockmgr_frame_owner(frame)
+    if owner is NULL:
+        return None
+    result = <object>owner
+    Py_DECREF(<object>owner)
+    return result
+
+
 cdef int count_block_in(object got, _TaskOwner owner, _Blocks inside,
                         object frame) except -1:
     """Count an ``async with`` block (running in ``frame``) in once its task holds what it

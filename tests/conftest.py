@@ -104,9 +104,15 @@ def xfail_if_the_interpreter_aborted(returncode: int, stderr: str, pure: bool) -
 
 def block_records() -> int:
     """How many records of which task runs each block of an ``async with`` object are alive
-    (one per object: ``BlocksInside``, the core's ``_Blocks``)."""
+    (one per object: a ``BlocksInside``; in the core, the object itself is a ``_Blocks``)."""
+    from lockmgr._common import BlocksInside
+
+    kinds: tuple[type, ...] = (BlocksInside,)
+    core = sys.modules.get("lockmgr._core")
+    if core is not None:
+        kinds += (core._Blocks,)
     gc.collect()
-    return sum(type(o).__name__ in ("BlocksInside", "_Blocks") for o in gc.get_objects())
+    return sum(isinstance(o, kinds) for o in gc.get_objects())
 
 
 def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import opcode
 import operator
 import reprlib
 import sys
@@ -28,6 +29,7 @@ __all__ = [
     "AWAIT_POST",
     "AbandonedLockWarning",
     "BlocksInside",
+    "TaskBlocks",
     "LOOP_THREAD",
     "NOT_ENTERED",
     "Waker",
@@ -271,100 +273,135 @@ class BlocksInside:
     task's own look alike there).
 
     Nothing here keeps a task alive once lockmgr has ended it (done, or stranded on a
-    closed loop): its task's token lists the objects holding its frames (``blocks``, a
-    slot per frame, which goes with the frame's last entry, whoever's exit that is), and
-    the ending moves its entries to ``_ended``, by the frame's id. On 3.10 a frame owns
-    its value stack, which holds what the frame awaits and so, through the future's
-    callback, its task: a stranded task held that way by a long-lived view would never be
-    collected. An ended entry goes when its frame's block exits (the frame's coroutine is
-    closed before the frame dies), or once its id names another frame (see
-    ``_is_ended_frame``).
-    Each frame's entry is changed only by the code running that frame (or closing it), or
-    by its task's ending, when that code can run no more, so no lock is needed."""
+    closed loop): its task's ``TaskBlocks`` lists the objects holding its frames, and the
+    ending moves its entries to ``_ended``, by the frame's id. On 3.10 a frame owns its
+    value stack, which holds what the frame awaits and so, through the future's callback,
+    its task: a stranded task held that way by a long-lived view would never be collected.
+    Only a frame that may still run its block's exit is kept there (not one that has
+    returned: a helper's that entered for its caller), and an ended entry goes when its
+    frame's block exits (the frame's coroutine is closed before the frame dies), or once
+    its id names another frame (see ``_is_ended_frame``).
 
-    __slots__ = ("_by_frame", "_ended")
+    A frame's entry is changed by the code running that frame, but a stranded task's frame
+    is closed by whoever collects it, in any thread, and a task's ending may run in another
+    thread than its loop's: the record is changed under a lock of its own. A TaskBlocks has
+    its own; the two are never nested."""
+
+    __slots__ = ("_by_frame", "_ended", "_lock")
 
     def __init__(self) -> None:
-        # frame -> [ref to its task, blocks, its task's token's list (None: no token)]
+        # frame -> [ref to its task, blocks, its task's TaskBlocks (None: it has none)]
         self._by_frame: dict[Any, list[Any]] = {}
         # id(frame) -> [ref to its task, blocks, the frame's code], for ended tasks
         self._ended: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()
 
-    def _count_in(self, frame: Any, task: Any, blocks: list[BlocksInside] | None = None
-                  ) -> None:
-        """``blocks``: the task's token's list of the objects holding its frames."""
-        entry = self._by_frame.get(frame)
-        if entry is not None:
-            entry[1] += 1
-            return
-        if self._ended:
-            self._ended.pop(id(frame), None)  # that frame is gone: its id is reused
-        self._by_frame[frame] = [weakref.ref(task), 1, blocks]
+    def _count_in(self, frame: Any, task: Any, blocks: TaskBlocks | None = None) -> None:
+        """``blocks``: the task's, if it has some (see TaskBlocks)."""
+        with self._lock:
+            entry = self._by_frame.get(frame)
+            if entry is not None:
+                entry[1] += 1
+                return
+            if self._ended:
+                self._ended.pop(id(frame), None)  # that frame is gone: its id is reused
+            self._by_frame[frame] = [weakref.ref(task), 1, blocks]
         if blocks is not None:
-            blocks.append(self)
+            blocks.add(self)
 
     def _leave(self, frame: Any, current: Any) -> Any:
         """A weak reference to the task whose block in ``frame`` exits; NOT_ENTERED if none
         was counted in there (then an entry of ``current``, the running task, goes)."""
-        entry = self._by_frame.get(frame)
-        if entry is None and self._ended and self._is_ended_frame(frame):
-            ended = self._ended[id(frame)]
-            ended[1] -= 1
-            if not ended[1]:
-                self._ended.pop(id(frame), None)
-            return ended[0]
-        entered = NOT_ENTERED if entry is None else entry[0]
-        if entry is None and current is not None:
-            frame, entry = next(((other, entry) for other, entry in list(self._by_frame.items())
-                                 if entry[0]() is current), (None, None))
-        if entry is not None:
-            entry[1] -= 1
-            if not entry[1]:
-                self._by_frame.pop(frame, None)
-                if entry[2] is not None:
-                    _remove_slot(entry[2], self)
+        emptied = None  # the entry whose last block went: its slot goes too
+        with self._lock:
+            entry = self._by_frame.get(frame)
+            if entry is None and self._ended and self._is_ended_frame(frame):
+                ended = self._ended[id(frame)]
+                ended[1] -= 1
+                if not ended[1]:
+                    del self._ended[id(frame)]
+                return ended[0]
+            entered = NOT_ENTERED if entry is None else entry[0]
+            if entry is None and current is not None:
+                frame, entry = next(((other, entry) for other, entry in self._by_frame.items()
+                                     if entry[0]() is current), (None, None))
+            if entry is not None:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._by_frame[frame]
+                    emptied = entry
+        if emptied is not None and emptied[2] is not None:
+            emptied[2].remove(self)
         return entered
 
     def _is_ended_frame(self, frame: Any) -> bool:
         """Whether ``frame`` is the frame of an entry in ``_ended``. Only its id was kept,
         and a frame that died may leave it to another: one running other code (an
         ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
-        then goes. A frame of the same code under a dead one's id still passes for it."""
+        then goes. (A frame that returned was not kept: see ``_forget``.)"""
         ended = self._ended.get(id(frame))
         if ended is None:
             return False
         if ended[2] is not frame.f_code:
-            self._ended.pop(id(frame), None)
+            del self._ended[id(frame)]
             return False
         return True
 
     def _forget(self, task: Any) -> list[Any]:
-        """Move the entries of ``task``, which lockmgr has ended, to ``_ended``; answers
-        their frames, for the caller to drop."""
-        frames = [frame for frame, entry in list(self._by_frame.items()) if entry[0]() is task]
-        for frame in frames:
-            entry = self._by_frame.pop(frame, None)
-            if entry is not None:
-                self._ended[id(frame)] = [entry[0], entry[1], frame.f_code]
+        """Move the entries of ``task``, which lockmgr has ended, to ``_ended``, but for
+        frames that have returned, which can run no exit; answers their frames, for the
+        caller to drop."""
+        with self._lock:
+            frames = [frame for frame, entry in self._by_frame.items() if entry[0]() is task]
+            for frame in frames:
+                entry = self._by_frame.pop(frame)
+                if not _has_returned(frame):
+                    self._ended[id(frame)] = [entry[0], entry[1], frame.f_code]
         return frames
 
 
-def _remove_slot(blocks: list[BlocksInside], inside: BlocksInside) -> None:
-    """A task's list loses a slot of ``inside``: one call on the list, for another task's
-    exit may remove a slot while the task's own does (free-threaded)."""
-    try:
-        blocks.remove(inside)  # (BlocksInside compares by identity: no Python code runs)
-    except ValueError:  # the task's ending took the list
-        pass
+#: The opcodes a frame that has returned stopped at (one that raised stopped anywhere).
+_RETURNS = frozenset(opcode.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST")
+                     if name in opcode.opmap)
 
 
-def forget_blocks(blocks: list[BlocksInside], task: Any) -> None:
-    """The ending of ``task`` (see BlocksInside): none of ``blocks`` keeps its frames.
-    Taken whole first: another task's exit may still remove a slot (see ``_leave``)."""
-    taken = blocks[:]
-    blocks.clear()
-    frames = [inside._forget(task) for inside in taken]
-    del frames  # (their finalizers may run here, after every record is consistent)
+def _has_returned(frame: Any) -> bool:
+    """Whether ``frame``'s code has returned: its last instruction is a return. (The
+    compiled core asks whether a generator still owns the frame, which also knows a frame
+    that raised.)"""
+    return frame.f_lasti >= 0 and frame.f_code.co_code[frame.f_lasti] in _RETURNS
+
+
+class TaskBlocks:
+    """The ``async with`` objects holding a block of one task by its frame (see
+    BlocksInside): a slot per frame, which comes with the frame's first entry and goes with
+    its last, whoever's exit that is (another task's, in any thread, may close the frame's
+    coroutine); the task's ending takes them all."""
+
+    __slots__ = ("_slots", "_lock")
+
+    def __init__(self) -> None:
+        self._slots: list[BlocksInside] = []
+        self._lock = threading.Lock()
+
+    def add(self, inside: BlocksInside) -> None:
+        with self._lock:
+            self._slots.append(inside)
+
+    def remove(self, inside: BlocksInside) -> None:
+        with self._lock:
+            slots = self._slots
+            for index in range(len(slots) - 1, -1, -1):  # blocks nest: usually the last
+                if slots[index] is inside:
+                    del slots[index]
+                    return
+
+    def forget(self, task: Any) -> None:
+        """The ending of ``task``: none of its objects keeps its frames."""
+        with self._lock:
+            taken, self._slots = self._slots, []
+        frames = [inside._forget(task) for inside in taken]
+        del frames  # (their finalizers may run here, after every record is consistent)
 
 
 def current_task_or_none() -> Any:

@@ -53,9 +53,9 @@ from ._common import (
     WRITE,
     BlocksInside,
     DeadlockError,
+    TaskBlocks,
     current_task_or_none,
     current_task_or_raise,
-    forget_blocks,
     hold_seconds,
     many_items,
     not_owned,
@@ -256,7 +256,7 @@ class _TaskSession(_Session):
         # The async with objects holding a block of the task by its frame (a slot per
         # frame, going with its last entry, whoever's exit that is): the session's end
         # moves their entries aside (see BlocksInside).
-        self.blocks: list[BlocksInside] = []
+        self.blocks = TaskBlocks()
         # The clean-up task giving back what a cancelled call may hold (set by the owner,
         # cleared by the clean-up when it ends): the owner's next call waits for it.
         self.cleaning: asyncio.Task[None] | None = None
@@ -543,7 +543,7 @@ class _Tasks:
         with self.manager._guard:
             session = self.sessions.pop(task, None)
         if session is not None:
-            forget_blocks(session.blocks, task)
+            session.blocks.forget(task)
             _close_link(session)
 
     def count_in(self, inside: BlocksInside, frame: FrameType) -> None:
@@ -692,7 +692,7 @@ class _Tasks:
             finally:  # ended or not: a task ends once (end_stranded_task is a no-op after)
                 with self.manager._guard:
                     self.sessions.pop(task, None)
-                forget_blocks(session.blocks, task)
+                session.blocks.forget(task)
 
     def close(self) -> None:
         self.sweep_closed_loops()

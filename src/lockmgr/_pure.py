@@ -122,9 +122,9 @@ from ._common import (
     WRITE,
     BlocksInside,
     LockStats,
+    TaskBlocks,
     count_overflow,
     deadlock,
-    forget_blocks,
     hold_seconds,
     key_lock_repr,
     manager_repr,
@@ -335,7 +335,7 @@ class _TaskToken(_Token):
         # The async with objects holding a block of the task by its frame (a slot per
         # frame, going with its last entry, whoever's exit that is): its ending moves their
         # entries aside (see BlocksInside).
-        self.blocks: list[BlocksInside] = []
+        self.blocks = TaskBlocks()
 
 
 def _abandon_stranded(token: _TaskToken) -> None:
@@ -375,7 +375,7 @@ def _task_done(task: Any) -> None:
     exit does."""
     token = _task_tokens.pop(task, None)
     if token is not None:
-        forget_blocks(token.blocks, task)
+        token.blocks.forget(task)
         if token.wait is not None:  # a done task awaits nothing: it was stranded
             token.wait.abandon()
         for _ in range(_EXIT_ROUNDS):
