@@ -393,9 +393,9 @@ cdef class _Blocks:
     cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
                                    # id, for frames a generator or coroutine still owns:
                                    # id(frame) -> [weak reference to the task, depth, weak
-                                   # reference to that owner] (None until needed); an
-                                   # entry goes when its block exits, or once its id names
-                                   # another frame (counted in, or exiting)
+                                   # reference to that owner, its id] (None until needed);
+                                   # an entry goes when its block exits, or once its id
+                                   # names another frame (counted in, or exiting)
 
     cdef int count_in(self, frame, _TaskOwner owner) except -1:
         """A block running in ``frame`` for ``owner``'s task holds what it asked for."""
@@ -474,14 +474,18 @@ cdef class _Blocks:
         """Whether ``frame`` is the frame of an entry in ``ended``. Only its id was kept, and
         a frame that died may leave it to another (an ``AsyncExitStack``'s exit, a wrapper's
         ``__aexit__``, the same helper called again): its owner tells, for a generator
-        owns one frame. Another frame's entry then goes."""
+        owns one frame. An owner being finalized (which closes it, running the block's
+        exit) has had its weak references cleared: its id tells then. Another frame's
+        entry goes. (The running frame's owner is running it: no reference dropped here is
+        its last.)"""
         if frame is None:
             return False
         entry = self.ended.get(id(frame))
         if entry is None:
             return False
         owner = frame_owner(frame)
-        if owner is None or entry[2]() is not owner:
+        kept = entry[2]()
+        if owner is None or not (kept is owner or (kept is None and id(owner) == entry[3])):
             del self.ended[id(frame)]
             return False
         return True
@@ -496,13 +500,13 @@ cdef class _Blocks:
     cdef list forget_task(self, _TaskOwner owner):
         """Move the entries of ``owner``'s task, which lockmgr has ended, to ``ended``, but
         for frames no generator owns any more (returned or raised: a helper's that entered
-        for its caller), which can run no exit; answers their frames, for the caller to drop
+        for its caller), which can run no exit; answers their frames and owners, to drop
         after the section."""
-        frames = []
+        frames = []  # and the frames' owners: their last reference may go with these
         with cython.critical_section(self):
             if self.frame is not None and self.owner is owner:
                 frames.append(self.frame)
-                self.set_ended(self.frame, owner.task_ref, self.depth)
+                self.set_ended(self.frame, owner.task_ref, self.depth, frames)
                 self.frame = self.owner = None
                 self.depth = 0
             if self.others:
@@ -510,16 +514,19 @@ cdef class _Blocks:
                     if entry[0] is owner and self.others.get(other) is entry:
                         del self.others[other]
                         frames.append(other)
-                        self.set_ended(other, owner.task_ref, entry[1])
+                        self.set_ended(other, owner.task_ref, entry[1], frames)
         return frames
 
-    cdef int set_ended(self, frame, task_ref, Py_ssize_t depth) except -1:
+    cdef int set_ended(self, frame, task_ref, Py_ssize_t depth, list keep) except -1:
+        """``keep``: where the frame's owner goes, to be dropped after the section (a frame
+        does not keep its owner alive: another thread may drop it meanwhile)."""
         owner = frame_owner(frame)
         if owner is None:
             return 0
+        keep.append(owner)
         if self.ended is None:
             self.ended = {}
-        self.ended[id(frame)] = [task_ref, depth, PyWeakref_NewRef(owner, None)]
+        self.ended[id(frame)] = [task_ref, depth, PyWeakref_NewRef(owner, None), id(owner)]
         return 0
 
 

@@ -189,7 +189,7 @@ def test_an_empty_hold_many_records_no_stray_object(impl) -> None:
                         if thing is not type(held._inside))  # a heap type's instance
 
     run(main)
-    allowed = (types.FrameType, weakref.ref, type(None), dict, list, int, type(threading.Lock()))
+    allowed = (types.FrameType, weakref.ref, type(None), dict, list, int, type(threading.RLock()))
     stray = [thing for thing in seen if not isinstance(thing, allowed)]
     assert not stray, f"the record refers to {stray!r}"
 

@@ -285,7 +285,9 @@ class BlocksInside:
     A frame's entry is changed by the code running that frame, but a stranded task's frame
     is closed by whoever collects it, in any thread, and a task's ending may run in another
     thread than its loop's: the record is changed under a lock of its own. A TaskBlocks has
-    its own; the two are never nested."""
+    its own; the two are never nested. Both are reentrant: a garbage collection inside may
+    close a coroutine suspended in a block of the same object, whose exit comes back here
+    in the same thread (on another frame's entry), so each step reads the record afresh."""
 
     __slots__ = ("_by_frame", "_ended", "_lock")
 
@@ -294,7 +296,7 @@ class BlocksInside:
         self._by_frame: dict[Any, list[Any]] = {}
         # id(frame) -> [ref to its task, blocks, the frame's code], for ended tasks
         self._ended: dict[int, list[Any]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def _count_in(self, frame: Any, task: Any, blocks: TaskBlocks | None = None) -> None:
         """``blocks``: the task's, if it has some (see TaskBlocks)."""
@@ -319,16 +321,17 @@ class BlocksInside:
                 ended = self._ended[id(frame)]
                 ended[1] -= 1
                 if not ended[1]:
-                    del self._ended[id(frame)]
+                    self._ended.pop(id(frame), None)
                 return ended[0]
             entered = NOT_ENTERED if entry is None else entry[0]
             if entry is None and current is not None:
-                frame, entry = next(((other, entry) for other, entry in self._by_frame.items()
+                frame, entry = next(((other, entry) for other, entry
+                                     in list(self._by_frame.items())
                                      if entry[0]() is current), (None, None))
             if entry is not None:
                 entry[1] -= 1
                 if not entry[1]:
-                    del self._by_frame[frame]
+                    self._by_frame.pop(frame, None)
                     emptied = entry
         if emptied is not None and emptied[2] is not None:
             emptied[2].remove(self)
@@ -338,38 +341,54 @@ class BlocksInside:
         """Whether ``frame`` is the frame of an entry in ``_ended``. Only its id was kept,
         and a frame that died may leave it to another: one running other code (an
         ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
-        then goes. (A frame that returned was not kept: see ``_forget``.)"""
+        then goes. (A frame that was not suspended was not kept: see ``_forget``.)"""
         ended = self._ended.get(id(frame))
         if ended is None:
             return False
         if ended[2] is not frame.f_code:
-            del self._ended[id(frame)]
+            self._ended.pop(id(frame), None)
             return False
         return True
 
     def _forget(self, task: Any) -> list[Any]:
         """Move the entries of ``task``, which lockmgr has ended, to ``_ended``, but for
-        frames that have returned, which can run no exit; answers their frames, for the
-        caller to drop."""
+        frames not suspended (returned or raised: a helper's that entered for its caller),
+        which can run no exit; answers their frames, for the caller to drop."""
         with self._lock:
-            frames = [frame for frame, entry in self._by_frame.items() if entry[0]() is task]
+            frames = [frame for frame, entry in list(self._by_frame.items())
+                      if entry[0]() is task]
             for frame in frames:
-                entry = self._by_frame.pop(frame)
-                if not _has_returned(frame):
+                entry = self._by_frame.pop(frame, None)
+                if entry is not None and _is_suspended(frame):
                     self._ended[id(frame)] = [entry[0], entry[1], frame.f_code]
         return frames
 
 
-#: The opcodes a frame that has returned stopped at (one that raised stopped anywhere).
-_RETURNS = frozenset(opcode.opmap[name] for name in ("RETURN_VALUE", "RETURN_CONST")
-                     if name in opcode.opmap)
+_YIELD_VALUE = opcode.opmap["YIELD_VALUE"]
+_YIELD_FROM = opcode.opmap.get("YIELD_FROM")  # 3.10: an await
+_RESUME = opcode.opmap.get("RESUME")  # 3.11+
 
 
-def _has_returned(frame: Any) -> bool:
-    """Whether ``frame``'s code has returned: its last instruction is a return. (The
-    compiled core asks whether a generator still owns the frame, which also knows a frame
-    that raised.)"""
-    return frame.f_lasti >= 0 and frame.f_code.co_code[frame.f_lasti] in _RETURNS
+def _is_suspended(frame: Any) -> bool:
+    """Whether ``frame`` is suspended at a yield or an await (so a generator or coroutine
+    owns it, and may yet run its block's exit), told by the instruction it stopped at:
+    ``YIELD_VALUE`` (3.11, 3.12; a ``yield`` on 3.10), the one before ``YIELD_FROM`` (an
+    await on 3.10), or the ``RESUME`` after a ``YIELD_VALUE`` (3.13). A frame that
+    returned or raised stopped elsewhere. (The compiled core asks which generator owns the
+    frame; Python code can ask from 3.14 on.)"""
+    owner = getattr(frame, "f_generator", frame)
+    if owner is not frame:
+        return owner is not None
+    code: bytes = frame.f_code.co_code
+    last: int = frame.f_lasti
+    if last < 0:
+        return False
+    op = code[last]
+    if op == _YIELD_VALUE:
+        return True
+    if _YIELD_FROM is not None and op != _YIELD_FROM:
+        return last + 2 < len(code) and code[last + 2] == _YIELD_FROM
+    return op == _RESUME and last >= 2 and code[last - 2] == _YIELD_VALUE
 
 
 class TaskBlocks:
@@ -382,7 +401,7 @@ class TaskBlocks:
 
     def __init__(self) -> None:
         self._slots: list[BlocksInside] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (reentrant: see BlocksInside)
 
     def add(self, inside: BlocksInside) -> None:
         with self._lock:
