@@ -129,7 +129,7 @@ when it waits in a synchronous acquire (``waiting_threads``).
 
 cimport cython
 from cpython.mem cimport PyMem_RawCalloc, PyMem_RawFree, PyMem_RawMalloc
-from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool
+from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool, PyTypeObject
 from cpython.pythread cimport (
     NOWAIT_LOCK,
     PY_LOCK_ACQUIRED,
@@ -146,11 +146,11 @@ from cpython.pythread cimport (
     PyThread_tss_set,
     PyThread_type_lock,
 )
-from cpython.ref cimport Py_DECREF, Py_XDECREF
-from cpython.weakref cimport PyWeakref_NewRef
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
+import collections.abc
 import os
 import sys
 from types import GenericAlias
@@ -171,7 +171,6 @@ from lockmgr._common import (
     HANDOFF_AFTER,
     LOOP_THREAD,
     MAIN_THREAD_SLICE,
-    NOT_ENTERED,
     PICKLE_ERROR,
     LockStats,
     count_overflow,
@@ -182,7 +181,8 @@ from lockmgr._common import (
     many_items,
     nested_wait,
     not_owned,
-    not_this_tasks_block,
+    block_in_use,
+    not_entered,
     pinned,
     restored_count,
     rw_items,
@@ -197,9 +197,9 @@ from lockmgr._common import (
     not_in_task,
 )
 
+cdef object DEFAULT_TIMEOUT = -1  # the acquiring methods' default (a cached int: told by identity)
+
 cdef extern from "Python.h":
-    ctypedef struct PyFrameObject
-    PyFrameObject *PyEval_GetFrame()  # borrowed; the Python frame running (a C call has none)
     ctypedef long long PY_TIMEOUT_T
     const PY_TIMEOUT_T PY_TIMEOUT_MAX
     const Py_ssize_t PY_SSIZE_T_MAX

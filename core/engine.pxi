@@ -814,29 +814,87 @@ cdef class _Engine:
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) -----------------------
 
     def _task_enter(self, key, int mode, double seconds, bint raises_timeout,
-                    _Blocks inside=None, frame=None):
+                    _BlockRecord record=None):
         """Take ``key`` for the current task now; answer an awaitable of the outcome (see
-        lockmgr._aio)."""
+        lockmgr._aio). With ``record``, an ``async with`` block enters it once held."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         cdef _TaskOwner owner = task_owner(True)
         got = self._task_take(owner, lock_key, h, mode, seconds == 0, 1)
-        count_block_in(got, owner, inside, frame)
+        if record is not None:
+            self._enter_record(record, got, owner, lock_key, h, mode)
         return self._task_awaitable(got, key, seconds, raises_timeout)
+
+    def _task_acquire(self, key, blocking=True, timeout=-1):
+        """``aio.acquire`` (and ``acquire_write``): the view binds it as its own. It
+        answers a coroutine (an _Acquiring) that acquires for the task driving it, as an
+        ``async def`` would, but runs no Python frame (see lockmgr._aio)."""
+        return acquiring(self, key, WRITE, blocking, timeout)
+
+    def _task_acquire_read(self, key, blocking=True, timeout=-1):
+        """``rw.aio.acquire_read``."""
+        return acquiring(self, key, READ, blocking, timeout)
+
+    cdef object _task_acquire_as(self, object key, int mode, object blocking, object timeout):
+        cdef double seconds = -1.0
+        if not (blocking is True and timeout is DEFAULT_TIMEOUT):
+            seconds = wait_seconds(blocking, timeout)
+        cdef Py_hash_t h = lockmgr_hash(key)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        cdef _TaskOwner owner = task_owner(True)
+        got = self._task_take(owner, lock_key, h, mode, seconds == 0, 1)
+        return self._task_awaitable(got, key, seconds, False)
+
+    def _task_release_write(self, key):
+        """``aio.release`` (and ``release_write``), bound by the view as its own."""
+        cdef Py_hash_t h = lockmgr_hash(key)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._release_write_as(task_token(False), lock_key, h, False)
+
+    def _task_release_read(self, key):
+        """``rw.aio.release_read``."""
+        cdef Py_hash_t h = lockmgr_hash(key)
+        cdef PyObject *lock_key = self._lock_key(key, &h)
+        self._release_read_as(task_token(False), lock_key, h)
+
+    cdef int _enter_record(self, _BlockRecord record, object got, _TaskOwner owner,
+                           PyObject *key, Py_hash_t h, int mode) except -1:
+        """The block of ``record`` enters once its task holds what it asked for: now, or
+        when its wait is granted. If another task entered the object meanwhile, what was
+        taken goes back (RuntimeError)."""
+        if got is True:
+            try:
+                record.enter(owner)
+            except BaseException:
+                self._task_release_at(owner.token, key, h, mode)
+                raise
+        elif type(got) is _TaskWait:
+            (<_TaskWait>got).entering = record
+        return 0
 
     def _task_key_lock(self, key):
         """``aio[key]``: the key's view for tasks."""
         return AsyncKeyLock(self, key)
 
-    def _task_blocks(self):
-        """A record of the blocks an ``async with`` object runs (see lockmgr._aio)."""
-        return _Blocks.__new__(_Blocks)
+    def _task_record(self):
+        """The record of an ``async with`` object: which task is inside it (lockmgr._aio)."""
+        return _BlockRecord.__new__(_BlockRecord)
 
     def _task_enter_many(self, list items, double seconds, bint raises_timeout,
-                         _Blocks inside=None, frame=None):
+                         _BlockRecord record=None):
+        cdef _TaskOwner owner = None
+        if record is not None and items:
+            owner = task_owner(True)
         got = self._task_take_many(items, seconds == 0)
-        if inside is not None:
-            count_block_in(got, task_owner(False), inside, frame)
+        if owner is not None:
+            if got is True:
+                try:
+                    record.enter(owner)
+                except BaseException:
+                    self._release_many_as(owner.token, items)
+                    raise
+            elif type(got) is _TaskWait:
+                (<_TaskWait>got).entering = record
         if got is True or not raises_timeout:
             return self._task_awaitable(got, None, seconds, False)
         return self._task_awaitable(got, tuple([key for key, _ in items]), seconds, True)
@@ -860,22 +918,31 @@ cdef class _Engine:
         wait.seconds = seconds
         return wait
 
-    def _task_exit(self, _Blocks inside not None, frame, kind, key, int mode):
-        """The exit of a block: see lockmgr._aio."""
+    def _task_exit(self, _BlockRecord record not None, key, int mode):
+        """The exit of a block: gives back the hold ``record`` names (see lockmgr._aio)."""
         cdef Py_hash_t h
         cdef PyObject *lock_key
-        cdef Token *token
-        if exit_releases(inside, frame, kind, key, &token):
+        cdef _TaskOwner owner = record.leave()
+        if owner is not None and releases_here(owner, self, key, mode):
             h = lockmgr_hash(key)
             lock_key = self._lock_key(key, &h)
-            self._task_release_at(token, lock_key, h, mode)
+            self._task_release_at(owner.token, lock_key, h, mode)
         return READY_NONE
 
-    def _task_exit_many(self, _Blocks inside not None, frame, kind, list items):
-        cdef Token *token
-        if items and exit_releases(inside, frame, kind, items[0][0], &token):
-            self._release_many_as(token, items)
+    def _task_exit_many(self, _BlockRecord record not None, list items):
+        cdef _TaskOwner owner = record.leave()
+        if owner is not None and items and releases_here(owner, self, items, -1):
+            self._release_many_as(owner.token, items)
         return READY_NONE
+
+    def _task_release_for(self, _TaskOwner owner, key, int mode):
+        """A block's exit run on another thread than its task's loop, sent there."""
+        if owner.ended:
+            return
+        if mode < 0:
+            self._release_many_as(owner.token, key)
+        else:
+            self._task_release(key, mode, owner)
 
     cdef object _task_take(self, _TaskOwner owner, PyObject *key, Py_hash_t h, int mode,
                            bint try_only, Py_ssize_t count):
@@ -963,7 +1030,9 @@ cdef class _Engine:
 
     cdef _TaskWait _task_wait(self, _TaskOwner owner, Py_ssize_t n):
         """The memory and Waker of a task's request of ``n`` nodes, before its section
-        (which may queue it, and another thread grant it, at once)."""
+        (which may queue it, and another thread grant it and post the Waker, at once).
+        Nothing knows of it until ``_task_outcome`` finds it queued: an exception before
+        (a key's ``__eq__``, a signal handler's) leaves the task's owner as it was."""
         cdef _TaskWait wait = _TaskWait.__new__(_TaskWait)
         cdef Py_ssize_t i
         wait.manager = self
@@ -979,16 +1048,17 @@ cdef class _Engine:
         wait.n = n
         for i in range(n):
             wait.request[i].waiter = <PyObject*>wait  # no reference: see Request.waiter
-        wait.queued = True  # from the section on, until it ends (settle or abandon)
-        wait.waker.lost = wait._loop_closed
-        if owner.wait is None:  # else the table refuses this one (NestedWaitError)
-            owner.wait = wait
         return wait
 
     cdef object _task_outcome(self, Op *op, Outcome outcome, _TaskWait wait, PyObject *key):
+        if outcome == QUEUED:
+            # Published here, with no Python code since the section: a grant's post may
+            # come from another thread already, but it needs nothing of this (the Waker
+            # was made first), and the loop running this task cannot be closed meanwhile.
+            wait.queued = True  # until it ends (settle or abandon)
+            wait.waker.lost = wait._loop_closed
+            wait.owner.wait = wait  # (the table refuses a second wait: NestedWaitError)
         try:
-            if outcome != QUEUED and wait is not None:
-                wait._ended()
             finish(&op.after, op.token)
             if outcome == DONE:
                 return True
@@ -1014,10 +1084,11 @@ cdef class _Engine:
         if owner is not None:
             (<_TaskOwner>owner).abandon_stranded()
 
-    def _task_release(self, key, int mode):
+    def _task_release(self, key, int mode, _TaskOwner owner=None):
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
-        self._task_release_at(task_token(False), lock_key, h, mode)
+        self._task_release_at(task_token(False) if owner is None else owner.token,
+                              lock_key, h, mode)
 
     cdef int _task_release_at(self, Token *token, PyObject *key, Py_hash_t h,
                               int mode) except -1:

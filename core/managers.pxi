@@ -371,176 +371,81 @@ cdef class KeyLock:
         return key_lock_repr(self, self.key, owner, count)
 
 
-cdef class _Blocks:
-    """lockmgr._common.BlocksInside in C, for the compiled core's ``async with`` objects:
-    which task runs each block of one object, by the frame running it. Most objects have
-    one block at a time, which needs no dict. As there, each _TaskOwner lists the objects
-    holding its frames (``blocks``, a slot per frame, which goes with the frame's last
-    entry, whoever's exit that is), and the ending of a task (done, or stranded on a closed
-    loop) moves its entries to ``ended``, which keeps no frame.
+cdef class _BlockRecord:
+    """Which task is inside an ``async with`` object's block, and how many times: written
+    when ``__aenter__`` has acquired (at once, or when its wait is granted) and read back
+    by ``__aexit__``, which gives back exactly that task's hold, whatever task runs it.
+    One task at a time (it may nest the object): another task's entry waits for the key
+    as usual and enters once the first task's blocks have exited; if it would enter
+    while the object is still another task's (two readers, a task that released inside
+    its block or ended inside it), it gives back what it took and raises RuntimeError.
 
-    A frame's entry is changed by the code running that frame, but a stranded task's frame
-    is closed by whoever collects it, in any thread, and a task's ending may run in another
-    thread than its loop's: free-threaded, the record is changed in a critical section of
-    this object (nothing on a GIL build). A _TaskOwner's list is changed in a critical
-    section of that owner; the two are never nested. Frames the record lets go are dropped
-    after the section (their finalizers run Python code)."""
-    cdef object frame              # the frame running a block (None: none is)
-    cdef _TaskOwner owner          # the owner of the task that block runs for
-    cdef Py_ssize_t depth          # how many blocks of the object that frame is inside
-    cdef dict others               # the other frames inside at once: frame -> [the
-                                   # task's _TaskOwner, depth] (None until needed)
-    cdef dict ended                # blocks of tasks lockmgr has ended, by their frame's
-                                   # id, for frames a generator or coroutine still owns:
-                                   # id(frame) -> [weak reference to the task, depth, weak
-                                   # reference to that owner, its id] (None until needed);
-                                   # an entry goes when its block exits, or once its id
-                                   # names another frame (counted in, or exiting)
+    An exit may run in another thread than the block's (the garbage collector closing a
+    coroutine): free-threaded, the record is changed in a critical section of this object
+    (nothing on a GIL build). Nothing in those sections runs Python code or drops the last
+    reference of anything but an owner that ``leave`` hands back."""
+    cdef _TaskOwner owner     # the task inside (None: none is); written in a section
+    cdef Py_ssize_t depth     # how many blocks of that task are inside; likewise
 
-    cdef int count_in(self, frame, _TaskOwner owner) except -1:
-        """A block running in ``frame`` for ``owner``'s task holds what it asked for."""
-        cdef bint new_entry = False
+    cdef int enter(self, _TaskOwner owner) except -1:
+        """``owner``'s task holds what it asked for: it is inside (RuntimeError, and
+        nothing changed, if another task is)."""
+        cdef _TaskOwner inside
         with cython.critical_section(self):
-            if self.frame is frame:
-                self.depth += 1
-            elif self.frame is None and not (self.others and frame in self.others):
-                self.frame = frame
+            inside = self.owner
+            if inside is None or inside is owner:
                 self.owner = owner
-                self.depth = 1
-                new_entry = True
-            else:
-                if self.others is None:
-                    self.others = {}
-                entry = self.others.get(frame)
-                if entry is None:
-                    self.others[frame] = [owner, 1]
-                    new_entry = True
-                else:
-                    entry[1] += 1
-            if new_entry and self.ended:
-                self.ended.pop(id(frame), None)  # that frame is gone: its id is reused
-        if new_entry:
-            owner.remember_block(self)
+                self.depth += 1
+        if inside is not None and inside is not owner:
+            raise block_in_use(inside.task, inside.ended)
         return 0
 
-    cdef object leave_block(self, frame, _TaskOwner current):
-        """A weak reference to the task whose block in ``frame`` exits (its _TaskOwner's
-        ``task_ref``); NOT_ENTERED if none was counted in there: entered in another frame,
-        whose entry, one of the running task's (``current``: its owner, None if it has
-        none), goes instead (see BlocksInside)."""
-        entered = NOT_ENTERED
-        let_go = None  # a frame whose last entry went, dropped after the section
-        cdef _TaskOwner emptied = None  # whose frame's last entry went: its slot goes
+    cdef _TaskOwner leave(self):
+        """One block exits: the owner whose hold it gives back, or None if that task has
+        ended (its ending released it). RuntimeError if no block is inside."""
+        cdef _TaskOwner inside
         with cython.critical_section(self):
-            if frame is not None and self.frame is frame:
-                entered = self.owner.task_ref
-                emptied = self.count_down_first()
-            elif self.others and frame in self.others:
-                entered = (<_TaskOwner>self.others[frame][0]).task_ref
-                emptied = self.count_down_other(frame)
-            elif self.ended and self.is_ended_frame(frame):
-                entered = self.count_down_ended(id(frame))
-            elif current is not None and self.owner is current:
-                let_go = self.frame
-                emptied = self.count_down_first()
-            elif current is not None and self.others:
-                for other, entry in list(self.others.items()):
-                    if entry[0] is current:
-                        let_go = other
-                        emptied = self.count_down_other(other)
-                        break
-        if emptied is not None:
-            emptied.forget_block(self)
-        return entered
+            inside = self.owner
+            if inside is not None:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.owner = None
+        if inside is None:
+            raise not_entered()
+        return None if inside.ended else inside
 
-    cdef _TaskOwner count_down_first(self):
-        """One block of the first frame exits: its owner if it was its last, else None."""
-        owner = self.owner
-        self.depth -= 1
-        if self.depth == 0:
-            self.frame = self.owner = None
-            return owner
-        return None
+    @property
+    def _inside(self):
+        """The task inside and its depth (None, 0 if none), for tests."""
+        with cython.critical_section(self):
+            return (None if self.owner is None else self.owner.task), self.depth
 
-    cdef _TaskOwner count_down_other(self, frame):
-        entry = self.others[frame]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.others[frame]
-            return <_TaskOwner>entry[0]
-        return None
 
-    cdef bint is_ended_frame(self, frame) except -1:
-        """Whether ``frame`` is the frame of an entry in ``ended``. Only its id was kept, and
-        a frame that died may leave it to another (an ``AsyncExitStack``'s exit, a wrapper's
-        ``__aexit__``, the same helper called again): its owner tells, for a generator
-        owns one frame. An owner being finalized (which closes it, running the block's
-        exit) has had its weak references cleared: its id tells then. Another frame's
-        entry goes. (The running frame's owner is running it: no reference dropped here is
-        its last.)"""
-        if frame is None:
-            return False
-        entry = self.ended.get(id(frame))
-        if entry is None:
-            return False
-        owner = frame_owner(frame)
-        kept = entry[2]()
-        if owner is None or not (kept is owner or (kept is None and id(owner) == entry[3])):
-            del self.ended[id(frame)]
-            return False
+cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) except -1:
+    """Whether a block's exit releases ``owner``'s hold now, in this thread: only its loop's
+    thread may change a task's holds. An exit run elsewhere (a coroutine the collector
+    closes in another thread) sends the release to that loop; if it is closed, the task
+    can never run again and is ended here (what it held goes, with AbandonedLockWarning)."""
+    if <Py_ssize_t>PyThread_get_thread_ident() == owner.token.loop_ident:
         return True
-
-    cdef object count_down_ended(self, Py_ssize_t frame_id):
-        entry = self.ended[frame_id]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.ended[frame_id]
-        return entry[0]
-
-    cdef list forget_task(self, _TaskOwner owner):
-        """Move the entries of ``owner``'s task, which lockmgr has ended, to ``ended``, but
-        for frames no generator owns any more (returned or raised: a helper's that entered
-        for its caller), which can run no exit; answers their frames and owners, to drop
-        after the section."""
-        frames = []  # and the frames' owners: their last reference may go with these
-        with cython.critical_section(self):
-            if self.frame is not None and self.owner is owner:
-                frames.append(self.frame)
-                self.set_ended(self.frame, owner.task_ref, self.depth, frames)
-                self.frame = self.owner = None
-                self.depth = 0
-            if self.others:
-                for other, entry in list(self.others.items()):
-                    if entry[0] is owner and self.others.get(other) is entry:
-                        del self.others[other]
-                        frames.append(other)
-                        self.set_ended(other, owner.task_ref, entry[1], frames)
-        return frames
-
-    cdef int set_ended(self, frame, task_ref, Py_ssize_t depth, list keep) except -1:
-        """``keep``: where the frame's owner goes, to be dropped after the section (a frame
-        does not keep its owner alive: another thread may drop it meanwhile)."""
-        owner = frame_owner(frame)
-        if owner is None:
-            return 0
-        keep.append(owner)
-        if self.ended is None:
-            self.ended = {}
-        self.ended[id(frame)] = [task_ref, depth, PyWeakref_NewRef(owner, None), id(owner)]
-        return 0
+    loop = owner.loop
+    try:
+        if loop is None:
+            return False
+        loop.call_soon_threadsafe(engine._task_release_for, owner, key, mode)
+    except RuntimeError:  # its loop is closed
+        owner._task_done(owner.task)
+    return False
 
 
 @cython.final
 @cython.freelist(16)
-cdef class AsyncKeyLock(_Blocks):
+cdef class AsyncKeyLock(_BlockRecord):
     """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
     (reentrant; ``async with`` acquires and releases it). The pure twin's is
     ``lockmgr._aio.AsyncKeyLock``; this one takes the key in ``__aenter__`` without a
-    Python frame.
-
-    One view may serve many tasks: its exit releases for the task whose block it is, told
-    by the frame running the block (its ``_Blocks`` record: the base class, so that a view
-    needs no second object)."""
+    Python frame. It is its own block record (the base class): see lockmgr._aio for the
+    rule of an object entered by several tasks."""
     cdef readonly object key       # the key
     cdef readonly _Engine _manager # the manager whose table it is
     cdef PyObject *lock_key        # the key the table uses, borrowed: ``key`` itself, or its
@@ -569,20 +474,15 @@ cdef class AsyncKeyLock(_Blocks):
         return bool(self._manager.locked(self.key))
 
     def __aenter__(self):
-        cdef _TaskOwner owner
-        try:
-            owner = task_owner(True)
-            got = self._manager._task_take(owner, self.lock_key, self.hash, WRITE, False, 1)
-            count_block_in(got, owner, self, running_frame())
-            return self._manager._task_awaitable(got, self.key, -1.0, False)
-        except BaseException:
-            self._manager._task_abandon()  # it may have queued before what raised
-            raise
+        cdef _TaskOwner owner = task_owner(True)
+        got = self._manager._task_take(owner, self.lock_key, self.hash, WRITE, False, 1)
+        self._manager._enter_record(self, got, owner, self.lock_key, self.hash, WRITE)
+        return self._manager._task_awaitable(got, self.key, -1.0, False)
 
     def __aexit__(self, exc_type, exc, traceback):
-        cdef Token *token
-        if exit_releases(self, running_frame(), exc_type, self.key, &token):
-            self._manager._task_release_at(token, self.lock_key, self.hash, WRITE)
+        cdef _TaskOwner owner = self.leave()
+        if owner is not None and releases_here(owner, self._manager, self.key, WRITE):
+            self._manager._task_release_at(owner.token, self.lock_key, self.hash, WRITE)
         return READY_NONE
 
     def __reduce__(self):

@@ -171,6 +171,9 @@ cdef extern from *:
         .tp_iter = lockmgr_ready_self,
         .tp_iternext = lockmgr_ready_next,
     };
+    static PyObject *lockmgr_ready_value(PyObject *ready) {  /* borrowed */
+        return ((lockmgr_ready_object *)ready)->value;
+    }
     static PyObject *lockmgr_ready_new(PyObject *value) {
         lockmgr_ready_object *ready;
         if (PyType_Ready(&lockmgr_ready_type) < 0)
@@ -182,6 +185,7 @@ cdef extern from *:
     }
     """
     object lockmgr_ready_new(object value)
+    PyObject *lockmgr_ready_value(object ready)
 
 cdef object READY_TRUE = lockmgr_ready_new(True)
 cdef object READY_FALSE = lockmgr_ready_new(False)
@@ -191,63 +195,23 @@ cdef object READY_NONE = lockmgr_ready_new(None)
 @cython.final
 cdef class _TaskOwner:
     """One asyncio task's token, from its first ``aio`` acquisition until it is done; its
-    done-callback then releases what the task still holds, as a thread's exit does."""
+    done-callback then releases what the task still holds, as a thread's exit does. The
+    ``async with`` objects a task is inside record this owner (see _BlockRecord)."""
     cdef Token *token   # the task's token (Token.is_task); freed once the task is done
-    cdef object task    # the task (a strong reference: ``task_owners`` is released when done)
-    cdef object task_ref # a weak reference to it, made once: whose block an exit was, as
-                         # _Blocks answers, and what it keeps of the task once ended
-    cdef _TaskWait wait # its queued wait, from its section until settle or abandon ends it
-                        # (whatever happens to the coroutine's frame meanwhile); a task has
-                        # one at a time (the table refuses a second: NestedWaitError)
-    cdef list blocks    # the _Blocks holding a block of the task by its frame, once per
-                        # such frame, in its first n_blocks slots (the rest None): a slot
-                        # comes with the frame's first entry and goes with its last, whoever's
-                        # exit that is (another task's may close the frame's coroutine);
-                        # taken by the task's ending, which moves the entries aside (see
-                        # _Blocks). Changed in a critical section of this owner (free-threaded)
-    cdef Py_ssize_t n_blocks
+    cdef object task    # the task (a strong reference: ``task_owners`` is released when
+                        # done); None once ended, so no record keeps an ended task alive
+    cdef object loop    # the task's event loop (where a block's exit run elsewhere sends
+                        # its release); None once ended
+    cdef bint ended     # set once by _task_done, first thing: what the task held is
+                        # released, or being released, by its ending; never cleared
+    cdef _TaskWait wait # its queued wait, from the moment its section queued it until
+                        # settle or abandon ends it (whatever happens to the coroutine's
+                        # frame meanwhile); a task has one at a time (the table refuses a
+                        # second: NestedWaitError)
 
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
             free_token(self.token)
-
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    cdef int remember_block(self, _Blocks inside) except -1:
-        """``inside`` holds one more block of the task by its frame."""
-        with cython.critical_section(self):
-            if self.n_blocks < len(self.blocks):
-                self.blocks[self.n_blocks] = inside
-            else:
-                self.blocks.append(inside)
-            self.n_blocks += 1
-        return 0
-
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    cdef int forget_block(self, _Blocks inside) except -1:
-        """``inside`` holds one block fewer of the task by its frame. Blocks nest, so it is
-        usually the last listed; the slots stay (a list that shrinks to nothing and grows
-        again reallocates at every block), and order does not matter (the ending takes
-        them all): the last fills the hole."""
-        cdef Py_ssize_t last
-        cdef Py_ssize_t index
-        with cython.critical_section(self):
-            last = self.n_blocks - 1
-            for index in range(last, -1, -1):
-                if self.blocks[index] is inside:  # (the caller holds it: no dealloc here)
-                    self.blocks[index] = self.blocks[last]
-                    self.blocks[last] = None
-                    self.n_blocks = last
-                    break
-        return 0
-
-    cdef list take_blocks(self):
-        """The task's ending takes its list (see ``blocks``)."""
-        with cython.critical_section(self):
-            blocks, self.blocks = self.blocks[:self.n_blocks], []
-            self.n_blocks = 0
-        return blocks
 
     cdef int abandon_stranded(self) except -1:
         """Abandon the task's wait if nothing ever awaited it: an exception came between the
@@ -268,9 +232,8 @@ cdef class _TaskOwner:
         # code of the ending runs: warnings, finalizers) ends it; the others return.
         if token is NULL or task_owners.pop(task, None) is not self:
             return
+        self.ended = True  # a block's exit from now on releases nothing: the ending does
         owners_by_ident.pop(token.ident, None)
-        frames = [(<_Blocks>inside).forget_task(self) for inside in self.take_blocks()]
-        del frames  # (their finalizers may run here, after every record is consistent)
         if self.wait is not None:
             # A done task awaits nothing: its wait was stranded (see abandon_stranded).
             self.wait.abandon()
@@ -282,6 +245,7 @@ cdef class _TaskOwner:
         if token.request is NULL:  # else a wait object still runs (it frees nothing)
             self.token = NULL
             free_token(token)
+        self.task = self.loop = None
 
 
 def end_stranded_task(task):
@@ -300,82 +264,6 @@ cdef Token* task_token(bint create) except? NULL:
     return NULL if owner is None else owner.token
 
 
-cdef object running_frame():
-    """The Python frame running: inside ``__aenter__``/``__aexit__`` of a C type, the frame
-    of the ``async with`` block."""
-    cdef PyFrameObject *frame = PyEval_GetFrame()
-    return None if frame is NULL else <object><PyObject*>frame
-
-
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX < 0x030B0000
-    #include "frameobject.h"  /* 3.10: the frame's struct, with f_gen */
-    #endif
-    /* The generator, coroutine or async generator that owns ``frame`` (a new reference),
-       or NULL: a plain function's frame, or one whose code has returned or raised. */
-    static PyObject *lockmgr_frame_owner(PyObject *frame) {
-    #if PY_VERSION_HEX >= 0x030B0000
-        return PyFrame_GetGenerator((PyFrameObject *)frame);
-    #else
-        PyObject *generator = ((PyFrameObject *)frame)->f_gen;
-        Py_XINCREF(generator);
-        return generator;
-    #endif
-    }
-    """
-    PyObject *lockmgr_frame_owner(object frame)
-
-
-cdef object frame_owner(frame):
-    """The generator, coroutine or async generator that owns ``frame``; None if none does
-    (see lockmgr_frame_owner): such a frame can run no exit any more."""
-    cdef PyObject *owner = lockmgr_frame_owner(frame)
-    if owner is NULL:
-        return None
-    result = <object>owner
-    Py_DECREF(<object>owner)
-    return result
-
-
-cdef int count_block_in(object got, _TaskOwner owner, _Blocks inside,
-                        object frame) except -1:
-    """Count an ``async with`` block (running in ``frame``) in once its task holds what it
-    asked for: now, or when its wait is granted (see _Blocks)."""
-    if inside is None or owner is None:  # (an empty hold_many makes no owner)
-        return 0
-    if got is True:
-        inside.count_in(frame, owner)
-    elif type(got) is _TaskWait:
-        (<_TaskWait>got).entering = inside
-        (<_TaskWait>got).entering_frame = frame
-    return 0
-
-
-cdef bint exit_releases(_Blocks blocks, object frame, object kind, object key,
-                        Token **token) except -1:
-    """Whether the exit of a block of ``blocks`` running in ``frame`` releases ``key``, for
-    the current task (whose token, NULL if it holds nothing, goes to ``token``): not if
-    the block was another task's (NotOwnedError unless its coroutine is being closed), nor
-    under a GeneratorExit for a block entered in another frame (see BlocksInside).
-    RuntimeError outside a task otherwise."""
-    task = current_task()
-    owner = None if task is None else task_owners.get(task)
-    current_ref = None if owner is None else (<_TaskOwner>owner).task_ref
-    entered = blocks.leave_block(frame, <_TaskOwner>owner)
-    if entered is not NOT_ENTERED:
-        if current_ref is None or entered is not current_ref:
-            if kind is GeneratorExit:
-                return False
-            raise not_this_tasks_block(key)
-    elif kind is GeneratorExit:
-        return False
-    elif task is None:
-        not_in_task()
-    token[0] = NULL if owner is None else (<_TaskOwner>owner).token
-    return True
-
-
 cdef _TaskOwner task_owner(bint create):
     """The current task's owner (RuntimeError outside a running task); None if it has none
     and ``create`` is false."""
@@ -391,8 +279,7 @@ cdef _TaskOwner task_owner(bint create):
     cdef _TaskOwner created = _TaskOwner.__new__(_TaskOwner)
     created.token = token  # from here on the owner frees it
     created.task = task
-    created.task_ref = PyWeakref_NewRef(task, None)
-    created.blocks = []
+    created.loop = task.get_loop()
     token.ident = <unsigned long>id(task)
     token.is_task = True
     token.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
@@ -429,9 +316,8 @@ cdef class _TaskWait:
     cdef object runner          # the coroutine that waits, once this is awaited
     cdef readonly double log_at # when the slow-wait log is due (< 0: never)
     cdef object logged_keys     # the keys it logged as waited for
-    cdef _Blocks entering       # the record of the ``async with`` object whose ``__aenter__``
-                                # queued it, else None: counts the block in once granted
-    cdef object entering_frame  # the frame running that block
+    cdef _BlockRecord entering  # the record of the ``async with`` object whose
+                                # ``__aenter__`` queued it, else None: the grant enters it
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -467,18 +353,21 @@ cdef class _TaskWait:
         return AWAIT_POST if outcome == NEED_POST else None
 
     def complete(self):
-        """The granted wait returns: the task holds what it asked for."""
+        """The granted wait returns: the task holds what it asked for. The block that
+        queued it is entered first: if another task is inside that object, RuntimeError,
+        and the caller's ``abandon()`` gives the grant back."""
         cdef After after
         if not self.queued:
             raise RuntimeError("this wait has ended")
+        if self.entering is not None:
+            self.entering.enter(self.owner)
+            self.entering = None  # entered: an exception from here on leaves the record
         after_init(&after, NULL, 0)
         lock()
         complete(&self.manager.table, self.request, &after)
         unlock()
         self._ended()
         finish(&after, self.request.token)
-        if self.entering is not None:
-            self.entering.count_in(self.entering_frame, self.owner)
 
     def abandon(self):
         """Leave the queues, or give back a grant that raced the exception ending the wait."""
@@ -564,7 +453,118 @@ cdef class _TaskWait:
 
     cdef int _ended(self) except -1:
         self.queued = False
+        self.entering = None
         self.waker.lost = None
         if self.owner.wait is self:
             self.owner.wait = None
         return 0
+
+
+# -- ``await aio.acquire(key)`` without a Python frame ---------------------------------------
+# The view's ``acquire`` answers an _Acquiring: a coroutine in all but its type (registered
+# as a collections.abc.Coroutine, so ``asyncio.create_task`` takes it). Nothing happens when
+# it is made; its first send acquires for the task driving it (as the body of an ``async
+# def`` would), and answers through its am_send slot: the outcome at once, with no frame
+# and no StopIteration, or the queued wait's yields until the wait's outcome.
+
+cdef extern from *:
+    """
+    /* Points ``type``'s am_send at ``send`` (a Cython class has no slot of its own). */
+    static int lockmgr_set_am_send(PyTypeObject *type, sendfunc send) {
+        if (type->tp_as_async == NULL) {
+            PyErr_SetString(PyExc_ImportError, "lockmgr._core: _Acquiring has no async slots");
+            return -1;
+        }
+        type->tp_as_async->am_send = send;
+        PyType_Modified(type);
+        return 0;
+    }
+    """
+    ctypedef enum PySendResult:
+        PYGEN_RETURN
+        PYGEN_ERROR
+        PYGEN_NEXT
+    ctypedef PySendResult (*sendfunc)(PyObject *, PyObject *, PyObject **) except? PYGEN_ERROR
+    int lockmgr_set_am_send(PyTypeObject *type, sendfunc send) except -1
+    PySendResult PyIter_Send(PyObject *iterator, PyObject *arg, PyObject **result)
+
+
+@cython.final
+@cython.freelist(8)
+cdef class _Acquiring:
+    """``await aio.acquire(key, blocking, timeout)``: see above."""
+    cdef _Engine manager  # whose table (and the acquisition's arguments, as given:
+    cdef object key       # checked when it runs, as an ``async def`` would)
+    cdef int mode
+    cdef object blocking
+    cdef object timeout
+    cdef object wait      # the queued _TaskWait it drives, once it queued one
+    cdef bint started     # its first send (or throw) came
+
+    def __await__(self):
+        return self
+
+    def __next__(self):
+        return self.send(None)
+
+    def send(self, value):
+        cdef PyObject *result = NULL
+        outcome = acquiring_send(<PyObject*>self, <PyObject*>value, &result)
+        answer = <object>result
+        Py_DECREF(answer)
+        if outcome == PYGEN_RETURN:
+            raise StopIteration(answer)
+        return answer
+
+    def throw(self, kind, value=None, traceback=None):
+        if not self.started:  # nothing acquired: the exception ends it
+            self.started = True
+            raise (kind if value is None else value)
+        if self.wait is None:
+            raise RuntimeError("cannot reuse already awaited coroutine")
+        return self.wait.throw(kind, value, traceback)
+
+    def close(self):
+        self.started = True
+        if self.wait is not None:
+            self.wait.close()
+
+    def __del__(self):
+        # Dropped while it waits (a coroutine driven by hand): leave the queues, as a
+        # coroutine is closed when it is collected.
+        if self.wait is not None:
+            self.wait.close()
+
+
+cdef object acquiring(_Engine manager, object key, int mode, object blocking,
+                      object timeout):
+    cdef _Acquiring made = _Acquiring.__new__(_Acquiring)
+    made.manager = manager
+    made.key = key
+    made.mode = mode
+    made.blocking = blocking
+    made.timeout = timeout
+    return made
+
+
+cdef PySendResult acquiring_send(PyObject *op, PyObject *arg,
+                                 PyObject **result) except? PYGEN_ERROR:
+    cdef _Acquiring self = <_Acquiring>op
+    cdef PyObject *answer
+    if self.wait is None:
+        if self.started:
+            raise RuntimeError("cannot reuse already awaited coroutine")
+        self.started = True
+        got = self.manager._task_acquire_as(self.key, self.mode, self.blocking, self.timeout)
+        if type(got) is not _TaskWait:  # known at once: READY_TRUE or READY_FALSE
+            answer = lockmgr_ready_value(got)
+            Py_INCREF(<object>answer)
+            result[0] = answer
+            return PYGEN_RETURN
+        self.wait = got
+        arg = <PyObject*>None
+    return PyIter_Send(<PyObject*>self.wait, arg, result)
+
+
+lockmgr_set_am_send(<PyTypeObject*>_Acquiring, acquiring_send)
+collections.abc.Coroutine.register(_Acquiring)  # asyncio.create_task takes it

@@ -6,6 +6,12 @@ difference between two builds show, where wall-clock timings on a shared machine
     python3 scripts/pair-instructions.py                      # LockManager()
     python3 scripts/pair-instructions.py --log-waits-after 1  # the slow-wait log on
     python3 scripts/pair-instructions.py --src OTHER/src      # another checkout's build
+    python3 scripts/pair-instructions.py --loop aio-block     # async with aio[k] (a task)
+    python3 scripts/pair-instructions.py --loop asyncio-lock-block  # the same, asyncio.Lock
+
+``--loop``: ``sync`` (the default), ``aio-block`` / ``aio-pair`` (``async with aio[k]`` /
+``await aio.acquire(k)`` + ``aio.release(k)`` in one task), and ``asyncio-lock-block`` /
+``asyncio-lock-pair``, the same on one ``asyncio.Lock``, to compare with.
 
 Needs valgrind; the core must be built (``pip install -e .`` or ``build_ext --inplace``).
 """
@@ -32,19 +38,48 @@ def run(iterations, acquire=locks.acquire, release=locks.release):
     for _ in range(iterations):
         acquire("k"); release("k")
 
-run(int(sys.argv[3]))
+loop = sys.argv[4]
+if loop == "sync":
+    run(int(sys.argv[3]))
+else:
+    import asyncio
+
+    aio, lock = locks.aio, asyncio.Lock()
+
+    async def aio_block(n, m=aio):
+        for _ in range(n):
+            async with m["k"]:
+                pass
+
+    async def aio_pair(n, a=aio.acquire, r=aio.release):
+        for _ in range(n):
+            await a("k"); r("k")
+
+    async def lock_block(n, l=lock):
+        for _ in range(n):
+            async with l:
+                pass
+
+    async def lock_pair(n, a=lock.acquire, r=lock.release):
+        for _ in range(n):
+            await a(); r()
+
+    loops = {"aio-block": aio_block, "aio-pair": aio_pair,
+             "asyncio-lock-block": lock_block, "asyncio-lock-pair": lock_pair}
+    asyncio.run(loops[loop](int(sys.argv[3])))
 if after >= 0:
     locks.metrics()
 """
+LOOPS = ["sync", "aio-block", "aio-pair", "asyncio-lock-block", "asyncio-lock-pair"]
 
 
-def instructions(src: str, after: float, iterations: int) -> int:
+def instructions(src: str, after: float, iterations: int, loop: str = "sync") -> int:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "loop.py"
         script.write_text(LOOP)
         done = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/out",
-             sys.executable, str(script), src, str(after), str(iterations)],
+             sys.executable, str(script), src, str(after), str(iterations), loop],
             capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict probes every run
     return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
@@ -55,11 +90,13 @@ def main() -> None:
     parser.add_argument("--src", default="", help="a checkout's src/ to import lockmgr from")
     parser.add_argument("--log-waits-after", type=float, default=-1.0)
     parser.add_argument("--iterations", type=int, default=100_000)
+    parser.add_argument("--loop", choices=LOOPS, default="sync")
     args = parser.parse_args()
-    once = instructions(args.src, args.log_waits_after, args.iterations)
-    twice = instructions(args.src, args.log_waits_after, 2 * args.iterations)
-    print(f"{(twice - once) / args.iterations:.1f} instructions per acquire + release "
-          "(the loop included)")
+    once = instructions(args.src, args.log_waits_after, args.iterations, args.loop)
+    twice = instructions(args.src, args.log_waits_after, 2 * args.iterations, args.loop)
+    what = "acquire + release" if args.loop.endswith(("sync", "pair")) else "block"
+    print(f"{(twice - once) / args.iterations:.1f} instructions per {what} "
+          f"({args.loop}, the loop included)")
 
 
 if __name__ == "__main__":

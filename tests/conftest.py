@@ -103,14 +103,18 @@ def xfail_if_the_interpreter_aborted(returncode: int, stderr: str, pure: bool) -
 
 
 def block_records() -> int:
-    """How many records of which task runs each block of an ``async with`` object are alive
-    (one per object: a ``BlocksInside``; in the core, the object itself is a ``_Blocks``)."""
-    from lockmgr._common import BlocksInside
+    """How many records of which task is inside an ``async with`` object are alive: the
+    pure twin's and the PostgreSQL views' ``_BlockRecord``s, and the compiled core's (its
+    ``aio[key]`` view is its own record)."""
+    from lockmgr import _pure
 
-    kinds: tuple[type, ...] = (BlocksInside,)
+    kinds: tuple[type, ...] = (_pure._BlockRecord,)
+    pg_aio = sys.modules.get("lockmgr._pg_aio")
+    if pg_aio is not None:
+        kinds += (pg_aio._PgBlockRecord,)
     core = sys.modules.get("lockmgr._core")
     if core is not None:
-        kinds += (core._Blocks,)
+        kinds += (core._BlockRecord,)
     gc.collect()
     return sum(isinstance(o, kinds) for o in gc.get_objects())
 

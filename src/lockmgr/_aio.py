@@ -25,35 +25,39 @@ queue FIFO together, and a cycle among them is a DeadlockError. Both engines imp
   the exception (a cancellation): the key goes to the next waiter; ``_task_abandon()`` does
   the same for the current task's request, if it has one (an exception between the
   acquiring call and the await); a task that is done abandons a wait it never awaited;
-- ``_task_enter(key, mode, seconds, raises_timeout, inside, frame)`` and
-  ``_task_enter_many(items, seconds, raises_timeout, inside, frame)``, for an ``async
-  with`` block running in ``frame``, count the block in with ``inside._count_in(frame,
-  task)`` once the task holds what it asked for, at once or when its wait is granted
-  (``inside``: the object's record, from ``_task_blocks()``);
-- ``_task_blocks()`` makes the record of an ``async with`` object's blocks: a
-  ``BlocksInside`` (the core's is in C);
-- ``_task_key_lock(key)`` is ``aio[key]``: an ``AsyncKeyLock`` (the core has its own);
-- ``_task_exit(inside, frame, kind, key, mode)`` and ``_task_exit_many(inside, frame,
-  kind, items)`` are the exit of a block running in ``frame`` (``kind``: the exception's
-  type): they release for the current task, unless the block was another task's (a
-  coroutine closed by the garbage collector, an async generator finalized by asyncio:
-  that task's end released, or will release, what it holds: NotOwnedError if not under a
-  GeneratorExit) or was entered in another frame under a GeneratorExit (see
-  ``BlocksInside``); either way they answer a ready awaitable of None;
+- ``_task_enter(key, mode, seconds, raises_timeout, record)`` and
+  ``_task_enter_many(items, seconds, raises_timeout, record)``, for an ``async with``
+  block, enter ``record`` (the object's, from ``_task_record()``) once the task holds what
+  it asked for, at once or when its wait is granted; if another task is inside the
+  object then, RuntimeError, after giving back what was taken;
+- ``_task_key_lock(key)`` is ``aio[key]``: an ``AsyncKeyLock`` (the core has its own, which
+  is its own record);
+- ``_task_exit(record, key, mode)`` and ``_task_exit_many(record, items)`` are the exit of
+  a block: they give back the hold of the task ``record`` names, whatever task runs them
+  (or none), and nothing if lockmgr has ended that task; on another thread than that
+  task's loop they send the release there. RuntimeError if no block is inside. Either
+  way they answer a ready awaitable of None;
 - ``_task_release``, ``_task_release_many``, ``_task_release_all`` and ``_task_levels``
   are the sync methods with the current task as owner.
 
 Every method but the exits raises RuntimeError outside a running task.
+
+The rule for an ``async with`` object (``aio[key]``, ``hold()``, ``read()``, ``write()``,
+``hold_many()``): it records which task entered it, once that task holds the key, and its
+exit gives back exactly that task's hold, whoever runs the exit (nothing if that task has
+ended: its end released it). One task is inside an object at a time and may nest it;
+another task's entry waits for the key as usual, and raises RuntimeError, taking nothing,
+if the object is still another task's when it would enter (two readers; a task that
+ended inside it). So a shared object never releases one task's hold on another's exit.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 from ._common import (
     AWAIT_POST,
@@ -72,6 +76,7 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 K = TypeVar("K", bound=Hashable)
+K_contra = TypeVar("K_contra", bound=Hashable, contravariant=True)
 T = TypeVar("T")
 
 __all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
@@ -122,68 +127,68 @@ async def _take(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any)
 
 class _AsyncHolding:
     """``async with aio.hold(key)`` (and ``read``/``write``): LockTimeout if not acquired.
-    Its exit releases for the task whose block it is (see ``BlocksInside``)."""
+    Its exit gives back the hold of the task that entered it (see the module's rule)."""
 
-    __slots__ = ("_inside", "_key", "_manager", "_mode", "_seconds")
+    __slots__ = ("_key", "_manager", "_mode", "_record", "_seconds")
 
     def __init__(self, manager: Any, key: Hashable, seconds: float, mode: int) -> None:
         self._manager = manager
         self._key = key
         self._seconds = seconds
         self._mode = mode
-        self._inside = manager._task_blocks()
+        self._record = manager._task_record()
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
             return manager._task_enter(  # type: ignore[no-any-return]
-                self._key, self._mode, self._seconds, True, self._inside, sys._getframe(1))
+                self._key, self._mode, self._seconds, True, self._record)
         except BaseException:
             manager._task_abandon()
             raise
 
     def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
         return self._manager._task_exit(  # type: ignore[no-any-return]
-            self._inside, sys._getframe(1), kind, self._key, self._mode)
+            self._record, self._key, self._mode)
 
 
 class _AsyncHoldingMany:
     """``async with aio.hold_many(...)``: every key for the block, or LockTimeout. Its exit
-    releases for the task whose block it is (see ``BlocksInside``)."""
+    gives back the holds of the task that entered it (see the module's rule)."""
 
-    __slots__ = ("_inside", "_items", "_manager", "_seconds")
+    __slots__ = ("_items", "_manager", "_record", "_seconds")
 
     def __init__(self, manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> None:
         self._manager = manager
         self._items = items
         self._seconds = seconds
-        self._inside = manager._task_blocks()
+        self._record = manager._task_record()
 
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
             return manager._task_enter_many(  # type: ignore[no-any-return]
-                self._items, self._seconds, True, self._inside, sys._getframe(1))
+                self._items, self._seconds, True, self._record)
         except BaseException:
             manager._task_abandon()
             raise
 
     def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
         return self._manager._task_exit_many(  # type: ignore[no-any-return]
-            self._inside, sys._getframe(1), kind, self._items)
+            self._record, self._items)
 
 
 class AsyncKeyLock(Generic[K]):
     """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
-    (reentrant; ``async with`` acquires and releases it). One view may serve many tasks:
-    its exit releases for the task whose block it is (see ``BlocksInside``)."""
+    (reentrant; ``async with`` acquires and releases it). Its exit gives back the hold of
+    the task that entered it (see the module's rule)."""
 
-    __slots__ = ("_inside", "_key", "_manager")
+    __slots__ = ("_key", "_manager", "_record")
 
     def __init__(self, manager: Any, key: K) -> None:
         self._manager = manager
         self._key = key
-        self._inside = manager._task_blocks()
+        self._record = manager._task_record()
 
     @property
     def key(self) -> K:
@@ -206,7 +211,7 @@ class AsyncKeyLock(Generic[K]):
         manager = self._manager
         try:
             return manager._task_enter(  # type: ignore[no-any-return]
-                self._key, WRITE, -1.0, False, self._inside, sys._getframe(1))
+                self._key, WRITE, -1.0, False, self._record)
         except BaseException:
             manager._task_abandon()
             raise
@@ -214,7 +219,7 @@ class AsyncKeyLock(Generic[K]):
     def __aexit__(self, kind: type[BaseException] | None,
                   exc: BaseException | None, traceback: TracebackType | None) -> Awaitable[None]:
         return self._manager._task_exit(  # type: ignore[no-any-return]
-            self._inside, sys._getframe(1), kind, self._key, WRITE)
+            self._record, self._key, WRITE)
 
     def __reduce__(self) -> Any:
         raise TypeError(PICKLE_ERROR)
@@ -253,28 +258,43 @@ class _AsyncEngineView:
         return self._manager.__reduce__()
 
 
+class _Release(Protocol[K_contra]):
+    def __call__(self, key: K_contra) -> None: ...
+
+
+class _Acquire(Protocol[K_contra]):
+    def __call__(self, key: K_contra, blocking: bool = True,
+                 timeout: float = -1) -> Coroutine[Any, Any, bool]: ...
+
+
 class AsyncLockManager(_AsyncEngineView, Generic[K]):
     """``LockManager.aio``: the manager's table, with the current asyncio task as owner.
 
-    Acquiring methods are coroutines, releasing ones plain methods; names, arguments and
-    errors are those of ``LockManager``. Never use ``asyncio.wait_for`` around an acquire on
-    Python 3.11 and older: it acquires in an inner task, which then ends holding the key
-    (released with an AbandonedLockWarning). Pass ``timeout=`` or use ``asyncio.timeout()``.
+    Names, arguments and errors are those of ``LockManager``; ``acquire`` is a coroutine
+    function, ``release`` a plain one:
+
+    - ``await aio.acquire(key, blocking=True, timeout=-1)``: lock ``key`` for the task
+      that awaits it: True once held (reentrant), False if ``blocking`` is false or
+      ``timeout`` (seconds, -1 = forever) ran out first. The event loop runs other tasks
+      meanwhile; a cancellation leaves nothing acquired.
+    - ``aio.release(key)``: undo one ``acquire`` (NotOwnedError if the current task does
+      not hold ``key``).
+
+    Both are the engine's own methods, bound here: the compiled core's ``acquire`` answers
+    a coroutine of its own, so the uncontended pair runs no Python frame. Never use
+    ``asyncio.wait_for`` around an acquire on Python 3.11: it acquires in an inner task,
+    which then ends holding the key (released with an AbandonedLockWarning). Pass
+    ``timeout=`` or use ``asyncio.timeout()``.
     """
 
-    __slots__ = ()
+    __slots__ = ("acquire", "release")
+    acquire: _Acquire[K]
+    release: _Release[K]
 
-    async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Lock ``key`` for the current task: True once held (reentrant), False if
-        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first. The
-        event loop runs other tasks meanwhile; a cancellation leaves nothing acquired."""
-        manager = self._manager
-        return await _take(manager, manager._task_enter, key, WRITE,
-                           wait_seconds(blocking, timeout), False)
-
-    def release(self, key: K) -> None:
-        """Undo one ``acquire`` of ``key`` (NotOwnedError if the current task does not hold it)."""
-        self._manager._task_release(key, WRITE)
+    def __init__(self, manager: Any) -> None:
+        super().__init__(manager)
+        self.acquire = manager._task_acquire
+        self.release = manager._task_release_write
 
     def hold(self, key: K, timeout: float | None = None) -> _AsyncHolding:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
@@ -323,25 +343,21 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
 
 class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     """``RWLockManager.aio``: shared/exclusive keys with the current asyncio task as owner
-    (names, arguments and errors of ``RWLockManager``; see ``AsyncLockManager``)."""
+    (names, arguments and errors of ``RWLockManager``; the acquiring and releasing methods
+    are the engine's own, bound here, as for ``AsyncLockManager``)."""
 
-    __slots__ = ()
+    __slots__ = ("acquire_read", "acquire_write", "release_read", "release_write")
+    acquire_read: _Acquire[K]
+    acquire_write: _Acquire[K]
+    release_read: _Release[K]
+    release_write: _Release[K]
 
-    async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        manager = self._manager
-        return await _take(manager, manager._task_enter, key, READ,
-                           wait_seconds(blocking, timeout), False)
-
-    async def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        manager = self._manager
-        return await _take(manager, manager._task_enter, key, WRITE,
-                           wait_seconds(blocking, timeout), False)
-
-    def release_read(self, key: K) -> None:
-        self._manager._task_release(key, READ)
-
-    def release_write(self, key: K) -> None:
-        self._manager._task_release(key, WRITE)
+    def __init__(self, manager: Any) -> None:
+        super().__init__(manager)
+        self.acquire_read = manager._task_acquire_read
+        self.acquire_write = manager._task_acquire
+        self.release_read = manager._task_release_read
+        self.release_write = manager._task_release_write
 
     def read(self, key: K, timeout: float | None = None) -> _AsyncHolding:
         return _AsyncHolding(self._manager, key, hold_seconds(timeout), READ)

@@ -8,14 +8,12 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import opcode
 import operator
 import reprlib
 import sys
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar
@@ -28,10 +26,7 @@ __all__ = [
     "MAIN_THREAD_SLICE",
     "AWAIT_POST",
     "AbandonedLockWarning",
-    "BlocksInside",
-    "TaskBlocks",
     "LOOP_THREAD",
-    "NOT_ENTERED",
     "Waker",
     "current_task_or_none",
     "current_task_or_raise",
@@ -253,176 +248,6 @@ LOOP_THREAD: Any = _LoopThread()
 AWAIT_POST = "await post"
 
 
-NOT_ENTERED: Any = type("NotEntered", (), {"__repr__": lambda self: "NOT_ENTERED"})()
-
-
-class BlocksInside:
-    """Which task runs each block of one ``async with`` object, by the frame that runs the
-    block. One object may serve many tasks (a shared ``hold()`` object, an ``aio[key]``
-    view), and a block's exit may run in another task than its own, or in none: the
-    GeneratorExit of a coroutine the garbage collector closes (a task stranded on a closed
-    loop, or done with a block left suspended), or of an async generator asyncio finalizes
-    in a task of its own. Only the frame tells whose exit it is: a frame runs for one task.
-
-    A block is counted in once its task holds what it asked for (``_count_in``, at once
-    or when its wait is granted), so a failed entry leaves nothing here; its exit asks
-    ``_leave`` whose block it was. A block entered in another frame than its exit's (through
-    a ``contextlib.AsyncExitStack``, or a wrapper's ``__aenter__``) cannot be told apart:
-    its exit gives back an entry of the current task's instead, so entries stay bounded,
-    and releases nothing under GeneratorExit (a collected task's exit and the current
-    task's own look alike there).
-
-    Nothing here keeps a task alive once lockmgr has ended it (done, or stranded on a
-    closed loop): its task's ``TaskBlocks`` lists the objects holding its frames, and the
-    ending moves its entries to ``_ended``, by the frame's id. On 3.10 a frame owns its
-    value stack, which holds what the frame awaits and so, through the future's callback,
-    its task: a stranded task held that way by a long-lived view would never be collected.
-    Only a frame that may still run its block's exit is kept there (not one that has
-    returned: a helper's that entered for its caller), and an ended entry goes when its
-    frame's block exits (the frame's coroutine is closed before the frame dies), or once
-    its id names another frame (see ``_is_ended_frame``).
-
-    A frame's entry is changed by the code running that frame, but a stranded task's frame
-    is closed by whoever collects it, in any thread, and a task's ending may run in another
-    thread than its loop's: the record is changed under a lock of its own. A TaskBlocks has
-    its own; the two are never nested. Both are reentrant: a garbage collection inside may
-    close a coroutine suspended in a block of the same object, whose exit comes back here
-    in the same thread (on another frame's entry), so each step reads the record afresh."""
-
-    __slots__ = ("_by_frame", "_ended", "_lock")
-
-    def __init__(self) -> None:
-        # frame -> [ref to its task, blocks, its task's TaskBlocks (None: it has none)]
-        self._by_frame: dict[Any, list[Any]] = {}
-        # id(frame) -> [ref to its task, blocks, the frame's code], for ended tasks
-        self._ended: dict[int, list[Any]] = {}
-        self._lock = threading.RLock()
-
-    def _count_in(self, frame: Any, task: Any, blocks: TaskBlocks | None = None) -> None:
-        """``blocks``: the task's, if it has some (see TaskBlocks)."""
-        with self._lock:
-            entry = self._by_frame.get(frame)
-            if entry is not None:
-                entry[1] += 1
-                return
-            if self._ended:
-                self._ended.pop(id(frame), None)  # that frame is gone: its id is reused
-            self._by_frame[frame] = [weakref.ref(task), 1, blocks]
-        if blocks is not None:
-            blocks.add(self)
-
-    def _leave(self, frame: Any, current: Any) -> Any:
-        """A weak reference to the task whose block in ``frame`` exits; NOT_ENTERED if none
-        was counted in there (then an entry of ``current``, the running task, goes)."""
-        emptied = None  # the entry whose last block went: its slot goes too
-        with self._lock:
-            entry = self._by_frame.get(frame)
-            if entry is None and self._ended and self._is_ended_frame(frame):
-                ended = self._ended[id(frame)]
-                ended[1] -= 1
-                if not ended[1]:
-                    self._ended.pop(id(frame), None)
-                return ended[0]
-            entered = NOT_ENTERED if entry is None else entry[0]
-            if entry is None and current is not None:
-                frame, entry = next(((other, entry) for other, entry
-                                     in list(self._by_frame.items())
-                                     if entry[0]() is current), (None, None))
-            if entry is not None:
-                entry[1] -= 1
-                if not entry[1]:
-                    self._by_frame.pop(frame, None)
-                    emptied = entry
-        if emptied is not None and emptied[2] is not None:
-            emptied[2].remove(self)
-        return entered
-
-    def _is_ended_frame(self, frame: Any) -> bool:
-        """Whether ``frame`` is the frame of an entry in ``_ended``. Only its id was kept,
-        and a frame that died may leave it to another: one running other code (an
-        ``AsyncExitStack``'s exit, a wrapper's ``__aexit__``) is not that frame, whose entry
-        then goes. (A frame that was not suspended was not kept: see ``_forget``.)"""
-        ended = self._ended.get(id(frame))
-        if ended is None:
-            return False
-        if ended[2] is not frame.f_code:
-            self._ended.pop(id(frame), None)
-            return False
-        return True
-
-    def _forget(self, task: Any) -> list[Any]:
-        """Move the entries of ``task``, which lockmgr has ended, to ``_ended``, but for
-        frames not suspended (returned or raised: a helper's that entered for its caller),
-        which can run no exit; answers their frames, for the caller to drop."""
-        with self._lock:
-            frames = [frame for frame, entry in list(self._by_frame.items())
-                      if entry[0]() is task]
-            for frame in frames:
-                entry = self._by_frame.pop(frame, None)
-                if entry is not None and _is_suspended(frame):
-                    self._ended[id(frame)] = [entry[0], entry[1], frame.f_code]
-        return frames
-
-
-_YIELD_VALUE = opcode.opmap["YIELD_VALUE"]
-_YIELD_FROM = opcode.opmap.get("YIELD_FROM")  # 3.10: an await
-_RESUME = opcode.opmap.get("RESUME")  # 3.11+
-
-
-def _is_suspended(frame: Any) -> bool:
-    """Whether ``frame`` is suspended at a yield or an await (so a generator or coroutine
-    owns it, and may yet run its block's exit), told by the instruction it stopped at:
-    ``YIELD_VALUE`` (3.11, 3.12; a ``yield`` on 3.10), the one before ``YIELD_FROM`` (an
-    await on 3.10), or the ``RESUME`` after a ``YIELD_VALUE`` (3.13). A frame that
-    returned or raised stopped elsewhere. (The compiled core asks which generator owns the
-    frame; Python code can ask from 3.14 on.)"""
-    owner = getattr(frame, "f_generator", frame)
-    if owner is not frame:
-        return owner is not None
-    code: bytes = frame.f_code.co_code
-    last: int = frame.f_lasti
-    if last < 0:
-        return False
-    op = code[last]
-    if op == _YIELD_VALUE:
-        return True
-    if _YIELD_FROM is not None and op != _YIELD_FROM:
-        return last + 2 < len(code) and code[last + 2] == _YIELD_FROM
-    return op == _RESUME and last >= 2 and code[last - 2] == _YIELD_VALUE
-
-
-class TaskBlocks:
-    """The ``async with`` objects holding a block of one task by its frame (see
-    BlocksInside): a slot per frame, which comes with the frame's first entry and goes with
-    its last, whoever's exit that is (another task's, in any thread, may close the frame's
-    coroutine); the task's ending takes them all."""
-
-    __slots__ = ("_slots", "_lock")
-
-    def __init__(self) -> None:
-        self._slots: list[BlocksInside] = []
-        self._lock = threading.RLock()  # (reentrant: see BlocksInside)
-
-    def add(self, inside: BlocksInside) -> None:
-        with self._lock:
-            self._slots.append(inside)
-
-    def remove(self, inside: BlocksInside) -> None:
-        with self._lock:
-            slots = self._slots
-            for index in range(len(slots) - 1, -1, -1):  # blocks nest: usually the last
-                if slots[index] is inside:
-                    del slots[index]
-                    return
-
-    def forget(self, task: Any) -> None:
-        """The ending of ``task``: none of its objects keeps its frames."""
-        with self._lock:
-            taken, self._slots = self._slots, []
-        frames = [inside._forget(task) for inside in taken]
-        del frames  # (their finalizers may run here, after every record is consistent)
-
-
 def current_task_or_none() -> Any:
     """The running asyncio task, or None outside one."""
     try:
@@ -495,10 +320,14 @@ class Waker:
         return False
 
     async def sleep(self, deadline: float) -> None:
-        """Until a post is there, or the monotonic ``deadline`` (< 0: none) passed."""
-        if self.posts:
-            return
+        """Until a post is there, or the monotonic ``deadline`` (< 0: none) passed. The
+        future is published before ``posts`` is read: a post from code that runs in
+        between (a signal handler's release, a collection's finalizer) is counted before
+        the check, or finds the future to resolve after it."""
         future = self.future = self.loop.create_future()
+        if self.posts:
+            self.future = None
+            return
         timer = None
         if deadline >= 0:
             timer = self.loop.call_later(max(deadline - time.monotonic(), 0.0), _settle_future,
@@ -585,10 +414,27 @@ def not_owned(key: object) -> NotOwnedError:
     return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
 
 
-def not_this_tasks_block(key: object) -> NotOwnedError:
-    """An ``async with`` block's exit run by a task other than the one that entered it
-    (which keeps the key)."""
-    return NotOwnedError(f"the block holding key {_short.repr(key)} belongs to another task")
+def block_in_use(task: object, ended: bool) -> RuntimeError:
+    """Entering an ``async with`` object that another task is inside (its record holds one
+    task at a time: see lockmgr._aio)."""
+    whose = "a task that ended inside it (its coroutine is not closed yet)" if ended else (
+        f"another task ({task!r})")
+    return RuntimeError(
+        f"this async with object is already entered by {whose}; enter one object per "
+        "block: async with aio[key] or aio.hold(key) makes a fresh one")
+
+
+def not_owned_block(key: object, task: object) -> NotOwnedError:
+    """A PostgreSQL block's exit run by another task than the live one inside it, whose
+    connection it cannot use."""
+    return NotOwnedError(
+        f"the block holding key {_short.repr(key)} is {task!r}'s, which still runs; its "
+        "exit ran in another task and cannot release for it (the key stays held until that "
+        "task releases it or ends)")
+
+
+def not_entered() -> RuntimeError:
+    return RuntimeError("__aexit__ of an async with object that is not entered")
 
 
 def pinned(key: object) -> NotOwnedError:

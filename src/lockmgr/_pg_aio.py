@@ -40,7 +40,6 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 import psycopg
@@ -48,18 +47,17 @@ from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from ._common import (
-    NOT_ENTERED,
     READ,
     WRITE,
-    BlocksInside,
     DeadlockError,
-    TaskBlocks,
+    block_in_use,
     current_task_or_none,
     current_task_or_raise,
     hold_seconds,
     many_items,
     not_owned,
-    not_this_tasks_block,
+    not_entered,
+    not_owned_block,
     rw_items,
     timed_out,
     wait_seconds,
@@ -248,15 +246,13 @@ def _set_once(future: asyncio.Future[None]) -> None:
 class _TaskSession(_Session):
     """One task's standing with one manager (a ``_Session``, the task as its owner)."""
 
-    __slots__ = ("blocks", "cleaning")
+    __slots__ = ("cleaning", "ended")
     link: _AsyncLink | None
 
     def __init__(self) -> None:
         super().__init__()
-        # The async with objects holding a block of the task by its frame (a slot per
-        # frame, going with its last entry, whoever's exit that is): the session's end
-        # moves their entries aside (see BlocksInside).
-        self.blocks = TaskBlocks()
+        # Set once the task's session ended (_Tasks.end): a block's exit releases nothing.
+        self.ended = False
         # The clean-up task giving back what a cancelled call may hold (set by the owner,
         # cleared by the clean-up when it ends): the owner's next call waits for it.
         self.cleaning: asyncio.Task[None] | None = None
@@ -543,14 +539,8 @@ class _Tasks:
         with self.manager._guard:
             session = self.sessions.pop(task, None)
         if session is not None:
-            session.blocks.forget(task)
+            session.ended = True
             _close_link(session)
-
-    def count_in(self, inside: BlocksInside, frame: FrameType) -> None:
-        """The current task's block running in ``frame`` holds its keys."""
-        task = current_task_or_raise()
-        session = self.sessions.get(task)
-        inside._count_in(frame, task, None if session is None else session.blocks)
 
     async def settle(self, session: _TaskSession) -> None:
         """``_PgEngine._settle`` for the task: first wait for a clean-up still running."""
@@ -686,13 +676,13 @@ class _Tasks:
                         self.loops.discard(loop)
                     return
                 session = self.sessions[task]
+            session.ended = True  # a block's exit releases nothing from now on
             try:
                 _close_link(session)
                 self.engine.end_stranded_task(task)  # and in process: what it held goes to others
             finally:  # ended or not: a task ends once (end_stranded_task is a no-op after)
                 with self.manager._guard:
                     self.sessions.pop(task, None)
-                session.blocks.forget(task)
 
     def close(self) -> None:
         self.sweep_closed_loops()
@@ -732,24 +722,64 @@ class _Tasks:
         return bool(result.get_value(0, 0) == b"t")
 
 
-async def _exit_block(inside: BlocksInside, frame: FrameType,
-                      kind: type[BaseException] | None, key: Hashable,
+class _PgBlockRecord:
+    """Which task is inside a PostgreSQL ``async with`` object, and how many times (the
+    rule of lockmgr._aio): written once ``__aenter__`` holds the keys, read back by
+    ``__aexit__``. The task is kept by a weak reference, its session strongly (an ended
+    session keeps no connection)."""
+
+    __slots__ = ("_depth", "_session", "_task")
+
+    def __init__(self) -> None:
+        self._task: weakref.ref[asyncio.Task[Any]] | None = None
+        self._session: _TaskSession | None = None
+        self._depth = 0
+
+    def enter(self, tasks: _Tasks) -> None:
+        """The current task holds the block's keys: it is inside."""
+        task = current_task_or_raise()
+        inside = None if self._task is None else self._task()
+        if self._session is not None and inside is not task:
+            raise block_in_use(inside, self._session.ended)
+        if self._session is None:
+            self._task, self._session = weakref.ref(task), tasks.sessions[task]
+        self._depth += 1
+
+    def leave(self) -> asyncio.Task[Any] | None:
+        """One block exits: its task, or None if that task's session has ended (which
+        released its keys). RuntimeError if no block is inside."""
+        session, task = self._session, None if self._task is None else self._task()
+        if session is None:
+            raise not_entered()
+        self._depth -= 1
+        if not self._depth:
+            self._task = self._session = None
+        return None if session.ended or task is None else task
+
+
+async def _exit_block(record: _PgBlockRecord, key: Hashable,
                       release: Callable[[], Awaitable[None]]) -> None:
-    """The exit of a block running in ``frame``: released for its own task only. Another
-    task's block whose coroutine is being closed (a stranded or done task's, collected
-    later; an async generator asyncio finalizes) releases nothing and awaits nothing: its
-    task's end releases, or released, what it holds, here and on the server. Another
-    task's block exited otherwise is NotOwnedError (``key``: the one to name)."""
-    running = current_task_or_none()
-    entered = inside._leave(frame, running)
-    if entered is not NOT_ENTERED:
-        if running is None or entered() is not running:
-            if kind is GeneratorExit:
-                return
-            raise not_this_tasks_block(key)
-    elif kind is GeneratorExit:
-        return  # entered in another frame: a collected task's exit looks like ours
+    """The exit of a block gives back the hold of the task that entered it, in that task;
+    nothing if that task's session has ended. Run by another task (an async generator
+    asyncio finalizes in a task of its own), it cannot use that task's connection:
+    NotOwnedError, and the key stays held until that task releases it or ends."""
+    task = record.leave()
+    if task is None:
+        return
+    if task is not current_task_or_none():
+        raise not_owned_block(key, task)
     await release()
+
+
+async def _enter_record(record: _PgBlockRecord, tasks: _Tasks,
+                        release: Callable[[], Awaitable[None]]) -> None:
+    """The block enters ``record`` now that its task holds the keys; if another task
+    entered meanwhile (two readers), they go back first (RuntimeError)."""
+    try:
+        record.enter(tasks)
+    except RuntimeError:
+        await release()
+        raise
 
 
 def _close_link(session: _TaskSession) -> None:
@@ -762,7 +792,7 @@ class _AsyncHeld:
     """What the ``aio`` views' ``hold()``, ``read()``, ``write()`` and ``hold_many()`` return:
     ``async with`` gives the ``Lease``."""
 
-    __slots__ = ("_acquire", "_inside", "_items", "_release", "_seconds", "_tasks")
+    __slots__ = ("_acquire", "_items", "_record", "_release", "_seconds", "_tasks")
 
     def __init__(self, tasks: _Tasks, items: list[tuple[Hashable, int]],
                  acquire: Callable[[], Awaitable[bool]],
@@ -772,18 +802,17 @@ class _AsyncHeld:
         self._acquire = acquire
         self._release = release
         self._seconds = seconds
-        self._inside = BlocksInside()
+        self._record = _PgBlockRecord()
 
     async def __aenter__(self) -> Lease:
         if not await self._acquire():
             keys = [key for key, _ in self._items]
             raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
-        self._tasks.count_in(self._inside, sys._getframe(1))
+        await _enter_record(self._record, self._tasks, self._release)
         return self._tasks.lease(self._items)
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._inside, sys._getframe(1), kind,
-                          self._items[0][0], self._release)
+        await _exit_block(self._record, self._items[0][0], self._release)
 
 
 class _PgAsyncView(Generic[K]):
@@ -1007,13 +1036,13 @@ class PgAsyncKeyLock(Generic[K]):
     """``locks.aio[key]``: one key as an asyncio lock of the current task, across processes
     (``async with``, or ``await acquire()`` / ``await release()``)."""
 
-    __slots__ = ("_inside", "_key", "_view")
+    __slots__ = ("_key", "_record", "_view")
 
     def __init__(self, view: PgAsyncLockManager[K], key: K) -> None:
         view.manager.advisory_key(key)  # a key PostgreSQL cannot take fails here
         self._view = view
         self._key = key
-        self._inside = BlocksInside()
+        self._record = _PgBlockRecord()
 
     @property
     def key(self) -> K:
@@ -1030,12 +1059,12 @@ class PgAsyncKeyLock(Generic[K]):
 
     async def __aenter__(self) -> bool:
         got = await self._view.acquire(self._key)
-        self._view._tasks.count_in(self._inside, sys._getframe(1))
+        await _enter_record(self._record, self._view._tasks,
+                            lambda: self._view.release(self._key))
         return got
 
     async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._inside, sys._getframe(1), kind, self._key,
-                          lambda: self._view.release(self._key))
+        await _exit_block(self._record, self._key, lambda: self._view.release(self._key))
 
     def __repr__(self) -> str:
         return f"<lockmgr.PgAsyncKeyLock key={self._key!r}>"

@@ -98,7 +98,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, final
 
-from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _wait_for_grant
+from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _take, _wait_for_grant
 from ._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS,
@@ -116,13 +116,10 @@ from ._common import (
     LOOP_THREAD,
     MAIN_THREAD_SLICE,
     MAX_COUNT,
-    NOT_ENTERED,
     PICKLE_ERROR,
     READ,
     WRITE,
-    BlocksInside,
     LockStats,
-    TaskBlocks,
     count_overflow,
     deadlock,
     hold_seconds,
@@ -132,7 +129,8 @@ from ._common import (
     nested_wait,
     not_in_task,
     not_owned,
-    not_this_tasks_block,
+    block_in_use,
+    not_entered,
     pinned,
     restored_count,
     rw_items,
@@ -319,7 +317,7 @@ class _TaskWakeup:
 class _TaskToken(_Token):
     """The identity of one asyncio task towards every manager (``ident`` is the task)."""
 
-    __slots__ = ("blocks", "loop_ident", "wait")
+    __slots__ = ("ended", "loop", "loop_ident", "wait")
 
     def __init__(self, task: Any) -> None:  # noqa: D107 - not a thread: no _Token.__init__
         self.ident = task
@@ -329,13 +327,66 @@ class _TaskToken(_Token):
         self.wakeup = _TaskWakeup()  # type: ignore[assignment]
         self.request = None
         self.loop_ident = _get_ident()  # the thread running its loop (a cycle may pass it)
+        self.loop: Any = task.get_loop()  # where a block's exit run elsewhere sends its release
+        # Set once by _task_done, first thing: a block's exit releases nothing from then on.
+        self.ended = False
         # Its queued request's wait, until settle or abandon ends it (one at a time: the
         # table refuses a second with NestedWaitError).
         self.wait: _TaskWait | None = None
-        # The async with objects holding a block of the task by its frame (a slot per
-        # frame, going with its last entry, whoever's exit that is): its ending moves their
-        # entries aside (see BlocksInside).
-        self.blocks = TaskBlocks()
+
+
+class _BlockRecord:
+    """Which task is inside an ``async with`` object's block, and how many times: the
+    compiled core's ``_BlockRecord`` (see there). It keeps its task's token by a weak
+    reference, so a record left behind by an ended task keeps nothing of it; a dead
+    reference means an ended task. Changed under a lock of its own (an exit may run in
+    another thread); reentrant, as the collector may close a coroutine inside an exit."""
+
+    __slots__ = ("_lock", "_state")
+
+    def __init__(self) -> None:
+        self._state: tuple[weakref.ref[_TaskToken], int] | None = None  # (token, depth)
+        self._lock = threading.RLock()
+
+    def enter(self, token: _TaskToken) -> None:
+        """``token``'s task holds what it asked for: it is inside (RuntimeError, and
+        nothing changed, if another task is)."""
+        with self._lock:
+            state = self._state
+            if state is None:
+                self._state = (weakref.ref(token), 1)
+                return
+            inside = state[0]()
+            if inside is token:
+                self._state = (state[0], state[1] + 1)
+                return
+        raise _in_use(inside)
+
+    def leave(self) -> _TaskToken | None:
+        """One block exits: the token whose hold it gives back, or None if that task has
+        ended. RuntimeError if no block is inside."""
+        with self._lock:
+            state = self._state
+            if state is None:
+                raise not_entered()
+            self._state = None if state[1] == 1 else (state[0], state[1] - 1)
+        token = state[0]()
+        return None if token is None or token.ended else token
+
+    @property
+    def _inside(self) -> tuple[Any, int]:
+        """The task inside and its depth (None, 0 if none), for tests."""
+        state = self._state
+        token = None if state is None else state[0]()
+        if state is None or token is None or token.ended:
+            return None, 0 if state is None else state[1]
+        return token.ident, state[1]
+
+
+def _in_use(inside: _TaskToken | None) -> RuntimeError:
+    if inside is None or inside.ended:
+        return block_in_use(None, True)
+    return block_in_use(inside.ident, False)
 
 
 def _abandon_stranded(token: _TaskToken) -> None:
@@ -375,12 +426,13 @@ def _task_done(task: Any) -> None:
     exit does."""
     token = _task_tokens.pop(task, None)
     if token is not None:
-        token.blocks.forget(task)
+        token.ended = True  # a block's exit from now on releases nothing: this does
         if token.wait is not None:  # a done task awaits nothing: it was stranded
             token.wait.abandon()
         for _ in range(_EXIT_ROUNDS):
             if not _release_abandoned(token):
                 break
+        token.loop = None
 
 
 def end_stranded_task(task: Any) -> None:
@@ -405,37 +457,37 @@ class _Ready:
 _READY_TRUE, _READY_FALSE, _READY_NONE = _Ready(True), _Ready(False), _Ready(None)
 
 
-def _count_block_in(got: object, token: _TaskToken, inside: BlocksInside | None,
-                    frame: Any) -> None:
-    """Count an ``async with`` block (running in ``frame``) in once its task holds what it
-    asked for: now, or when its wait is granted."""
-    if inside is None:
+def _enter_record(record: _BlockRecord | None, got: object, token: _TaskToken,
+                  give_back: Callable[[], object]) -> None:
+    """An ``async with`` block enters ``record`` once its task holds what it asked for:
+    now (if that fails, ``give_back()`` releases what was taken), or when its wait is
+    granted."""
+    if record is None:
         return
     if got is True:
-        inside._count_in(frame, token.ident, token.blocks)
+        try:
+            record.enter(token)
+        except BaseException:
+            give_back()
+            raise
     elif type(got) is _TaskWait:
-        got.entering, got.entering_frame = inside, frame
+        got.entering = record
 
 
-def _exit_releases(inside: BlocksInside, frame: Any, kind: type[BaseException] | None,
-                   key: Hashable) -> bool:
-    """Whether the exit of a block running in ``frame`` releases ``key``, for the current
-    task: not if the block was another task's (see ``BlocksInside``; NotOwnedError unless
-    its coroutine is being closed), nor under a GeneratorExit for a block entered in
-    another frame. RuntimeError outside a task otherwise."""
-    current = current_task_or_none()
-    entered = inside._leave(frame, current)
-    if entered is not NOT_ENTERED:
-        if current is None or entered() is not current:
-            if kind is GeneratorExit:
-                return False
-            raise not_this_tasks_block(key)
+def _releases_here(token: _TaskToken, engine: _Engine, key: Any, mode: int) -> bool:
+    """Whether a block's exit releases ``token``'s hold now, in this thread: only its
+    loop's thread may change a task's holds. An exit run elsewhere (a coroutine the
+    collector closes in another thread) sends the release to that loop; if it is closed,
+    the task can never run again and is ended here."""
+    if _get_ident() == token.loop_ident:
         return True
-    if kind is GeneratorExit:
-        return False
-    if current is None:
-        not_in_task()
-    return True
+    loop = token.loop
+    try:
+        if loop is not None:
+            loop.call_soon_threadsafe(engine._task_release_for, token, key, mode)
+    except RuntimeError:  # its loop is closed
+        _task_done(token.ident)
+    return False
 
 
 def _task_awaitable(got: object, keys: object, seconds: float,
@@ -456,18 +508,17 @@ def _task_awaitable(got: object, keys: object, seconds: float,
 class _TaskWait:
     """A task's queued request (see lockmgr._aio for the protocol)."""
 
-    __slots__ = ("awaited", "deadline", "entering", "entering_frame", "keys", "log_at",
-                 "manager", "raises_timeout", "request", "seconds", "waker")
+    __slots__ = ("awaited", "deadline", "entering", "keys", "log_at", "manager",
+                 "raises_timeout", "request", "seconds", "waker")
 
     def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
         self.manager = manager
         self.request = request
         self.waker = waker
         self.awaited = False
-        # The record of the ``async with`` block whose ``__aenter__`` queued it, and the frame
-        # running that block (else None): counts the block in once granted.
-        self.entering: BlocksInside | None = None
-        self.entering_frame: Any = None
+        # The record of the ``async with`` object whose ``__aenter__`` queued it (else
+        # None): the grant enters it.
+        self.entering: _BlockRecord | None = None
         waker.lost = self._loop_closed
         self.deadline = -1.0  # _task_awaitable sets these
         self.raises_timeout = False
@@ -508,12 +559,13 @@ class _TaskWait:
         return verdict
 
     def complete(self) -> None:
-        # The block is counted in first: an exception that lands in the counting finds the
+        # The block enters first: an exception there (another task is inside) finds the
         # grant not yet completed, which abandon() then gives back.
         if self.entering is not None:
             token = self.request.token
             assert type(token) is _TaskToken
-            self.entering._count_in(self.entering_frame, token.ident, token.blocks)
+            self.entering.enter(token)
+            self.entering = None
         _section(self.manager._complete_section, self.request)
         self._ended()
 
@@ -1027,50 +1079,70 @@ class _Engine:
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
 
     def _task_enter(self, key: Hashable, mode: int, seconds: float, raises_timeout: bool,
-                    inside: BlocksInside | None = None, frame: Any = None) -> Awaitable[bool]:
+                    record: _BlockRecord | None = None) -> Awaitable[bool]:
         token = _running_task_token()
         got = self._task_take(token, key, mode, seconds == 0, 1)
-        try:
-            _count_block_in(got, token, inside, frame)
-        except BaseException:  # (a signal handler's) a key taken at once goes back
-            if got is True:
-                self._task_release_as(token, key, mode)
-            raise
+        _enter_record(record, got, token, lambda: self._task_release_as(token, key, mode))
         return _task_awaitable(got, key, seconds, raises_timeout)
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
-                         raises_timeout: bool, inside: BlocksInside | None = None,
-                         frame: Any = None) -> Awaitable[bool]:
-        got = self._task_take_many(items, seconds == 0)
-        try:
-            _count_block_in(got, _running_task_token(), inside, frame)
-        except BaseException:  # (a signal handler's) keys taken at once go back
-            if got is True and items:
-                self._release_many(items, _task_tokens.get(current_task_or_raise()))
-            raise
+                         raises_timeout: bool,
+                         record: _BlockRecord | None = None) -> Awaitable[bool]:
+        if record is not None and items:
+            token = _running_task_token()
+            got = self._task_take_many(items, seconds == 0)
+            _enter_record(record, got, token, lambda: self._release_many(items, token))
+        else:
+            got = self._task_take_many(items, seconds == 0)
         if got is True or not raises_timeout:
             return _task_awaitable(got, None, seconds, False)
         return _task_awaitable(got, tuple(key for key, _ in items), seconds, True)
 
-    def _task_blocks(self) -> BlocksInside:
-        return BlocksInside()
+    async def _task_acquire(self, key: Hashable, blocking: bool = True,
+                            timeout: float = -1) -> bool:
+        """``aio.acquire`` (and ``acquire_write``), bound by the view as its own."""
+        return await _take(self, self._task_enter, key, _WRITE,
+                           wait_seconds(blocking, timeout), False)
+
+    async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
+                                 timeout: float = -1) -> bool:
+        return await _take(self, self._task_enter, key, _READ,
+                           wait_seconds(blocking, timeout), False)
+
+    def _task_release_write(self, key: Hashable) -> None:
+        self._task_release_as(_task_token(create=False), key, _WRITE)
+
+    def _task_release_read(self, key: Hashable) -> None:
+        self._task_release_as(_task_token(create=False), key, _READ)
+
+    def _task_record(self) -> _BlockRecord:
+        return _BlockRecord()
 
     def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
         hash(key)  # an unhashable key fails here, as it does in the core
         return AsyncKeyLock(self, key)
 
-    def _task_exit(self, inside: BlocksInside, frame: Any, kind: type[BaseException] | None,
-                   key: Hashable, mode: int) -> Awaitable[None]:
-        if _exit_releases(inside, frame, kind, key):
-            self._task_release(key, mode)
+    def _task_exit(self, record: _BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
+        token = record.leave()
+        if token is not None and _releases_here(token, self, key, mode):
+            self._task_release_as(token, key, mode)
         return _READY_NONE
 
-    def _task_exit_many(self, inside: BlocksInside, frame: Any,
-                        kind: type[BaseException] | None,
+    def _task_exit_many(self, record: _BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
-        if items and _exit_releases(inside, frame, kind, items[0][0]):
-            self._release_many(items, _task_tokens.get(current_task_or_raise()))
+        token = record.leave()
+        if token is not None and items and _releases_here(token, self, items, -1):
+            self._release_many(items, token)
         return _READY_NONE
+
+    def _task_release_for(self, token: _TaskToken, key: Any, mode: int) -> None:
+        """A block's exit run on another thread than its task's loop, sent there."""
+        if token.ended:
+            return
+        if mode < 0:
+            self._release_many(key, token)
+        else:
+            self._task_release_as(token, key, mode)
 
     def _task_take(self, token: _TaskToken, key: Hashable, mode: int, try_only: bool,
                    count: int) -> object:

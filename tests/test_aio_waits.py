@@ -1,0 +1,180 @@
+"""A task's wait: published only once its request is queued, and never deaf to a grant.
+
+Two promises of the asyncio layer, on both engines:
+
+- Nothing of a task's wait exists before its request is queued: an exception while the
+  request is being prepared (a key's ``__eq__`` raising, or a signal handler's
+  KeyboardInterrupt inside it) leaves the table and the task's token as they were.
+- The future a waiting task sleeps on exists before it checks for a post: a grant posted
+  at any point of the wait (by a signal handler's release on the loop's thread, say) wakes
+  the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from conftest import PATIENCE
+from test_aio import until
+from lockmgr import _aio, _common
+
+# A thread (the loop's own) holds a key whose __eq__ raises; a task asks for another key
+# of the same hash, so the engine must compare them, and the comparison raises. The task
+# then goes on acquiring and ends; nothing may crash, and nothing may stay held or queued.
+RAISING_KEY = r"""
+import asyncio, importlib, sys, warnings
+warnings.simplefilter("error")
+impl = importlib.import_module(sys.argv[1])
+path, raised = sys.argv[2], {"ValueError": ValueError,
+                             "KeyboardInterrupt": KeyboardInterrupt}[sys.argv[3]]
+
+class Key:
+    def __init__(self, raises):
+        self.raises = raises
+    def __hash__(self):
+        return 7
+    def __eq__(self, other):
+        if self.raises or getattr(other, "raises", False):
+            raise raised("comparison failed")
+        return self is other
+
+held, asked = Key(True), Key(False)
+locks = impl.LockManager()
+assert locks.acquire(held)
+
+async def ask():
+    if path == "async with aio[k]":
+        async with locks.aio[asked]:
+            pass
+    elif path == "aio.acquire":
+        await locks.aio.acquire(asked)
+    else:
+        await locks.aio.acquire_many([asked, "other"])
+
+async def main():
+    for _ in range(3):
+        try:
+            await ask()
+        except raised:
+            pass
+        else:
+            raise AssertionError("the comparison did not raise")
+        assert locks.stats().waiting == 0 and len(locks) == 1
+        async with locks.aio["after"]:  # the task goes on acquiring
+            assert locks.aio.owned("after")
+        await locks.aio.acquire("later")
+        locks.aio.release("later")
+
+asyncio.run(main())  # the task ends here: nothing of a half-made wait may be left
+locks.release(held)
+assert len(locks) == 0 and locks.stats().waiting == 0, (len(locks), locks.stats())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("raised", ["ValueError", "KeyboardInterrupt"])
+@pytest.mark.parametrize("path", ["async with aio[k]", "aio.acquire", "aio.acquire_many"])
+def test_a_key_comparison_raising_while_a_task_asks_leaves_no_wait_behind(impl, path,
+                                                                          raised) -> None:
+    """Run in a child: on the compiled core a half-registered wait was abandoned as if
+    queued, which crashed the process (NULL token or entry)."""
+    done = subprocess.run(
+        [sys.executable, "-c", RAISING_KEY, impl.__name__, path, raised],
+        capture_output=True, text=True, timeout=PATIENCE * 3)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-3000:]
+
+
+# -- a grant at every point of a wait ----------------------------------------------------
+
+#: The Python code a waiting task runs (the compiled core's wait runs the same coroutine).
+WAIT_CODE = {_aio._wait_for_grant.__code__, _common.Waker.sleep.__code__}
+
+
+class _ReleaseAtOpcode:
+    """A trace function that runs ``release()`` once, before the ``target``-th instruction
+    (counted from 0) of the wait's code: what a signal handler would do between those two
+    instructions. ``seen`` counts the instructions traced."""
+
+    def __init__(self, target: int, release: Any) -> None:
+        self.target = target
+        self.release = release
+        self.seen = 0
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in WAIT_CODE:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return self.local
+
+    def local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            if self.seen == self.target and not self.fired:
+                self.fired = True
+                self.release()
+            self.seen += 1
+        return self.local
+
+
+def _waits_with_a_release_at(impl: Any, target: int) -> _ReleaseAtOpcode:
+    """A task waits for "k", which its loop's thread holds; the thread's release runs
+    before the ``target``-th instruction of the wait. If the wait parks before that
+    instruction, the loop's thread releases "k" once it is parked, and the count goes on
+    through the rest of the wait (a release there finds nothing to do). The task must get
+    "k" either way."""
+    locks = impl.LockManager()
+    assert locks.acquire("k")  # the loop's thread, as a thread
+
+    def release_if_held() -> None:
+        if locks.owned("k"):
+            locks.release("k")
+
+    tracer = _ReleaseAtOpcode(target, release_if_held)
+
+    async def waits() -> None:
+        sys.settrace(tracer)
+        try:
+            assert await locks.aio.acquire("k")
+        finally:
+            sys.settrace(None)
+        locks.aio.release("k")
+
+    async def main() -> None:
+        task = asyncio.create_task(waits())
+        # The task runs only while this one is suspended: once it waits and the release
+        # has not run, it is parked on its future.
+        await until(lambda: task.done() or tracer.fired or locks.stats().waiting == 1,
+                    "the task waits")
+        if not tracer.fired:
+            release_if_held()
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 5.0)
+        except TimeoutError:
+            task.cancel()
+            raise AssertionError(
+                f"the grant posted before instruction {target} of the wait was lost: "
+                "the task still waits") from None
+
+    asyncio.run(main())
+    assert len(locks) == 0 and locks.stats().waiting == 0
+    return tracer
+
+
+def test_a_grant_posted_before_any_instruction_of_a_wait_wakes_the_task(impl) -> None:
+    """Driven instruction by instruction (a trace function stands in for the signal
+    handler): before the fix, a post landing between the wait's check for a post and the
+    creation of its future was lost, and the task slept for ever."""
+    target = 0
+    while True:
+        tracer = _waits_with_a_release_at(impl, target)
+        if tracer.seen <= target:  # past the wait's last instruction: all were tried
+            break
+        target += 1
+        assert target < 5000, "the wait never ends"
+    assert target > 10, f"only {target} instructions traced: the trace missed the wait"
