@@ -424,16 +424,17 @@ cdef class _BlockRecord:
 cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) except -1:
     """Whether a block's exit releases ``owner``'s hold now, in this thread: only its loop's
     thread may change a task's holds. An exit run elsewhere (a coroutine the collector
-    closes in another thread) sends the release to that loop; if it is closed, the task
-    can never run again and is ended here (what it held goes, with AbandonedLockWarning)."""
-    if <Py_ssize_t>PyThread_get_thread_ident() == owner.token.loop_ident:
-        return True
+    closes in another thread) sends the release to that loop. If that loop is closed, the
+    task can never run again: it is ended here instead (what it held goes, with
+    AbandonedLockWarning), as a grant that finds its loop closed does."""
     loop = owner.loop
     try:
-        if loop is None:
-            return False
+        if loop is None or loop.is_closed():
+            raise RuntimeError("its event loop is closed")
+        if <Py_ssize_t>PyThread_get_thread_ident() == owner.token.loop_ident:
+            return True
         loop.call_soon_threadsafe(engine._task_release_for, owner, key, mode)
-    except RuntimeError:  # its loop is closed
+    except RuntimeError:  # closed (maybe just now)
         owner._task_done(owner.task)
     return False
 

@@ -477,15 +477,16 @@ def _enter_record(record: _BlockRecord | None, got: object, token: _TaskToken,
 def _releases_here(token: _TaskToken, engine: _Engine, key: Any, mode: int) -> bool:
     """Whether a block's exit releases ``token``'s hold now, in this thread: only its
     loop's thread may change a task's holds. An exit run elsewhere (a coroutine the
-    collector closes in another thread) sends the release to that loop; if it is closed,
-    the task can never run again and is ended here."""
-    if _get_ident() == token.loop_ident:
-        return True
+    collector closes in another thread) sends the release to that loop. If that loop is
+    closed, the task can never run again: it is ended here instead."""
     loop = token.loop
     try:
-        if loop is not None:
-            loop.call_soon_threadsafe(engine._task_release_for, token, key, mode)
-    except RuntimeError:  # its loop is closed
+        if loop is None or loop.is_closed():
+            raise RuntimeError("its event loop is closed")
+        if _get_ident() == token.loop_ident:
+            return True
+        loop.call_soon_threadsafe(engine._task_release_for, token, key, mode)
+    except RuntimeError:  # closed (maybe just now)
         _task_done(token.ident)
     return False
 
