@@ -362,6 +362,16 @@ def test_a_timed_out_wait_is_charged_to_its_key_but_not_counted_as_granted(impl)
     assert locks.metrics().hold_time.count == 0  # nobody waited when it ended
 
 
+def test_every_wait_on_a_key_adds_to_its_total_not_its_error(impl) -> None:
+    locks = impl.LockManager()
+    locks.acquire("k")
+    for _ in range(3):
+        assert Started(lambda: locks.acquire("k", timeout=0.02)).join() is False
+    (hot,) = locks.metrics().hot_keys
+    assert hot.key == "k" and hot.error == 0.0 and 0.06 <= hot.waited < PATIENCE, hot
+    locks.release("k")
+
+
 def test_the_hottest_key_stands_out_among_many(impl) -> None:
     """Space-Saving: a bounded summary, whose counts never under-estimate, and any key
     with more than 1/slots of all wait time is in it."""
@@ -487,6 +497,13 @@ def test_a_slow_wait_logs_one_warning_then_one_info(impl) -> None:
     assert info.levelno == logging.INFO
     assert re.fullmatch(rf"thread {me} got key 'account:7' after {SECONDS}", info.getMessage())
     assert info.lockmgr_granted is True and info.lockmgr_waited >= 0.2
+    # What the README promises structured handlers, record by record.
+    assert _lockmgr_attributes(warning) == {"lockmgr_keys", "lockmgr_waited", "lockmgr_states"}
+    assert _lockmgr_attributes(info) == {"lockmgr_keys", "lockmgr_waited", "lockmgr_granted"}
+
+
+def _lockmgr_attributes(record: logging.LogRecord) -> set[str]:
+    return {name for name in vars(record) if name.startswith("lockmgr_")}
 
 
 def test_a_slow_wait_names_the_queue_ahead_and_a_timeout_logs_giving_up(impl) -> None:

@@ -1012,7 +1012,7 @@ class _Engine:
         key = entry.key
         for slot in self._hot:
             if slot[0] is key or _equal_without_code(slot[0], key):
-                slot[2] += waited
+                slot[1] += waited
                 return False
         if len(self._hot) < HOT_KEY_SLOTS:
             self._hot.append([key, waited, 0.0])
