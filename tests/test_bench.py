@@ -164,6 +164,34 @@ def test_panels_drop_empty_metrics_and_log_scale_wide_ones() -> None:
     assert summary["asyncio-uncontended"] == {"lockmgr": 500.0 / 600.0}  # to asyncio.Lock
 
 
+def test_ratios_and_the_plot_take_zeros_wherever_they_are(tmp_path: Path) -> None:
+    """A baseline that measured 0 while others did not (asyncio.Lock is never overtaken,
+    lockmgr-unfair sometimes is), zeros beside a wide log-scaled metric, and a metric all
+    zero: the summary leaves out what it cannot divide by, and the plot draws them all."""
+    results = _results(
+        ("asyncio-hot-key", "lockmgr", "max-overtaken", 0.0, "times"),
+        ("asyncio-hot-key", "lockmgr-unfair", "max-overtaken", 41.0, "times"),
+        ("asyncio-hot-key", "asyncio.Lock", "max-overtaken", 0.0, "times"),
+        ("fairness", "lockmgr", "max-overtaken", 3.0, "times"),
+        ("fairness", "threading.Lock", "max-overtaken", 0.0, "times"),
+        ("uncontended", "lockmgr", "acquire+release", 0.0, "ns"),
+        ("uncontended", "lockmgr-pure", "acquire+release", 9000.0, "ns"),
+        ("uncontended", "threading.Lock", "acquire+release", 50.0, "ns"),
+        ("many-keys", "lockmgr", "not-exclusive", 0.0, "times"),
+        ("many-keys", "threading.Lock", "not-exclusive", 0.0, "times"),
+    )
+    impls = ["lockmgr", "lockmgr-unfair", "lockmgr-pure", "threading.Lock", "asyncio.Lock"]
+    found = bench.panels(results, impls)
+    assert [panel.scenario for panel in found] == ["asyncio-hot-key", "fairness", "uncontended"]
+    summary = {panel.scenario: ratios for panel, ratios in bench.ratios(found)}
+    assert summary == {"uncontended": {"lockmgr-pure": 180.0}}
+    if importlib.util.find_spec("matplotlib") is None:  # free-threaded builds: no wheel
+        return
+    picture = tmp_path / "zeros.png"
+    bench.plot(results, impls, str(picture))
+    assert picture.stat().st_size > 0
+
+
 def test_contention_report_draws_or_needs_matplotlib(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     picture = tmp_path / "report.png"

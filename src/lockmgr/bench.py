@@ -1012,9 +1012,11 @@ def ratios(found: list[Panel]) -> list[tuple[Panel, dict[str, float]]]:
     for panel in found:
         baseline = baseline_of(panel.scenario)
         base = panel.values.get(baseline, 0.0)
+        if base <= 0:  # nothing to divide by (asyncio.Lock is never overtaken): no row
+            continue
         compared = {impl: value / base for impl, value in panel.values.items()
                     if impl != baseline and value > 0}
-        if base > 0 and compared:
+        if compared:
             rows.append((panel, compared))
     return rows
 
