@@ -397,7 +397,7 @@ cdef class _BlockRecord:
                 self.owner = owner
                 self.depth += 1
         if inside is not None and inside is not owner:
-            raise block_in_use(inside.task, inside.ended)
+            raise block_in_use(inside.task_and_loop()[0], inside.ended)
         return 0
 
     cdef _TaskOwner leave(self):
@@ -418,7 +418,8 @@ cdef class _BlockRecord:
     def _inside(self):
         """The task inside and its depth (None, 0 if none), for tests."""
         with cython.critical_section(self):
-            return (None if self.owner is None else self.owner.task), self.depth
+            owner, depth = self.owner, self.depth
+        return (None if owner is None else owner.task_and_loop()[0]), depth
 
 
 cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) except -1:
@@ -427,15 +428,15 @@ cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) 
     closes in another thread) sends the release to that loop. If that loop is closed, the
     task can never run again: it is ended here instead (what it held goes, with
     AbandonedLockWarning), as a grant that finds its loop closed does."""
-    loop = owner.loop
+    task, loop = owner.task_and_loop()
     try:
         if loop is None or loop.is_closed():
             raise RuntimeError("its event loop is closed")
-        if <Py_ssize_t>PyThread_get_thread_ident() == owner.token.loop_ident:
+        if <Py_ssize_t>PyThread_get_thread_ident() == owner.loop_ident:
             return True
         loop.call_soon_threadsafe(engine._task_release_for, owner, key, mode)
     except RuntimeError:  # closed (maybe just now)
-        owner._task_done(owner.task)
+        owner._task_done(task)
     return False
 
 

@@ -201,7 +201,11 @@ cdef class _TaskOwner:
     cdef object task    # the task (a strong reference: ``task_owners`` is released when
                         # done); None once ended, so no record keeps an ended task alive
     cdef object loop    # the task's event loop (where a block's exit run elsewhere sends
-                        # its release); None once ended
+                        # its release); None once ended. ``task`` and ``loop`` are read by
+                        # any thread (a block's exit): both are written and read in a
+                        # critical section of this owner (free-threaded)
+    cdef Py_ssize_t loop_ident  # the thread running that loop (the token's loop_ident, kept
+                                # here too: the token may be freed under another thread)
     cdef bint ended     # set once by _task_done, first thing: what the task held is
                         # released, or being released, by its ending; never cleared
     cdef _TaskWait wait # its queued wait, from the moment its section queued it until
@@ -212,6 +216,11 @@ cdef class _TaskOwner:
     def __dealloc__(self):
         if self.token is not NULL:  # never used after its task was done
             free_token(self.token)
+
+    cdef tuple task_and_loop(self):
+        """``task`` and ``loop``, read in this owner's section (None, None once ended)."""
+        with cython.critical_section(self):
+            return self.task, self.loop
 
     cdef int abandon_stranded(self) except -1:
         """Abandon the task's wait if nothing ever awaited it: an exception came between the
@@ -245,7 +254,10 @@ cdef class _TaskOwner:
         if token.request is NULL:  # else a wait object still runs (it frees nothing)
             self.token = NULL
             free_token(token)
-        self.task = self.loop = None
+        with cython.critical_section(self):
+            task, loop = self.task, self.loop
+            self.task = self.loop = None
+        del task, loop  # (their last references may go here, after the section)
 
 
 def end_stranded_task(task):
@@ -280,6 +292,7 @@ cdef _TaskOwner task_owner(bint create):
     created.token = token  # from here on the owner frees it
     created.task = task
     created.loop = task.get_loop()
+    created.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
     token.ident = <unsigned long>id(task)
     token.is_task = True
     token.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
@@ -292,7 +305,7 @@ cdef _TaskOwner task_owner(bint create):
 cdef object task_of(unsigned long ident):
     """The task whose token has ``ident`` (None if it is done meanwhile)."""
     owner = owners_by_ident.get(ident)
-    return None if owner is None else (<_TaskOwner>owner).task
+    return None if owner is None else (<_TaskOwner>owner).task_and_loop()[0]
 
 
 @cython.final
@@ -436,7 +449,7 @@ cdef class _TaskWait:
         """A grant found the task's loop closed: the task can never run again, so it is
         ended here, as its done-callback would (AbandonedLockWarning for what it held)."""
         self.abandon()
-        self.owner._task_done(self.owner.task)
+        self.owner._task_done(self.owner.task_and_loop()[0])
 
     cdef int _leave(self) except -1:
         cdef After after
