@@ -930,8 +930,11 @@ cdef class _Engine:
         return READY_NONE
 
     def _task_exit_many(self, _BlockRecord record not None, list items):
-        cdef _TaskOwner owner = record.leave()
-        if owner is not None and items and releases_here(owner, self, items, -1):
+        cdef _TaskOwner owner
+        if not items:  # an empty hold_many entered nothing
+            return READY_NONE
+        owner = record.leave()
+        if owner is not None and releases_here(owner, self, items, -1):
             self._release_many_as(owner.token, items)
         return READY_NONE
 

@@ -428,15 +428,19 @@ cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) 
     closes in another thread) sends the release to that loop. If that loop is closed, the
     task can never run again: it is ended here instead (what it held goes, with
     AbandonedLockWarning), as a grant that finds its loop closed does."""
-    task, loop = owner.task_and_loop()
+    cdef bint here = <Py_ssize_t>PyThread_get_thread_ident() == owner.loop_ident
+    with cython.critical_section(owner):
+        loop = owner.loop
+    if here and loop is not None and running_loop_or_none() is loop:
+        return True  # the usual exit: in a task of that loop, running (so not closed)
     try:
         if loop is None or loop.is_closed():
             raise RuntimeError("its event loop is closed")
-        if <Py_ssize_t>PyThread_get_thread_ident() == owner.loop_ident:
+        if here:
             return True
         loop.call_soon_threadsafe(engine._task_release_for, owner, key, mode)
     except RuntimeError:  # closed (maybe just now)
-        owner._task_done(task)
+        owner._task_done(owner.task_and_loop()[0])
     return False
 
 

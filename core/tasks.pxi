@@ -504,6 +504,7 @@ cdef extern from *:
 
 @cython.final
 @cython.freelist(8)
+@cython.no_gc_clear  # __dealloc__ needs ``wait`` to leave the queues
 cdef class _Acquiring:
     """``await aio.acquire(key, blocking, timeout)``: see above."""
     cdef _Engine manager  # whose table (and the acquisition's arguments, as given:
@@ -542,9 +543,10 @@ cdef class _Acquiring:
         if self.wait is not None:
             self.wait.close()
 
-    def __del__(self):
+    def __dealloc__(self):
         # Dropped while it waits (a coroutine driven by hand): leave the queues, as a
-        # coroutine is closed when it is collected.
+        # coroutine is closed when it is collected. (Not a __del__: an object reused from
+        # the freelist keeps CPython's "finalized" mark, and its __del__ would not run.)
         if self.wait is not None:
             self.wait.close()
 

@@ -457,21 +457,28 @@ class _Ready:
 _READY_TRUE, _READY_FALSE, _READY_NONE = _Ready(True), _Ready(False), _Ready(None)
 
 
-def _enter_record(record: _BlockRecord | None, got: object, token: _TaskToken,
-                  give_back: Callable[[], object]) -> None:
-    """An ``async with`` block enters ``record`` once its task holds what it asked for:
-    now (if that fails, ``give_back()`` releases what was taken), or when its wait is
-    granted."""
-    if record is None:
-        return
-    if got is True:
-        try:
+def _answer(got: object, keys: object, seconds: float, raises_timeout: bool,
+            record: _BlockRecord | None, token: _TaskToken) -> Awaitable[bool]:
+    """What ``_task_enter`` answers for the outcome ``got`` of an acquisition; an ``async
+    with`` block enters ``record`` once its task holds what it asked for: now, last, or
+    when its wait is granted. The caller gives back what was taken if this raises
+    (another task is inside ``record``, or a signal handler raised at a call)."""
+    awaitable = _task_awaitable(got, keys, seconds, raises_timeout)
+    if record is not None:
+        if got is True:
             record.enter(token)
-        except BaseException:
-            give_back()
-            raise
+        elif type(got) is _TaskWait:
+            got.entering = record
+    return awaitable
+
+
+def _give_back(got: object, release: Callable[[], object]) -> None:
+    """An exception ended an acquisition after it took ``got``: what was taken at once goes
+    back (``release()``), a queued wait leaves the queues."""
+    if got is True:
+        release()
     elif type(got) is _TaskWait:
-        got.entering = record
+        got.abandon()
 
 
 def _releases_here(token: _TaskToken, engine: _Engine, key: Any, mode: int) -> bool:
@@ -1083,21 +1090,26 @@ class _Engine:
                     record: _BlockRecord | None = None) -> Awaitable[bool]:
         token = _running_task_token()
         got = self._task_take(token, key, mode, seconds == 0, 1)
-        _enter_record(record, got, token, lambda: self._task_release_as(token, key, mode))
-        return _task_awaitable(got, key, seconds, raises_timeout)
+        try:  # (here, not in _answer: a signal handler may raise as that call starts)
+            return _answer(got, key, seconds, raises_timeout, record, token)
+        except BaseException:
+            _give_back(got, lambda: self._task_release_as(token, key, mode))
+            raise
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
                          raises_timeout: bool,
                          record: _BlockRecord | None = None) -> Awaitable[bool]:
-        if record is not None and items:
-            token = _running_task_token()
-            got = self._task_take_many(items, seconds == 0)
-            _enter_record(record, got, token, lambda: self._release_many(items, token))
-        else:
-            got = self._task_take_many(items, seconds == 0)
-        if got is True or not raises_timeout:
-            return _task_awaitable(got, None, seconds, False)
-        return _task_awaitable(got, tuple(key for key, _ in items), seconds, True)
+        if not items:  # nothing to take, nor to record: the block's exit gives back nothing
+            _task_token(create=False)  # outside a task: RuntimeError all the same
+            return _READY_TRUE
+        token = _running_task_token()
+        got = self._task_take_many(items, seconds == 0)
+        try:
+            keys = tuple(key for key, _ in items) if raises_timeout else None
+            return _answer(got, keys, seconds, raises_timeout, record, token)
+        except BaseException:
+            _give_back(got, lambda: self._release_many(items, token))
+            raise
 
     async def _task_acquire(self, key: Hashable, blocking: bool = True,
                             timeout: float = -1) -> bool:
@@ -1131,8 +1143,10 @@ class _Engine:
 
     def _task_exit_many(self, record: _BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
+        if not items:  # an empty hold_many entered nothing
+            return _READY_NONE
         token = record.leave()
-        if token is not None and items and _releases_here(token, self, items, -1):
+        if token is not None and _releases_here(token, self, items, -1):
             self._release_many(items, token)
         return _READY_NONE
 
