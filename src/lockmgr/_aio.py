@@ -57,7 +57,7 @@ import functools
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ._common import (
     AWAIT_POST,
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 
 P = ParamSpec("P")
 K = TypeVar("K", bound=Hashable)
-K_contra = TypeVar("K_contra", bound=Hashable, contravariant=True)
 T = TypeVar("T")
 
 __all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
@@ -258,15 +257,6 @@ class _AsyncEngineView:
         return self._manager.__reduce__()
 
 
-class _Release(Protocol[K_contra]):
-    def __call__(self, key: K_contra) -> None: ...
-
-
-class _Acquire(Protocol[K_contra]):
-    def __call__(self, key: K_contra, blocking: bool = True,
-                 timeout: float = -1) -> Coroutine[Any, Any, bool]: ...
-
-
 class AsyncLockManager(_AsyncEngineView, Generic[K]):
     """``LockManager.aio``: the manager's table, with the current asyncio task as owner.
 
@@ -287,14 +277,21 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     ``timeout=`` or use ``asyncio.timeout()``.
     """
 
-    __slots__ = ("acquire", "release")
-    acquire: _Acquire[K]
-    release: _Release[K]
+    if TYPE_CHECKING:  # what they are; at run time, the engine's methods (below)
+        __slots__ = ()
 
-    def __init__(self, manager: Any) -> None:
-        super().__init__(manager)
-        self.acquire = manager._task_acquire
-        self.release = manager._task_release_write
+        async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+            ...
+
+        def release(self, key: K) -> None:
+            ...
+    else:
+        __slots__ = ("acquire", "release")
+
+        def __init__(self, manager: Any) -> None:
+            super().__init__(manager)
+            self.acquire = manager._task_acquire
+            self.release = manager._task_release_write
 
     def hold(self, key: K, timeout: float | None = None) -> _AsyncHolding:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
@@ -346,18 +343,27 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     (names, arguments and errors of ``RWLockManager``; the acquiring and releasing methods
     are the engine's own, bound here, as for ``AsyncLockManager``)."""
 
-    __slots__ = ("acquire_read", "acquire_write", "release_read", "release_write")
-    acquire_read: _Acquire[K]
-    acquire_write: _Acquire[K]
-    release_read: _Release[K]
-    release_write: _Release[K]
+    if TYPE_CHECKING:  # what they are; at run time, the engine's methods (below)
+        __slots__ = ()
 
-    def __init__(self, manager: Any) -> None:
-        super().__init__(manager)
-        self.acquire_read = manager._task_acquire_read
-        self.acquire_write = manager._task_acquire
-        self.release_read = manager._task_release_read
-        self.release_write = manager._task_release_write
+        async def acquire_read(self, key: K, blocking: bool = True,
+                               timeout: float = -1) -> bool: ...
+
+        async def acquire_write(self, key: K, blocking: bool = True,
+                                timeout: float = -1) -> bool: ...
+
+        def release_read(self, key: K) -> None: ...
+
+        def release_write(self, key: K) -> None: ...
+    else:
+        __slots__ = ("acquire_read", "acquire_write", "release_read", "release_write")
+
+        def __init__(self, manager: Any) -> None:
+            super().__init__(manager)
+            self.acquire_read = manager._task_acquire_read
+            self.acquire_write = manager._task_acquire
+            self.release_read = manager._task_release_read
+            self.release_write = manager._task_release_write
 
     def read(self, key: K, timeout: float | None = None) -> _AsyncHolding:
         return _AsyncHolding(self._manager, key, hold_seconds(timeout), READ)
