@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
+import gc
 import signal
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
 import psycopg
-from conftest import PATIENCE
-from lockmgr import DeadlockError, LockLost, LockTimeout, NotOwnedError, postgres
+from conftest import PATIENCE, block_records, wait_until
+from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout, NotOwnedError,
+                     postgres)
 from lockmgr._pg_aio import _AsyncLink
 from test_postgres import (  # noqa: F401  (fixtures: pytest finds them by name here)
     _waiting_on_server,
@@ -37,6 +44,13 @@ from test_postgres import (  # noqa: F401  (fixtures: pytest finds them by name 
 @pytest.fixture
 def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # noqa: F811
     manager: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def rwlocks(engine, dsn, namespace) -> Iterator[postgres.PgRWLockManager[Any]]:  # noqa: F811
+    manager: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
     yield manager
     manager.close()
 
@@ -512,3 +526,652 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
         await aio.release("j")
 
     run(main)
+
+
+# -- async with blocks: which task is inside ------------------------------------------------------
+#
+# ``__aenter__`` records the task that acquired (weakly) and its session; ``__aexit__`` gives
+# back that task's hold, in that task. Run by another task while the owner still runs (a
+# generator another task closes, asyncio's async-generator finalizer) it cannot use the
+# owner's connection: NotOwnedError there, and the owner keeps the key until it releases it
+# or ends. Once the owner's session has ended (the task is done, or the sweep ended a task
+# stranded on a closed loop), the exit releases nothing and raises nothing. One object holds
+# one task at a time: another task entering it while a task is inside is refused
+# (RuntimeError), with nothing taken.
+
+
+def quietly_collect() -> list[str]:
+    """Collect the garbage (stranded tasks whose last reference the caller dropped); what
+    their coroutines' finalization raised (sys.unraisablehook) is returned, not printed."""
+    raised: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda info: raised.append(repr(info.exc_value))
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    return raised
+
+
+def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
+                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
+                    ) -> asyncio.Task[None]:
+    """A task holding ``key`` (in process and on the server) whose loop is closed while it
+    is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
+    It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
+    ``locks.aio[key]``: one object, which other tasks may use too)."""
+    loop = asyncio.new_event_loop()
+
+    async def until_held() -> asyncio.Task[None]:
+        started = asyncio.Event()
+
+        async def holds() -> None:
+            async with locks.aio.hold(key) if lock is None else lock:
+                started.set()
+                await asyncio.sleep(3600)
+
+        task = asyncio.create_task(holds())
+        await started.wait()
+        return task
+
+    try:
+        return loop.run_until_complete(asyncio.wait_for(until_held(), PATIENCE))
+    finally:
+        loop.close()
+
+
+def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:
+    """The manager's next call ends the tasks stranded on closed loops (their connections
+    closed, their keys released in process with an AbandonedLockWarning)."""
+    with pytest.warns(AbandonedLockWarning):
+        locks.lost_keys()
+
+
+class Delegating:
+    """A user's async context manager around a lockmgr one (its own ``__aenter__`` and
+    ``__aexit__`` frames)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __aenter__(self) -> Any:
+        return await self.inner.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> Any:
+        return await self.inner.__aexit__(*exc_info)
+
+
+def server_holders(dsn: str, manager: Any, key: object) -> int:  # noqa: F811
+    """How many server sessions hold ``key`` (a read is held by each reader's session)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {postgres._GRANTED_ADVISORY} %s",
+                           (manager.advisory_key(key),)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def loop_errors() -> list[BaseException | None]:
+    """What the running loop reports from now on (an async generator's ``aclose()`` task
+    that asyncio's finalizer hook started and that raised: "Task exception was never
+    retrieved"), collected instead of logged."""
+    errors: list[BaseException | None] = []
+    asyncio.get_running_loop().set_exception_handler(
+        lambda loop, context: errors.append(context.get("exception")))
+    return errors
+
+
+VIEWS: dict[str, Callable[[Any, str], Any]] = {
+    "aio[key]": lambda manager, key: manager.aio[key],
+    "hold()": lambda manager, key: manager.aio.hold(key),
+    "hold_many()": lambda manager, key: manager.aio.hold_many([key]),
+    "write()": lambda manager, key: manager.aio.write(key),
+    "read()": lambda manager, key: manager.aio.read(key),
+    "rw hold_many()": lambda manager, key: manager.aio.hold_many(writes=[key]),
+}
+RW_VIEWS = {"write()", "read()", "rw hold_many()"}
+
+
+@pytest.mark.parametrize("style", list(VIEWS))
+def test_a_block_gives_back_its_tasks_hold_and_the_task_may_nest_it(locks, rwlocks, dsn,
+                                                                     style) -> None:
+    """One object entered twice by one task holds two levels; each exit gives one back, the
+    last on the server too; the object then keeps no record of the task."""
+    manager = rwlocks if style in RW_VIEWS else locks
+
+    async def main() -> None:
+        before = block_records()
+        view = VIEWS[style](manager, "k")
+        async with view:
+            async with view:
+                assert manager.aio.owned("k") and server_holders(dsn, manager, "k") == 1
+            assert manager.aio.owned("k") and server_holders(dsn, manager, "k") == 1
+        assert not manager.aio.owned("k") and server_holders(dsn, manager, "k") == 0
+        with pytest.raises(RuntimeError, match="not entered"):  # one exit too many
+            await view.__aexit__(None, None, None)
+        del view
+        assert block_records() == before
+
+    run(main)
+
+
+@pytest.mark.parametrize("style", list(VIEWS))
+def test_an_exit_without_an_entry_raises_runtime_error_and_releases_nothing(locks, rwlocks, dsn,
+                                                                            style) -> None:
+    """``__aexit__`` of an object never entered: RuntimeError, and the key the task holds
+    by ``acquire`` stays held, here and on the server."""
+    manager = rwlocks if style in RW_VIEWS else locks
+
+    async def main() -> None:
+        aio = manager.aio
+        acquire = aio.acquire_read if style == "read()" else (
+            aio.acquire_write if style in RW_VIEWS else aio.acquire)
+        assert await acquire("k", timeout=0)
+        with pytest.raises(RuntimeError, match="__aexit__ of an async with object that is not entered"):
+            await VIEWS[style](manager, "k").__aexit__(None, None, None)
+        assert aio.owned("k") and server_holders(dsn, manager, "k") == 1
+        assert await aio.release_all() == 1
+        assert server_holders(dsn, manager, "k") == 0
+
+    run(main)
+
+
+def test_one_stored_aio_key_view_serves_two_tasks_in_turn(locks, dsn) -> None:
+    """``view = locks.aio[key]`` shared as one shares an ``asyncio.Lock``: the second task
+    waits for the key while the first is inside, and enters once the first's exit released;
+    each exit gives back its own task's hold."""
+    view = locks.aio["k"]
+    seen: list[tuple[str, object, object]] = []
+
+    async def user(name: str, inside: asyncio.Event, leave: asyncio.Event) -> None:
+        async with view:
+            seen.append((name, locks.aio.recursion_count("k"), server_holders(dsn, locks, "k")))
+            inside.set()
+            await leave.wait()
+        seen.append((name, "left, owns", locks.aio.owned("k")))
+
+    async def main() -> None:
+        a_in, a_out, b_in, b_out = (asyncio.Event() for _ in range(4))
+        a = asyncio.create_task(user("a", a_in, a_out))
+        await a_in.wait()
+        b = asyncio.create_task(user("b", b_in, b_out))
+        await until(lambda: "waiting=1" in repr(locks._engine), "b waits for the key")
+        assert not b_in.is_set()
+        a_out.set()
+        await b_in.wait()
+        b_out.set()
+        await asyncio.gather(a, b)
+        assert server_holders(dsn, locks, "k") == 0 and len(locks) == 0
+
+    run(main)
+    assert seen == [("a", 1, 1), ("a", "left, owns", False),
+                    ("b", 1, 1), ("b", "left, owns", False)], seen
+
+
+def test_two_tasks_sharing_one_read_object_the_second_entry_raises_and_keeps_nothing(
+        rwlocks, dsn) -> None:
+    """Readers overlap, but one ``read()`` object records one task: a second task entering
+    it while the first is inside gives back the read it took and raises RuntimeError; the
+    first reads on undisturbed. Once the first has left, the object serves another task."""
+    guard = rwlocks.aio.read("config")
+    seen: dict[str, object] = {}
+
+    async def first(inside: asyncio.Event, leave: asyncio.Event) -> None:
+        async with guard:
+            inside.set()
+            await leave.wait()
+            seen["first still reads"] = rwlocks.aio.owned("config")
+
+    async def second() -> None:
+        with pytest.raises(RuntimeError, match="already entered by another task"):
+            async with guard:
+                raise AssertionError("entered an object another task is inside")
+        seen["second holds"] = rwlocks.aio.owned("config")
+        seen["readers on the server"] = server_holders(dsn, rwlocks, "config")
+
+    async def third() -> None:
+        async with guard:
+            seen["third reads"] = (rwlocks.aio.owned("config"),
+                                   server_holders(dsn, rwlocks, "config"))
+
+    async def main() -> None:
+        inside, leave = asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(first(inside, leave))
+        await inside.wait()
+        await asyncio.create_task(second())
+        leave.set()
+        await a
+        await asyncio.create_task(third())
+        seen["readers at the end"] = server_holders(dsn, rwlocks, "config")
+
+    run(main)
+    assert seen == {"second holds": False, "readers on the server": 1, "first still reads": True,
+                    "third reads": (True, 1), "readers at the end": 0}, seen
+
+
+async def _inside(view: Any) -> AsyncIterator[None]:
+    async with view:
+        yield
+
+
+async def _entered_elsewhere(how: str, view: Any) -> Callable[[], Awaitable[Any]]:
+    """Enter ``view`` in a frame that outlives this call: an async generator suspended in
+    its block, or an AsyncExitStack; the closer that exits it."""
+    if how == "async generator":
+        generator = _inside(view)
+        await generator.__anext__()
+        return generator.aclose
+    stack = contextlib.AsyncExitStack()
+    await stack.enter_async_context(view)
+    return stack.aclose
+
+
+@pytest.mark.parametrize("then", ["releases", "ends"])
+@pytest.mark.parametrize("how", ["async generator", "AsyncExitStack"])
+@pytest.mark.parametrize("style", ["aio[key]", "hold()"])
+def test_a_block_another_task_exits_raises_not_owned_there_and_its_task_keeps_the_key(
+        locks, dsn, style, how, then) -> None:
+    """A task enters blocks on fresh objects through an async generator or an
+    AsyncExitStack, and another task closes each while the first runs on: that exit cannot
+    use the owner's connection, so it raises NotOwnedError in the closing task and releases
+    nothing; the owner holds the key (here and on the server) until it releases it or ends.
+    Nothing of those blocks stays with the running task, and nothing is left held."""
+    keys = [f"k{index}" for index in range(5)]
+    seen: dict[str, object] = {}
+
+    async def owner() -> None:
+        for key in keys:
+            closer = await _entered_elsewhere(how, VIEWS[style](locks, key))
+
+            async def closes() -> None:
+                with pytest.raises(NotOwnedError, match="which still runs"):
+                    await closer()
+
+            await asyncio.create_task(closes())
+            del closer
+            assert locks.aio.recursion_count(key) == 1 and held_on_server(dsn, locks, key)
+            assert await asyncio.create_task(locks.aio.acquire(key, timeout=0)) is False
+            if then == "releases":
+                await locks.aio.release(key)
+                assert not held_on_server(dsn, locks, key)
+
+    async def main() -> None:
+        before = block_records()
+        await asyncio.create_task(owner())
+        await until(lambda: not any(held_on_server(dsn, locks, key) for key in keys),
+                    "the owner's keys are free on the server")
+        seen["held in process"] = len(locks)
+        seen["records kept"] = block_records() - before
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(main)
+    abandoned = sorted(str(w.message).split("key ")[1].split(";")[0] for w in caught
+                       if issubclass(w.category, AbandonedLockWarning))
+    assert seen == {"held in process": 0, "records kept": 0}, seen
+    assert abandoned == ([] if then == "releases" else [repr(key) for key in keys]), abandoned
+
+
+def run_in_thread(main: Callable[[], Awaitable[object]], seconds: float) -> list[object]:
+    """asyncio.run(main()) in a daemon thread: [result or exception], or [] if still running
+    after ``seconds`` (the thread is then left waiting forever)."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(asyncio.run(main()))  # type: ignore[arg-type]
+        except BaseException as error:  # noqa: BLE001
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return outcome
+
+
+def test_an_async_generator_asyncio_finalizes_raises_not_owned_there_and_its_consumer_keeps_its_keys(
+        locks, dsn) -> None:  # noqa: F811
+    """asyncio finalizes an async generator dropped mid-iteration (``break`` out of ``async
+    for``) by running ``aclose()`` in a task of its own: the exit of its ``async with
+    locks.aio.hold("g")`` is the consumer's block run by another task. It raises
+    NotOwnedError there and touches nothing of the consumer's: "g" and "other" stay held on
+    the consumer's connection while it runs inside its own block, "g" until it releases it."""
+    seen: dict[str, object] = {}
+
+    async def rows(closed: asyncio.Event) -> AsyncIterator[int]:
+        try:
+            async with locks.aio.hold("g"):
+                yield 1
+                yield 2
+        finally:
+            closed.set()
+
+    async def main() -> None:
+        errors = loop_errors()
+        closed = asyncio.Event()
+        async with locks.aio.hold("other"):
+            async for _ in rows(closed):
+                break  # dropped: asyncio's finalizer closes it in a task of its own
+            await closed.wait()
+            await until(lambda: bool(errors), "the finalizer's task reported its error")
+            seen["errors"] = [type(error).__name__ for error in errors]
+            seen["g"] = (locks.aio.recursion_count("g"), held_on_server(dsn, locks, "g"))
+            seen["other"] = held_on_server(dsn, locks, "other")
+            await locks.aio.release("g")
+            seen["g released"] = not held_on_server(dsn, locks, "g")
+        seen["other released"] = not held_on_server(dsn, locks, "other")
+        seen["held in process"] = len(locks)
+
+    outcome = run_in_thread(lambda: asyncio.wait_for(main(), PATIENCE * 3), PATIENCE * 4)
+    assert outcome == [None], outcome or "the consumer still runs"
+    assert seen == {"errors": ["NotOwnedError"], "g": (1, True), "other": True,
+                    "g released": True, "other released": True, "held in process": 0}, seen
+
+
+def test_an_async_generator_asyncio_finalizes_does_not_hang_its_consumers_wait(
+        locks, dsn, namespace) -> None:  # noqa: F811
+    """The same close, landing while the consumer awaits a round trip on its connection (a
+    timed wait for a key another process holds): the finalizer's exit leaves the
+    connection alone, and the wait times out on time. The consumer then ends holding "g",
+    which its end releases."""
+    holder = child(dsn, namespace, HOLDER)
+    expect(holder, held=True)
+    errors: list[BaseException | None] = []
+
+    async def rows() -> AsyncIterator[int]:
+        async with locks.aio.hold("g"):
+            yield 1
+            yield 2
+
+    async def main() -> object:
+        caught = loop_errors()
+        async with locks.aio.hold("other"):
+            async for _ in rows():
+                break
+            got = await locks.aio.acquire("k", timeout=1.0)
+        await until(lambda: bool(caught), "the finalizer's task reported its error")
+        errors.extend(caught)
+        return got
+
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            outcome = run_in_thread(main, 1.0 + PATIENCE)
+            wait_until(lambda: not held_on_server(dsn, locks, "g"), "its end released g")
+    finally:
+        finish(holder)
+    assert outcome == [False], outcome or "the consumer still waits"
+    assert [type(error).__name__ for error in errors] == ["NotOwnedError"], errors
+    assert any("'g'" in str(w.message) for w in warned
+               if issubclass(w.category, AbandonedLockWarning)), [str(w.message) for w in warned]
+
+
+def test_a_shared_key_lock_a_finalized_generator_left_serves_the_next_task(locks, dsn) -> None:  # noqa: F811
+    """A task leaves a shared ``locks.aio["k"]`` through an async generator asyncio
+    finalizes while the task runs on (NotOwnedError in the finalizer's task; the task keeps
+    "k" and ends holding it: its end releases it). The object is free again: the next
+    task's generator on it, closed by ``aclose()`` in that very task, releases "k"."""
+    lock = locks.aio["k"]
+    seen: dict[str, object] = {}
+
+    async def gen() -> AsyncIterator[None]:
+        async with lock:
+            yield
+
+    async def first(errors: list[BaseException | None]) -> None:
+        async for _ in gen():
+            break  # dropped: the finalizer's task runs the exit (and cannot release)
+        await until(lambda: bool(errors), "the finalizer's task reported its error")
+        seen["first, after the finalizer"] = (locks.aio.recursion_count("k"),
+                                              held_on_server(dsn, locks, "k"))
+
+    async def second() -> None:
+        agen = gen()
+        await agen.__anext__()
+        seen["second inside"] = locks.aio.recursion_count("k")
+        await agen.aclose()  # its own exit, in this very task
+        seen["second, after aclose"] = (locks.aio.recursion_count("k"),
+                                        held_on_server(dsn, locks, "k"))
+
+    async def main() -> None:
+        errors = loop_errors()
+        await asyncio.create_task(first(errors))  # ends holding "k": released at its end
+        seen["errors"] = [type(error).__name__ for error in errors]
+        await until(lambda: not held_on_server(dsn, locks, "k"), "first's end released k")
+        await asyncio.create_task(second())
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        run(main)
+    assert seen == {"first, after the finalizer": (1, True), "errors": ["NotOwnedError"],
+                    "second inside": 1, "second, after aclose": (0, False)}, seen
+
+
+@pytest.mark.parametrize("closer", ["the current holder", "another task"])
+@pytest.mark.parametrize("style", ["hold()", "shared aio[key]"])
+def test_closing_the_block_of_a_task_that_ended_releases_nothing_and_keeps_the_current_holders_key(
+        locks, dsn, style, closer) -> None:
+    """A task ends inside a block of an async generator kept elsewhere: its end releases
+    "g" (AbandonedLockWarning). Another task then holds "g"; closing the ended task's
+    block releases nothing and raises nothing, whichever task closes it. A shared object
+    the ended task is inside refuses other tasks until that block is closed (RuntimeError,
+    nothing taken), and serves them again after."""
+    shared = locks.aio["g"]
+    kept: dict[str, Any] = {}
+    seen: dict[str, object] = {}
+
+    async def rows() -> AsyncIterator[None]:
+        async with shared if style == "shared aio[key]" else locks.aio.hold("g"):
+            yield
+
+    async def ends_inside() -> None:
+        generator = rows()
+        await generator.__anext__()
+        kept["generator"] = generator
+
+    async def main() -> None:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            kept["task"] = asyncio.create_task(ends_inside())  # (kept: its record's task lives)
+            await kept["task"]
+            await until(lambda: not held_on_server(dsn, locks, "g") and len(locks) == 0,
+                        "its end released g")
+        seen["warned"] = [str(w.message).split("holding ")[1] for w in warned
+                          if issubclass(w.category, AbandonedLockWarning)]
+        if style == "shared aio[key]":
+            with pytest.raises(RuntimeError, match="ended inside it"):
+                async with shared:
+                    raise AssertionError("entered an object an ended task is inside")
+            seen["refused entry holds"] = (len(locks), held_on_server(dsn, locks, "g"))
+        async with locks.aio.hold("g"):
+            if closer == "the current holder":
+                await kept["generator"].aclose()
+            else:
+                await asyncio.create_task(kept["generator"].aclose())
+            seen["holder keeps"] = (locks.aio.recursion_count("g"), held_on_server(dsn, locks, "g"))
+        async with shared:
+            seen["shared serves"] = locks.aio.recursion_count("g")
+        seen["released"] = not held_on_server(dsn, locks, "g") and len(locks) == 0
+
+    run(main)
+    expected: dict[str, object] = {"warned": ["key 'g'; released it"], "holder keeps": (1, True),
+                                   "shared serves": 1, "released": True}
+    if style == "shared aio[key]":
+        expected["refused entry holds"] = (0, False)
+    assert seen == expected, seen
+
+
+@pytest.mark.parametrize("style", ["hold()", "aio[key]"])
+def test_closing_a_stranded_tasks_block_releases_nothing_and_keeps_the_current_holders_key(
+        locks, dsn, style) -> None:  # noqa: F811
+    """A stranded task (its loop closed in its block, the sweep ended it) is most often
+    closed where it spends its time: in the body of its ``async with``. Its exit is an ended
+    task's: closed (as the garbage collector's finalization does) while a task of another
+    loop holds the same key, it releases nothing, awaits nothing and raises nothing: that
+    task keeps the key, in process and on the server, until its own release."""
+    stranded = strand_a_holder(locks, "k", None if style == "hold()" else locks.aio["k"])
+    sweep_stranded(locks)
+    wait_until(lambda: not held_on_server(dsn, locks, "k"), "its session ended")
+    outcome: dict[str, object] = {}
+    coroutine = stranded.get_coro()  # what the garbage collector's finalization calls: close()
+
+    async def main() -> None:
+        aio = locks.aio
+        assert await aio.acquire("k", timeout=PATIENCE)
+        await aio.release("k")  # (its unlock is prepared on the connection from now on)
+        assert await aio.acquire("k", timeout=PATIENCE)
+        try:
+            coroutine.close()
+        except BaseException as error:  # noqa: BLE001
+            outcome["close"] = repr(error)
+        outcome["owned"] = aio.owned("k")
+        outcome["held on the server"] = await asyncio.to_thread(held_on_server, dsn, locks, "k")
+        try:  # (a second close, as a later collection would)
+            coroutine.close()
+        except BaseException as error:  # noqa: BLE001
+            outcome["second close"] = repr(error)
+        await aio.release("k")
+        outcome["released"] = not await asyncio.to_thread(held_on_server, dsn, locks, "k")
+
+    try:
+        run(main)
+    finally:
+        del stranded, coroutine
+        outcome["collecting raised"] = quietly_collect()
+    assert outcome == {"owned": True, "held on the server": True, "released": True,
+                       "collecting raised": []}, outcome
+
+
+@pytest.mark.parametrize("ending", ["closed", "collected"])
+@pytest.mark.parametrize("enters", ["directly", "through a delegating wrapper"])
+def test_a_shared_view_a_stranded_task_is_inside_refuses_other_tasks_until_its_block_is_closed(
+        locks, dsn, enters, ending) -> None:  # noqa: F811
+    """A task held "k" through a shared ``locks.aio["k"]`` (directly, or entered by a user's
+    async context manager around it) and was stranded on a closed loop; the sweep ended it.
+    Until its coroutine is closed, the object refuses other tasks (RuntimeError, nothing
+    taken). A task holding "k" by a block of its own keeps it when the stranded coroutine
+    is closed or collected meanwhile: that exit is an ended task's, and releases nothing
+    and raises nothing. The object then serves again, and a generator on it closed by its
+    own task releases "k"."""
+    shared = locks.aio["k"]
+    stranded = strand_a_holder(locks, "k", shared if enters == "directly" else Delegating(shared))
+    sweep_stranded(locks)
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        nonlocal stranded
+        with pytest.raises(RuntimeError, match="ended inside it"):
+            async with shared:
+                raise AssertionError("entered an object a stranded task is inside")
+        outcome["refused entry holds"] = (locks.aio.recursion_count("k"), len(locks))
+        async with locks.aio["k"]:  # a block of its own
+            if ending == "closed":
+                stranded.get_coro().close()  # what the garbage collector's finalization does
+            del stranded
+            outcome["collecting raised"] = quietly_collect()
+            outcome["holder keeps"] = (locks.aio.recursion_count("k"),
+                                       await asyncio.to_thread(held_on_server, dsn, locks, "k"))
+        generator = _inside(shared)
+        await generator.__anext__()
+        outcome["shared serves"] = locks.aio.recursion_count("k")
+        await generator.aclose()  # its own exit, in this very task
+        outcome["after aclose"] = (locks.aio.recursion_count("k"),
+                                   await asyncio.to_thread(held_on_server, dsn, locks, "k"))
+
+    try:
+        run(main)
+    finally:
+        if "collecting raised" not in outcome:
+            del stranded
+            quietly_collect()
+    assert outcome == {"refused entry holds": (0, 0), "collecting raised": [],
+                       "holder keeps": (1, True), "shared serves": 1,
+                       "after aclose": (0, False)}, outcome
+
+
+@pytest.mark.parametrize("style", ["aio[key]", "hold()"])
+def test_a_shared_view_keeps_no_stranded_task_once_swept(locks, style) -> None:  # noqa: F811
+    """A task inside a block of a long-lived object (one ``aio[key]`` view, one
+    ``hold()``), stranded on a closed loop while it sleeps, and swept (its connection
+    closed, ended in process): the object must not keep it, and serves again once the
+    stranded coroutine is collected."""
+    shared = VIEWS[style](locks, "k")
+    stranded = strand_a_holder(locks, "k", shared)
+    sweep_stranded(locks)
+    alive = weakref.ref(stranded)
+    del stranded
+    assert quietly_collect() == []
+    assert alive() is None, "the shared object keeps the stranded task alive"
+
+    async def main() -> None:
+        async with shared:
+            assert await locks.aio.locked("k")
+
+    run(main)
+    assert not locks.locked("k")
+
+
+@pytest.mark.parametrize("enters", ["AsyncExitStack", "a delegating wrapper"])
+@pytest.mark.parametrize("style", ["aio[key]", "hold()"])
+def test_a_long_lived_view_entered_indirectly_keeps_nothing_of_its_blocks(locks, dsn, style,
+                                                                          enters) -> None:  # noqa: F811
+    """A long-lived ``locks.aio["k"]`` (or ``hold("k")``) entered block after block through
+    an AsyncExitStack or a user's wrapper keeps nothing of the blocks that exited: no
+    frame, no stack, no task, no record beyond its own."""
+    shared = VIEWS[style](locks, "k")
+    refs: list[weakref.ref[Any]] = []
+
+    async def block() -> None:
+        if enters == "AsyncExitStack":
+            async with contextlib.AsyncExitStack() as stack:
+                refs.append(weakref.ref(stack))
+                await stack.enter_async_context(shared)
+                assert locks.aio.recursion_count("k") == 1
+        else:
+            wrapper = Delegating(shared)
+            refs.append(weakref.ref(wrapper))
+            async with wrapper:
+                assert locks.aio.recursion_count("k") == 1
+
+    async def main() -> None:
+        before = block_records()
+        for _ in range(20):
+            task = asyncio.create_task(block())
+            refs.append(weakref.ref(task))
+            await task
+            del task
+        assert block_records() == before
+        assert not await locks.aio.locked("k")
+
+    run(main)
+    gc.collect()
+    assert sum(ref() is not None for ref in refs) == 0
+
+
+def test_closing_the_block_of_a_task_just_awaited_to_its_end_raises_nothing(locks, dsn) -> None:  # noqa: F811
+    """The rule's "the owner is done" includes a task its awaiter resumes after: ``await
+    task`` resumes the awaiter from the task's first done callback, before the ones that
+    end its session. Closing the finished task's block there must release nothing and
+    raise nothing (its end releases "g"), as it does a moment later."""
+    kept: dict[str, Any] = {}
+
+    async def rows() -> AsyncIterator[None]:
+        async with locks.aio.hold("g"):
+            yield
+
+    async def ends_inside() -> None:
+        generator = rows()
+        await generator.__anext__()
+        kept["generator"] = generator
+
+    async def main() -> None:
+        task = asyncio.create_task(ends_inside())
+        await task
+        assert task.done()
+        try:
+            await kept["generator"].aclose()
+        finally:
+            await until(lambda: not held_on_server(dsn, locks, "g") and len(locks) == 0,
+                        "its end released g")
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        run(main)

@@ -5,8 +5,6 @@ one per finding. Each test states what must hold; each fails on the reviewed com
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import os
 import shutil
 import signal
@@ -19,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, block_records, wait_until
+from conftest import PATIENCE, wait_until
 from lockmgr import postgres
-from test_pg_aio import HOLDER, locks, until  # noqa: F401
+from test_pg_aio import HOLDER, locks, quietly_collect, strand_a_holder, until  # noqa: F401
 from test_pg_aio_review import slow_abort
 from test_postgres import (  # noqa: F401
     _waiting_on_server,
@@ -35,44 +33,6 @@ from test_postgres import (  # noqa: F401
     namespace,
     nothing_left_held,
 )
-
-
-def quietly_collect() -> list[str]:
-    """Collect the garbage (stranded tasks whose last reference the caller dropped); what
-    their coroutines' finalization raised (sys.unraisablehook) is returned, not printed."""
-    raised: list[str] = []
-    previous = sys.unraisablehook
-    sys.unraisablehook = lambda info: raised.append(repr(info.exc_value))
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = previous
-    return raised
-
-
-def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
-                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
-                    ) -> asyncio.Task[None]:
-    """A task holding ``key`` (in process and on the server) whose loop is closed while it
-    is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
-    It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
-    ``locks.aio[key]``: one object, which other tasks may use too)."""
-    loop = asyncio.new_event_loop()
-    started = asyncio.Event()
-
-    async def holds() -> None:
-        async with locks.aio.hold(key) if lock is None else lock:
-            started.set()
-            await asyncio.sleep(3600)
-
-    async def until_held() -> asyncio.Task[None]:
-        task = asyncio.create_task(holds())
-        await started.wait()
-        return task
-
-    task = loop.run_until_complete(until_held())
-    loop.close()
-    return task
 
 
 # -- 1. the sweep runs only after the in-process acquisition: the stranded key blocks forever --
@@ -200,88 +160,6 @@ def test_a_coroutine_closed_during_its_clean_up_leaves_other_tasks_keys_alone(
     finally:
         locks.release_all()
     assert outcome == {"finalizing raised": [], "held by me": (1, 1)}, outcome
-
-
-# -- 3. a coroutine closed in an ``async with`` body releases another task's key on the server --
-
-
-@pytest.mark.parametrize("how", ["hold", "item"])
-def test_a_coroutine_closed_in_its_async_with_body_leaves_other_tasks_keys_alone(
-        locks, dsn, how) -> None:  # noqa: F811
-    """A stranded task is most often closed where it spends its time: in the body of
-    ``async with aio.hold(key)``. Its GeneratorExit runs ``__aexit__`` -> ``release`` ->
-    ``_Tasks.give``, which finds its session by *the current task* (``session_or_none``)
-    before anything has raised, so none of the ``unrun`` handling applies: collected while a
-    task of another loop holding the same key runs, it sends that task's unlock on that
-    task's connection, then awaits the answer, which a closing coroutine cannot
-    ("coroutine ignored GeneratorExit"). The other task still believes it holds "k"; on the
-    server nobody does. (With no loop running, the RuntimeError of ``current_task_or_raise``
-    is printed as "Exception ignored" instead, as in every test of a stranded task.)"""
-    stranded = strand_a_holder(locks, "k", None if how == "hold" else locks.aio["k"])
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        locks.lost_keys()  # the sweep: its connection closes, the task is ended in process
-    wait_until(lambda: not held_on_server(dsn, locks, "k"), "its session ended")
-    outcome: dict[str, object] = {}
-
-    coroutine = stranded.get_coro()  # what the garbage collector's finalization calls: close()
-
-    async def main() -> None:
-        aio = locks.aio
-        assert await aio.acquire("k", timeout=PATIENCE)
-        await aio.release("k")  # (its unlock is prepared on the connection from now on)
-        assert await aio.acquire("k", timeout=PATIENCE)
-        try:
-            coroutine.close()
-        except BaseException as error:  # noqa: BLE001
-            outcome["close"] = repr(error)
-        outcome["owned"] = aio.owned("k")
-        await asyncio.sleep(0.5)
-        outcome["held on the server"] = await asyncio.to_thread(held_on_server, dsn, locks, "k")
-        try:  # (a second close, as a later collection would: the zombie frame ends)
-            coroutine.close()
-        except BaseException as error:  # noqa: BLE001
-            outcome["second close"] = repr(error)
-        try:
-            await aio.release("k")
-        except Exception as error:  # noqa: BLE001
-            outcome["release"] = repr(error)
-
-    try:
-        asyncio.run(main())
-    finally:
-        locks.release_all()
-        del stranded, coroutine
-        quietly_collect()
-    assert outcome == {"owned": True, "held on the server": True}, outcome
-
-
-def test_one_key_lock_object_shared_by_a_stranded_task_and_a_running_one(locks, dsn) -> None:  # noqa: F811
-    """``locks.aio[key]`` is one object any task may ``async with``: when the stranded
-    task's coroutine is closed inside it while another task is inside it too, the exit is
-    the stranded task's (its loop is closed), and the running task keeps the key."""
-    shared = locks.aio["k"]
-    stranded = strand_a_holder(locks, "k", shared)
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        locks.lost_keys()  # the sweep: its connection closes, the task is ended in process
-    outcome: dict[str, object] = {}
-
-    async def main() -> None:
-        async with shared:
-            stranded.get_coro().close()  # what the garbage collector's finalization does
-            outcome["owned"] = locks.aio.owned("k")
-            outcome["held on the server"] = await asyncio.to_thread(
-                held_on_server, dsn, locks, "k")
-        outcome["released"] = not await asyncio.to_thread(held_on_server, dsn, locks, "k")
-
-    try:
-        asyncio.run(main())
-    finally:
-        locks.release_all()
-        del stranded
-        quietly_collect()
-    assert outcome == {"owned": True, "held on the server": True, "released": True}, outcome
 
 
 # -- 4. under pytest, SIGTERM fails one test and the run goes on ---------------------------------
@@ -451,69 +329,3 @@ def test_a_sweep_beside_a_grant_to_a_stranded_task_frees_its_token_once(dsn, nam
                                   "PYTHONMALLOC": "debug"})
     assert process.returncode == 0 and "survived" in process.stdout, (
         process.returncode, process.stdout[-1500:], process.stderr[-3000:])
-
-
-# -- 7. a long-lived view keeps no stranded task once the sweep ended it -------------------------
-
-
-@pytest.mark.parametrize("view", ["aio[key]", "hold()"])
-def test_a_shared_view_keeps_no_stranded_task_once_swept(locks, view) -> None:  # noqa: F811
-    """A task inside a block of a long-lived object (one ``aio[key]`` view, one
-    ``hold()``), stranded on a closed loop while it sleeps, and swept (its connection
-    closed, ended in process): the object must not keep it. (On 3.10 a frame owns what it
-    awaits; an object that kept the block's frame kept the sleep's future and so the task,
-    for as long as the object lived.)"""
-    import weakref
-
-    shared = locks.aio["k"] if view == "aio[key]" else locks.aio.hold("k")
-    stranded = strand_a_holder(locks, "k", shared)
-    with warnings.catch_warnings(record=True):  # AbandonedLockWarning, once swept
-        warnings.simplefilter("always")
-        locks.lost_keys()  # the sweep
-    alive = weakref.ref(stranded)
-    del stranded
-    quietly_collect()
-    assert alive() is None, "the shared object keeps the stranded task alive"
-
-    async def main() -> None:  # the object still serves
-        async with shared:
-            assert await locks.aio.locked("k")
-
-    asyncio.run(main())
-    assert not locks.locked("k")
-
-
-# -- 8. a running task keeps nothing of its blocks another task closed ---------------------------
-
-
-@pytest.mark.parametrize("view", ["aio[key]", "hold()"])
-def test_a_running_task_keeps_nothing_of_its_blocks_another_task_closed(
-        locks, view) -> None:  # noqa: F811
-    """A long-lived task drives async generators into blocks on fresh objects (``aio[key]``
-    views, ``hold()``), and another task closes each (GeneratorExit: the exit is the first
-    task's block, and releases nothing); the first task then releases the key itself.
-    While it runs on, nothing of those blocks stays with it: each object's record is
-    collected with the object. (On c7ec321 each left a slot in the task's session.)"""
-
-    async def inside(shared: Any) -> Any:
-        async with shared:
-            yield
-
-    async def closes(generator: Any) -> None:
-        await generator.aclose()
-
-    async def main() -> None:
-        before = block_records()
-        for index in range(10):
-            key = f"k{index}"
-            generator = inside(locks.aio[key] if view == "aio[key]" else locks.aio.hold(key))
-            await generator.__anext__()
-            await asyncio.create_task(closes(generator))
-            assert locks.aio.recursion_count(key) == 1  # the closing released nothing
-            await locks.aio.release(key)
-            del generator
-        kept = block_records() - before
-        assert kept == 0, f"{kept} records of 10 objects are kept by the running task"
-
-    asyncio.run(main())
-    assert not any(locks.locked(f"k{index}") for index in range(10))

@@ -37,6 +37,7 @@ import functools
 import inspect
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
@@ -726,35 +727,47 @@ class _PgBlockRecord:
     """Which task is inside a PostgreSQL ``async with`` object, and how many times (the
     rule of lockmgr._aio): written once ``__aenter__`` holds the keys, read back by
     ``__aexit__``. The task is kept by a weak reference, its session strongly (an ended
-    session keeps no connection)."""
+    session keeps no connection). A task that is done counts as ended at once: its
+    session's end (its done-callback) may still be queued behind the task awaiting it.
+    Changed under a lock of its own (the collector may close a coroutine inside a block
+    on another thread); reentrant, as a collection inside may run another exit."""
 
-    __slots__ = ("_depth", "_session", "_task")
+    __slots__ = ("_depth", "_lock", "_session", "_task")
 
     def __init__(self) -> None:
         self._task: weakref.ref[asyncio.Task[Any]] | None = None
         self._session: _TaskSession | None = None
         self._depth = 0
+        self._lock = threading.RLock()
 
     def enter(self, tasks: _Tasks) -> None:
-        """The current task holds the block's keys: it is inside."""
+        """The current task holds the block's keys: it is inside (RuntimeError, and nothing
+        changed, if another task is)."""
         task = current_task_or_raise()
-        inside = None if self._task is None else self._task()
-        if self._session is not None and inside is not task:
-            raise block_in_use(inside, self._session.ended)
-        if self._session is None:
-            self._task, self._session = weakref.ref(task), tasks.sessions[task]
-        self._depth += 1
+        with self._lock:
+            session, inside = self._session, None if self._task is None else self._task()
+            if session is None:
+                self._task, self._session = weakref.ref(task), tasks.sessions[task]
+            if session is None or inside is task:
+                self._depth += 1
+                return
+        raise block_in_use(inside, _ended(session, inside))
 
     def leave(self) -> asyncio.Task[Any] | None:
-        """One block exits: its task, or None if that task's session has ended (which
-        released its keys). RuntimeError if no block is inside."""
-        session, task = self._session, None if self._task is None else self._task()
-        if session is None:
-            raise not_entered()
-        self._depth -= 1
-        if not self._depth:
-            self._task = self._session = None
-        return None if session.ended or task is None else task
+        """One block exits: its task, or None if that task has ended (its end released, or
+        releases, its keys). RuntimeError if no block is inside."""
+        with self._lock:
+            session, task = self._session, None if self._task is None else self._task()
+            if session is None:
+                raise not_entered()
+            self._depth -= 1
+            if not self._depth:
+                self._task = self._session = None
+        return None if _ended(session, task) else task
+
+
+def _ended(session: _TaskSession, task: asyncio.Task[Any] | None) -> bool:
+    return session.ended or task is None or task.done()
 
 
 async def _exit_block(record: _PgBlockRecord, key: Hashable,
