@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Local proof of the wheels (no docker here): build the sdist, build a wheel from it with every
-# CPython 3.10+ installed and with the free-threaded 3.13t (scripts/free-threaded-python.sh,
+# CPython 3.11+ installed and with the free-threaded 3.13t (scripts/free-threaded-python.sh,
 # cached outside the work tree), repair each to a manylinux tag with auditwheel, install each
 # into a fresh virtual environment and run the test suite against the installed wheel, from a
 # copy of the tests far from src/ (the free-threaded one with the GIL off). Also checks that
@@ -28,11 +28,11 @@ grep -q '/tests/conftest.py$' "$work/sdist-files" || { echo "sdist lacks the tes
 ! grep -q '/lockmgr_core.c$' "$work/sdist-files" || { echo "sdist ships generated C"; exit 1; }
 
 pythons=()
-for version in 3.10 3.11 3.12 3.13 3.14; do
+for version in 3.11 3.12 3.13 3.14; do
   installed=$(pyenv versions --bare 2>/dev/null | grep -E "^${version//./\\.}\.[0-9]+$" | tail -n 1) || true
   [ -n "$installed" ] && pythons+=("$(pyenv prefix "$installed")/bin/python3")
 done
-[ ${#pythons[@]} -gt 0 ] || { echo "no CPython 3.10+ found under pyenv"; exit 1; }
+[ ${#pythons[@]} -gt 0 ] || { echo "no CPython 3.11+ found under pyenv"; exit 1; }
 
 for python in "${pythons[@]}"; do
   tag=$("$python" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
