@@ -654,6 +654,7 @@ def test_a_coroutine_closed_while_it_waits_leaves_the_queue(impl) -> None:
 
 CHILD = """
 import asyncio, os, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
 sys.path.insert(0, {tests!r})
 import importlib
 impl = importlib.import_module({module!r})

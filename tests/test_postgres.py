@@ -114,6 +114,7 @@ def held_on_server(dsn: str, manager: Any, key: object) -> bool:
 
 CHILD = """
 import json, os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
 from lockmgr import postgres, LockLost, DeadlockError
 locks = postgres.{cls}(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
 def say(**what):
