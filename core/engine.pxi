@@ -973,6 +973,9 @@ cdef class _Engine:
         lockmgr_spin_unlock(&shard.mutex)
         if outcome == SECTION:
             wait = self._task_wait(owner, 1)
+            wait.taken_key = <object>key
+            wait.taken_hash = h
+            wait.taken_mode = mode
             op_fill(&op, ACQUIRE_READ if mode == READ else ACQUIRE_WRITE, &self.table, token,
                     &lookup, 1)
             op.count = count
@@ -997,6 +1000,7 @@ cdef class _Engine:
         if owner.wait is not None:
             owner.abandon_stranded()
         wait = self._task_wait(owner, n)
+        wait.taken_items = items
         try:
             lookups = <Lookup*>PyMem_RawCalloc(n, sizeof(Lookup))
             fresh = <Entry**>PyMem_RawCalloc(n, sizeof(Entry*))

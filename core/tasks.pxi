@@ -331,6 +331,19 @@ cdef class _TaskWait:
     cdef object logged_keys     # the keys it logged as waited for
     cdef _BlockRecord entering  # the record of the ``async with`` object whose
                                 # ``__aenter__`` queued it, else None: the grant enters it
+    # Whether the wait has ended (timed out, left the queues, or completed): decided in a
+    # section, so of two threads ending it at once (a grant finding its loop closed, and
+    # whoever closes its coroutine) one does, and only that one runs _ended() and finish.
+    cdef bint over              # engine_mutex
+    # Once completed, what it took (for ``give_back``, if an exception ends the await
+    # before it returns): the table's key, its hash and mode, or the items of a set; and
+    # the record it entered. Written by the task that awaits it.
+    cdef object taken_key
+    cdef Py_hash_t taken_hash
+    cdef int taken_mode
+    cdef list taken_items
+    cdef _BlockRecord entered
+    cdef bint completed
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -351,10 +364,15 @@ cdef class _TaskWait:
             raise RuntimeError("this wait has ended")
         after_init(&after, NULL, 0)
         lock()
+        if self.over:  # ended meanwhile by another thread
+            unlock()
+            raise RuntimeError("this wait has ended")
         if self.request.state == LEFT:  # a forked child dropped it (keep_only)
             outcome = TIMED_OUT
         else:
             outcome = settle(&self.manager.table, self.request, consumed, deadline, &after)
+        if outcome == TIMED_OUT:
+            self.over = True
         unlock()
         if outcome == TIMED_OUT:
             self._ended()
@@ -370,15 +388,23 @@ cdef class _TaskWait:
         queued it is entered first: if another task is inside that object, RuntimeError,
         and the caller's ``abandon()`` gives the grant back."""
         cdef After after
+        cdef _BlockRecord record = self.entering
         if not self.queued:
             raise RuntimeError("this wait has ended")
-        if self.entering is not None:
-            self.entering.enter(self.owner)
-            self.entering = None  # entered: an exception from here on leaves the record
+        if record is not None:
+            record.enter(self.owner)
         after_init(&after, NULL, 0)
         lock()
+        if self.over:  # another thread ended it meanwhile: its grant is given back
+            unlock()
+            if record is not None:
+                record.leave()
+            raise RuntimeError("this wait has ended")
+        self.over = True
         complete(&self.manager.table, self.request, &after)
         unlock()
+        self.entered = record
+        self.completed = True
         self._ended()
         finish(&after, self.request.token)
 
@@ -386,6 +412,25 @@ cdef class _TaskWait:
         """Leave the queues, or give back a grant that raced the exception ending the wait."""
         if self.queued:
             self._leave()
+
+    cdef int give_back(self) except -1:
+        """An exception ends the await: leave the queues (``abandon``), or, once completed
+        (a signal handler's exception as the wait returns), give back what it took and
+        leave the record it entered, as the block's exit would have."""
+        cdef _BlockRecord record = self.entered
+        if not self.completed:
+            self.abandon()
+            return 0
+        self.completed = False
+        self.entered = None
+        if record is not None:
+            record.leave()
+        if self.taken_items is not None:
+            self.manager._release_many_as(self.owner.token, self.taken_items)
+        else:
+            self.manager._task_release_at(self.owner.token, <PyObject*>self.taken_key,
+                                          self.taken_hash, self.taken_mode)
+        return 0
 
     def log_slow(self):
         if self.queued:
@@ -426,7 +471,7 @@ cdef class _TaskWait:
         except StopIteration:
             raise
         except BaseException:
-            self.abandon()
+            self.give_back()
             raise
 
     def throw(self, *error):
@@ -437,7 +482,7 @@ cdef class _TaskWait:
         except StopIteration:
             raise
         except BaseException:
-            self.abandon()
+            self.give_back()
             raise
 
     def close(self):
@@ -453,15 +498,19 @@ cdef class _TaskWait:
 
     cdef int _leave(self) except -1:
         cdef After after
+        cdef bint ends = False
         after_init(&after, NULL, 0)
         lock()
         # A post still on its way holds its own reference to this object, and a request
         # that left is never woken again: nothing waits for that post.
-        if self.request.state != LEFT:  # else a forked child dropped it (keep_only)
-            abandon(&self.manager.table, self.request, True, &after)
+        if not self.over:  # else another thread ended it (only one may: see ``over``)
+            self.over = ends = True
+            if self.request.state != LEFT:  # else a forked child dropped it (keep_only)
+                abandon(&self.manager.table, self.request, True, &after)
         unlock()
-        self._ended()
-        finish(&after, NULL)
+        if ends:
+            self._ended()
+            finish(&after, NULL)
         return 0
 
     cdef int _ended(self) except -1:
@@ -514,8 +563,15 @@ cdef class _Acquiring:
     cdef object timeout
     cdef object wait      # the queued _TaskWait it drives, once it queued one
     cdef bint started     # its first send (or throw) came
+    cdef bint done        # it returned or raised: it answers no more sends
 
     def __await__(self):
+        # As CPython refuses a coroutine to a second awaiter (two tasks would share one
+        # wait, and the wrong one be told it holds the key).
+        if self.done:
+            raise RuntimeError("cannot reuse already awaited coroutine")
+        if self.started:
+            raise RuntimeError("coroutine is being awaited already")
         return self
 
     def __next__(self):
@@ -530,16 +586,19 @@ cdef class _Acquiring:
             raise StopIteration(answer)
         return answer
 
-    def throw(self, kind, value=None, traceback=None):
-        if not self.started:  # nothing acquired: the exception ends it
-            self.started = True
-            raise (kind if value is None else value)
-        if self.wait is None:
-            raise RuntimeError("cannot reuse already awaited coroutine")
-        return self.wait.throw(kind, value, traceback)
+    def throw(self, *error):
+        """As a coroutine's: the arguments as given (3.12+ deprecates three of them)."""
+        if not self.started or self.done:  # nothing acquired, or all over: it raises here
+            self.started = self.done = True
+            raise (error[1] if len(error) > 1 and error[1] is not None else error[0])
+        try:
+            return self.wait.throw(*error)
+        except BaseException:
+            self.done = True
+            raise
 
     def close(self):
-        self.started = True
+        self.started = self.done = True
         if self.wait is not None:
             self.wait.close()
 
@@ -566,10 +625,11 @@ cdef PySendResult acquiring_send(PyObject *op, PyObject *arg,
                                  PyObject **result) except? PYGEN_ERROR:
     cdef _Acquiring self = <_Acquiring>op
     cdef PyObject *answer
+    cdef PySendResult sent
+    if self.done:
+        raise RuntimeError("cannot reuse already awaited coroutine")
     if self.wait is None:
-        if self.started:
-            raise RuntimeError("cannot reuse already awaited coroutine")
-        self.started = True
+        self.started = self.done = True  # until it turns out to wait
         got = self.manager._task_acquire_as(self.key, self.mode, self.blocking, self.timeout)
         if type(got) is not _TaskWait:  # known at once: READY_TRUE or READY_FALSE
             answer = lockmgr_ready_value(got)
@@ -577,8 +637,12 @@ cdef PySendResult acquiring_send(PyObject *op, PyObject *arg,
             result[0] = answer
             return PYGEN_RETURN
         self.wait = got
+        self.done = False
         arg = <PyObject*>None
-    return PyIter_Send(<PyObject*>self.wait, arg, result)
+    sent = PyIter_Send(<PyObject*>self.wait, arg, result)
+    if sent != PYGEN_NEXT:
+        self.done = True
+    return sent
 
 
 lockmgr_set_am_send(<PyTypeObject*>_Acquiring, acquiring_send)

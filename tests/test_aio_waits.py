@@ -13,6 +13,7 @@ Two promises of the asyncio layer, on both engines:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import sys
 from typing import Any
@@ -178,3 +179,140 @@ def test_a_grant_posted_before_any_instruction_of_a_wait_wakes_the_task(impl) ->
         target += 1
         assert target < 5000, "the wait never ends"
     assert target > 10, f"only {target} instructions traced: the trace missed the wait"
+
+
+# -- one ending per wait ---------------------------------------------------------------------
+
+# A task queued for "k" whose loop was closed (stranded). Two threads end its wait at once:
+# one releases "k" (the grant finds the loop closed and ends the task), the other closes the
+# task's coroutine (its wait gives up). Exactly one of them may end the wait.
+TWO_ENDINGS = r"""
+import asyncio, importlib, sys, threading, warnings
+warnings.simplefilter("ignore")
+impl = importlib.import_module(sys.argv[1])
+for _ in range(int(sys.argv[2])):
+    locks = impl.LockManager()
+    held, go = threading.Event(), threading.Barrier(2)
+    def holder():
+        locks.acquire("k"); held.set(); go.wait(); locks.release("k")
+    releaser = threading.Thread(target=holder); releaser.start(); held.wait()
+    loop = asyncio.new_event_loop()
+    async def waiter():
+        await locks.aio.acquire("k")
+    task = loop.create_task(waiter())
+    async def until_queued():
+        while not locks.stats().waiting:
+            await asyncio.sleep(0)
+    loop.run_until_complete(until_queued())
+    loop.close()  # with the task queued for "k": stranded
+    task._log_destroy_pending = False
+    def closer():
+        go.wait(); task.get_coro().close()
+    closing = threading.Thread(target=closer); closing.start()
+    releaser.join(); closing.join()
+    assert len(locks) == 0 and locks.stats().waiting == 0, (len(locks), locks.stats())
+print("ok")
+"""
+
+
+def test_a_wait_two_threads_end_at_once_is_ended_once(impl) -> None:
+    """In a child, 300 rounds (free-threaded, both endings really run at once): the compiled
+    core let both give the wait back, and the second freed an entry the first had freed
+    (SIGSEGV on 3.13t with the GIL off)."""
+    done = subprocess.run([sys.executable, "-c", TWO_ENDINGS, impl.__name__, "300"],
+                          capture_output=True, text=True, timeout=PATIENCE * 6)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-3000:]
+
+
+def test_one_acquisition_awaited_by_two_tasks_refuses_the_second(impl) -> None:
+    """As a coroutine does: the second awaiter gets RuntimeError at once, and the first
+    gets the key (two tasks on one wait would tell the wrong one it holds the key)."""
+    locks = impl.LockManager()
+
+    async def main() -> None:
+        assert await locks.aio.acquire("k")
+        shared = locks.aio.acquire("k")
+        outcomes: dict[str, Any] = {}
+
+        async def awaits(name: str) -> None:
+            try:
+                outcomes[name] = await shared
+            except RuntimeError as error:
+                outcomes[name] = str(error)
+            outcomes[name, "owns"] = locks.aio.owned("k")
+            if outcomes[name] is True:
+                locks.aio.release("k")
+
+        first = asyncio.create_task(awaits("first"))
+        await until(lambda: locks.stats().waiting == 1, "the first task waits")
+        second = asyncio.create_task(awaits("second"))
+        locks.aio.release("k")
+        await asyncio.gather(first, second)
+        assert outcomes == {"first": True, ("first", "owns"): True,
+                            "second": "coroutine is being awaited already",
+                            ("second", "owns"): False}
+
+    asyncio.run(asyncio.wait_for(main(), PATIENCE))
+    assert len(locks) == 0 and locks.stats().waiting == 0
+
+
+class _RaiseAfterTheGrant:
+    """A trace function that raises KeyboardInterrupt (as a signal handler may, at the check
+    point after a call) on the line of ``_wait_for_grant`` that follows ``wait.complete()``."""
+
+    def __init__(self) -> None:
+        lines, first = inspect.getsourcelines(_aio._wait_for_grant)
+        at = next(i for i, line in enumerate(lines) if "wait.complete()" in line)
+        self.line = first + at + 1
+        assert "return True" in lines[at + 1], lines[at + 1]
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self.local if frame.f_code is _aio._wait_for_grant.__code__ else None
+
+    def local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == self.line and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt("a handler's, as the granted wait returns")
+        return self.local
+
+
+@pytest.mark.parametrize("kind", ["aio[key]", "hold", "hold_many"])
+def test_an_exception_as_a_granted_wait_returns_gives_back_the_key_and_the_record(
+        impl, kind) -> None:
+    """The ``async with`` never reaches its body, so no exit runs: the grant and the
+    object's record go back at once. A stored object stays usable by other tasks."""
+    locks = impl.LockManager()
+    stored = {"aio[key]": lambda: locks.aio["k"], "hold": lambda: locks.aio.hold("k"),
+              "hold_many": lambda: locks.aio.hold_many(["k", "j"])}[kind]()
+
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def holder() -> None:
+            async with locks.aio["k"]:
+                await release.wait()
+
+        other = asyncio.create_task(holder())
+        await until(lambda: "k" in locks, "another task holds k")
+        asyncio.get_running_loop().call_soon(release.set)
+        tracer = _RaiseAfterTheGrant()
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                async with stored:
+                    raise AssertionError("the body ran")
+        finally:
+            sys.settrace(None)
+        assert tracer.fired
+        assert not locks.aio.owned("k") and len(locks) == 0
+        await other
+
+        async def later() -> None:
+            async with stored:
+                assert locks.aio.owned("k")
+
+        await asyncio.create_task(later())
+
+    asyncio.run(asyncio.wait_for(main(), PATIENCE))
+    assert len(locks) == 0 and locks.stats().waiting == 0

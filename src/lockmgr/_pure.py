@@ -481,6 +481,10 @@ def _give_back(got: object, release: Callable[[], object]) -> None:
         got.abandon()
 
 
+def _nothing() -> None:
+    pass
+
+
 def _releases_here(token: _TaskToken, engine: _Engine, key: Any, mode: int) -> bool:
     """Whether a block's exit releases ``token``'s hold now, in this thread: only its
     loop's thread may change a task's holds. An exit run elsewhere (a coroutine the
@@ -516,8 +520,8 @@ def _task_awaitable(got: object, keys: object, seconds: float,
 class _TaskWait:
     """A task's queued request (see lockmgr._aio for the protocol)."""
 
-    __slots__ = ("awaited", "deadline", "entering", "keys", "log_at", "manager",
-                 "raises_timeout", "request", "seconds", "waker")
+    __slots__ = ("awaited", "completed", "deadline", "entered", "entering", "keys", "log_at",
+                 "manager", "raises_timeout", "request", "seconds", "taken", "waker")
 
     def __init__(self, manager: _Engine, request: _Request, waker: Waker) -> None:
         self.manager = manager
@@ -527,6 +531,11 @@ class _TaskWait:
         # The record of the ``async with`` object whose ``__aenter__`` queued it (else
         # None): the grant enters it.
         self.entering: _BlockRecord | None = None
+        # Once completed: the record it entered, and how to give back what it took (set
+        # by _task_take), for an exception that ends the await before it returns.
+        self.completed = False
+        self.entered: _BlockRecord | None = None
+        self.taken: Callable[[], object] = _nothing
         waker.lost = self._loop_closed
         self.deadline = -1.0  # _task_awaitable sets these
         self.raises_timeout = False
@@ -549,8 +558,21 @@ class _TaskWait:
         try:
             return (yield from _wait_for_grant(self).__await__())
         except BaseException:
-            self.abandon()
+            self.give_back()
             raise
+
+    def give_back(self) -> None:
+        """An exception ends the await: leave the queues, or, once completed (a signal
+        handler's exception as the wait returns), give back what it took and leave the
+        record it entered, as the block's exit would have."""
+        if not self.completed:
+            self.abandon()
+            return
+        self.completed = False
+        record, self.entered = self.entered, None
+        if record is not None:
+            record.leave()
+        self.taken()
 
     def timed_out(self) -> bool:
         if self.raises_timeout:
@@ -569,12 +591,14 @@ class _TaskWait:
     def complete(self) -> None:
         # The block enters first: an exception there (another task is inside) finds the
         # grant not yet completed, which abandon() then gives back.
-        if self.entering is not None:
+        record = self.entering
+        if record is not None:
             token = self.request.token
             assert type(token) is _TaskToken
-            self.entering.enter(token)
+            record.enter(token)
             self.entering = None
         _section(self.manager._complete_section, self.request)
+        self.entered, self.completed = record, True
         self._ended()
 
     def abandon(self) -> None:
@@ -1165,9 +1189,13 @@ class _Engine:
         key = self._table_key(key)
         seconds = 0.0 if try_only else -1.0
         if mode == _WRITE:
-            return self._task_wait(token, self._run_on_key, self._take_write, key, token,
-                                   seconds, count)
-        return self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
+            got = self._task_wait(token, self._run_on_key, self._take_write, key, token,
+                                  seconds, count)
+        else:
+            got = self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
+        if type(got) is _TaskWait:
+            got.taken = lambda: self._task_release_as(token, key, mode)
+        return got
 
     def _task_take_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
         if not items:
@@ -1175,7 +1203,10 @@ class _Engine:
             return True
         token = _running_task_token()
         _abandon_stranded(token)
-        return self._task_wait(token, self._take_many, items, token, 0.0 if try_only else -1.0)
+        got = self._task_wait(token, self._take_many, items, token, 0.0 if try_only else -1.0)
+        if type(got) is _TaskWait:
+            got.taken = lambda: self._release_many(items, token)
+        return got
 
     def _task_wait(self, token: _TaskToken, take: Callable[..., Any], *args: Any) -> object:
         """``take(*args)`` for a task: True, False, or the _TaskWait of its queued request."""
