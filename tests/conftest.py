@@ -45,6 +45,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="test the pure-Python twin only",
     )
     group.addoption(
+        "--facade-only",
+        action="store_true",
+        default=False,
+        dest="facade_only",
+        help="only the tests that use lockmgr's public names rather than an engine given "
+             "to them (what LOCKMGR_NO_EXTENSIONS=1 changes: .ci/run runs them so)",
+    )
+    group.addoption(
         "--only-c-extensions",
         action="store_true",
         default=False,
@@ -54,7 +62,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``--no-c-extensions`` deselects (and reports) the tests that need the compiled core."""
+    """``--no-c-extensions`` deselects (and reports) the tests that need the compiled core;
+    ``--facade-only`` those given an engine (``impl``), which the default run covers."""
+    if config.getoption("facade_only"):
+        given = [item for item in items if "impl" in getattr(item, "fixturenames", ())]
+        if given:
+            config.hook.pytest_deselected(items=given)
+            items[:] = [item for item in items if "impl" not in getattr(item, "fixturenames", ())]
     if config.getoption("c_extensions"):
         return
     deselected = [item for item in items if item.get_closest_marker("compiled")]

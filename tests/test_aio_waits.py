@@ -216,10 +216,10 @@ print("ok")
 
 
 def test_a_wait_two_threads_end_at_once_is_ended_once(impl) -> None:
-    """In a child, 300 rounds (free-threaded, both endings really run at once): the compiled
+    """In a child, 2,000 rounds (free-threaded, both endings really run at once): the compiled
     core let both give the wait back, and the second freed an entry the first had freed
-    (SIGSEGV on 3.13t with the GIL off)."""
-    done = subprocess.run([sys.executable, "-c", TWO_ENDINGS, impl.__name__, "300"],
+    (SIGSEGV on 3.13t with the GIL off, 2 runs of 3 at 1,500 rounds)."""
+    done = subprocess.run([sys.executable, "-c", TWO_ENDINGS, impl.__name__, "2000"],
                           capture_output=True, text=True, timeout=PATIENCE * 6)
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-3000:]
 
