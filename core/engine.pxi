@@ -876,6 +876,18 @@ cdef class _Engine:
         """``aio[key]``: the key's view for tasks."""
         return AsyncKeyLock(self, key)
 
+    def _task_hold(self, key, double seconds, int mode):
+        """``aio.hold(key)`` (``read``, ``write``): an ``async with`` object."""
+        return async_holding(self, key, seconds, mode)
+
+    def _task_hold_many(self, list items, double seconds):
+        """``aio.hold_many(...)``: an ``async with`` object."""
+        cdef AsyncHoldingMany made = AsyncHoldingMany.__new__(AsyncHoldingMany)
+        made.manager = self
+        made.items = items
+        made.seconds = seconds
+        return made
+
     def _task_record(self):
         """The record of an ``async with`` object: which task is inside it (lockmgr._aio)."""
         return _BlockRecord.__new__(_BlockRecord)

@@ -498,6 +498,66 @@ cdef class AsyncKeyLock(_BlockRecord):
         return f"<lockmgr.AsyncKeyLock key={self.key!r} locked={self.locked()}>"
 
 
+@cython.final
+cdef class AsyncHolding(_BlockRecord):
+    """``async with aio.hold(key)`` (and ``rw.aio.read``/``write``): LockTimeout if not
+    acquired in time. The pure twin's is ``lockmgr._aio._AsyncHolding``; this one enters and
+    exits with no Python frame, so no signal handler can interrupt it between taking the
+    key and recording the block. Its own block record (the base class)."""
+    cdef readonly object key       # the key
+    cdef _Engine manager           # the manager whose table it is
+    cdef PyObject *lock_key        # the key the table uses, borrowed (see AsyncKeyLock)
+    cdef Py_hash_t hash            # hash(lock_key)
+    cdef int mode                  # READ or WRITE
+    cdef double seconds            # how long to wait (< 0: for ever)
+
+    def __aenter__(self):
+        cdef _TaskOwner owner = task_owner(True)
+        got = self.manager._task_take(owner, self.lock_key, self.hash, self.mode,
+                                      self.seconds == 0, 1)
+        self.manager._enter_record(self, got, owner, self.lock_key, self.hash, self.mode)
+        return self.manager._task_awaitable(got, self.key, self.seconds, True)
+
+    def __aexit__(self, exc_type, exc, traceback):
+        cdef _TaskOwner owner = self.leave()
+        if owner is not None and releases_here(owner, self.manager, self.key, self.mode):
+            self.manager._task_release_at(owner.token, self.lock_key, self.hash, self.mode)
+        return READY_NONE
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+
+cdef AsyncHolding async_holding(_Engine manager, object key, double seconds, int mode):
+    cdef AsyncHolding made = AsyncHolding.__new__(AsyncHolding)
+    cdef Py_hash_t h = lockmgr_hash(key)
+    made.lock_key = manager._lock_key(key, &h)
+    made.hash = h
+    made.key = key
+    made.manager = manager
+    made.mode = mode
+    made.seconds = seconds
+    return made
+
+
+@cython.final
+cdef class AsyncHoldingMany(_BlockRecord):
+    """``async with aio.hold_many(...)``: every key for the block, or LockTimeout; in C for
+    the same reason as AsyncHolding."""
+    cdef _Engine manager
+    cdef list items                # [(key, READ or WRITE)], each lock once
+    cdef double seconds
+
+    def __aenter__(self):
+        return self.manager._task_enter_many(self.items, self.seconds, True, self)
+
+    def __aexit__(self, exc_type, exc, traceback):
+        return self.manager._task_exit_many(self, self.items)
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_ERROR)
+
+
 # -- the references a table holds in C, shown to the garbage collector ---------------------
 # A hot-key slot keeps its key alive for the manager's life; a key that refers back to its
 # manager would make a cycle the collector cannot see through Cython's own tp_traverse (it

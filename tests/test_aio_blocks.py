@@ -1751,8 +1751,9 @@ def test_an_empty_hold_many_runs_its_block_and_records_no_stray_object(impl, man
 
     run(main)
     allowed = (types.FrameType, weakref.ref, type(None), tuple, int, type(threading.RLock()))
-    stray = [thing for thing in seen if not isinstance(thing, allowed)
-             and type(thing).__name__ not in ("_TaskOwner", "_TaskToken")]
+    # (The compiled core's hold_many object is its own record: its manager and items too.)
+    stray = [thing for thing in seen if not isinstance(thing, allowed) and thing is not locks
+             and thing != [] and type(thing).__name__ not in ("_TaskOwner", "_TaskToken")]
     assert not stray, f"the record refers to {stray!r}"
     assert len(locks) == 0
 

@@ -72,7 +72,12 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
+    from contextlib import AbstractAsyncContextManager
     from types import TracebackType
+
+    #: What ``hold()``, ``read()``, ``write()`` and ``hold_many()`` answer: an ``async with``
+    #: object (the compiled core's own C type, or ``_AsyncHolding``/``_AsyncHoldingMany``).
+    AsyncBlock = AbstractAsyncContextManager[bool]
 
 P = ParamSpec("P")
 K = TypeVar("K", bound=Hashable)
@@ -293,9 +298,9 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
             self.acquire = manager._task_acquire
             self.release = manager._task_release_write
 
-    def hold(self, key: K, timeout: float | None = None) -> _AsyncHolding:
+    def hold(self, key: K, timeout: float | None = None) -> AsyncBlock:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
-        return _AsyncHolding(self._manager, key, hold_seconds(timeout), WRITE)
+        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)  # type: ignore[no-any-return]
 
     def __getitem__(self, key: K) -> AsyncKeyLock[K]:
         return self._manager._task_key_lock(key)  # type: ignore[no-any-return]
@@ -311,9 +316,9 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     def release_many(self, keys: Iterable[K]) -> None:
         self._manager._task_release_many(many_items(keys, self._manager._table_key))
 
-    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHoldingMany:
-        return _AsyncHoldingMany(self._manager, many_items(keys, self._manager._table_key),
-                                 hold_seconds(timeout))
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
+        return self._manager._task_hold_many(  # type: ignore[no-any-return]
+            many_items(keys, self._manager._table_key), hold_seconds(timeout))
 
     def locked(self, key: K) -> bool:
         """Whether any thread or task holds ``key``."""
@@ -365,11 +370,11 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
             self.release_read = manager._task_release_read
             self.release_write = manager._task_release_write
 
-    def read(self, key: K, timeout: float | None = None) -> _AsyncHolding:
-        return _AsyncHolding(self._manager, key, hold_seconds(timeout), READ)
+    def read(self, key: K, timeout: float | None = None) -> AsyncBlock:
+        return self._manager._task_hold(key, hold_seconds(timeout), READ)  # type: ignore[no-any-return]
 
-    def write(self, key: K, timeout: float | None = None) -> _AsyncHolding:
-        return _AsyncHolding(self._manager, key, hold_seconds(timeout), WRITE)
+    def write(self, key: K, timeout: float | None = None) -> AsyncBlock:
+        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)  # type: ignore[no-any-return]
 
     async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                            blocking: bool = True, timeout: float = -1) -> bool:
@@ -382,10 +387,9 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         self._manager._task_release_many(rw_items(reads, writes, self._manager._table_key))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
-                  timeout: float | None = None) -> _AsyncHoldingMany:
-        return _AsyncHoldingMany(self._manager,
-                                 rw_items(reads, writes, self._manager._table_key),
-                                 hold_seconds(timeout))
+                  timeout: float | None = None) -> AsyncBlock:
+        return self._manager._task_hold_many(  # type: ignore[no-any-return]
+            rw_items(reads, writes, self._manager._table_key), hold_seconds(timeout))
 
     def readers(self, key: K) -> int:
         """How many threads and tasks hold ``key`` for reading."""
@@ -432,7 +436,7 @@ def _synchronized(view: Any, key_func: Callable[..., Hashable]
         @functools.wraps(func)
         async def locked_call(*args: P.args, **kwargs: P.kwargs) -> T:
             key = key_func(*args, **kwargs)
-            async with _AsyncHolding(manager, key, -1.0, mode):
+            async with manager._task_hold(key, -1.0, mode):
                 return await func(*args, **kwargs)
 
         return locked_call

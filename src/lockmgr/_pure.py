@@ -98,7 +98,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, final
 
-from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _take, _wait_for_grant
+from ._aio import (
+    AsyncKeyLock,
+    AsyncLockManager,
+    AsyncRWLockManager,
+    _AsyncHolding,
+    _AsyncHoldingMany,
+    _take,
+    _wait_for_grant,
+)
 from ._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS,
@@ -1154,6 +1162,13 @@ class _Engine:
 
     def _task_record(self) -> _BlockRecord:
         return _BlockRecord()
+
+    def _task_hold(self, key: Hashable, seconds: float, mode: int) -> _AsyncHolding:
+        return _AsyncHolding(self, key, seconds, mode)
+
+    def _task_hold_many(self, items: list[tuple[Hashable, int]],
+                        seconds: float) -> _AsyncHoldingMany:
+        return _AsyncHoldingMany(self, items, seconds)
 
     def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
         hash(key)  # an unhashable key fails here, as it does in the core
