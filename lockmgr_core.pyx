@@ -124,7 +124,11 @@ reference, so the request's memory outlives every finish that may still read it.
 protocol is the threads' one (``post_owed``): a task whose request changed before its post
 arrived awaits the post (``AWAIT_POST``) before its request may change again. A task waits
 only for its loop's thread to run it, so the deadlock search follows a task to that thread
-when it waits in a synchronous acquire (``waiting_threads``).
+when it waits in a synchronous acquire (``waiting_threads``). A ``_TaskWait`` is known to its
+task only once its section queued it, and whether it has ended is decided in a section
+(``over``), so of two threads ending it at once one does. Who is inside an ``async with``
+object is recorded in the object (``_BlockRecord``: the task's owner and a depth) once the
+task holds the key; its exit gives back that owner's hold, never looking at frames.
 """
 
 cimport cython
