@@ -629,6 +629,8 @@ cdef PySendResult acquiring_send(PyObject *op, PyObject *arg,
     if self.done:
         raise RuntimeError("cannot reuse already awaited coroutine")
     if self.wait is None:
+        if arg is not <PyObject*>None:
+            raise TypeError("can't send non-None value to a just-started coroutine")
         self.started = self.done = True  # until it turns out to wait
         got = self.manager._task_acquire_as(self.key, self.mode, self.blocking, self.timeout)
         if type(got) is not _TaskWait:  # known at once: READY_TRUE or READY_FALSE
