@@ -133,6 +133,20 @@ def block_records() -> int:
     return sum(isinstance(o, kinds) for o in gc.get_objects())
 
 
+class Delegating:
+    """A user's async context manager that delegates to a lockmgr one: the common wrapper
+    pattern (its ``__aenter__``/``__aexit__`` run in frames of their own)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    async def __aenter__(self) -> Any:
+        return await self.inner.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> Any:
+        return await self.inner.__aexit__(*exc_info)
+
+
 def wait_until(condition: Callable[[], bool], what: str, patience: float = PATIENCE) -> None:
     """Poll ``condition`` (a real state: a queue length, an owner) until it holds."""
     deadline = time.monotonic() + patience

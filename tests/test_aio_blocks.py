@@ -33,7 +33,14 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, Worker, abandoned_warnings, block_records, held_by_another_task
+from conftest import (
+    PATIENCE,
+    Delegating,
+    Worker,
+    abandoned_warnings,
+    block_records,
+    held_by_another_task,
+)
 from lockmgr import AsyncRWLockManager, NotOwnedError
 from lockmgr._common import block_in_use, not_entered
 from test_aio import run, until
@@ -444,20 +451,6 @@ def test_a_grant_into_a_shared_view_its_first_task_is_still_inside_raises_and_pa
     assert len(locks) == 0
 
 
-class _Delegating:
-    """A user's async context manager that delegates to a lockmgr one: the common wrapper
-    pattern (its ``__aenter__``/``__aexit__`` run in frames of their own)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    async def __aenter__(self) -> Any:
-        return await self.inner.__aenter__()
-
-    async def __aexit__(self, *exc_info: Any) -> Any:
-        return await self.inner.__aexit__(*exc_info)
-
-
 INDIRECT = ["AsyncExitStack", "delegating wrapper", "by hand"]
 
 
@@ -469,7 +462,7 @@ async def _indirectly(how: str, target: Any) -> AsyncIterator[None]:
             await stack.enter_async_context(target)
             yield
     elif how == "delegating wrapper":
-        async with _Delegating(target):
+        async with Delegating(target):
             yield
     else:
         await target.__aenter__()
@@ -1581,7 +1574,7 @@ def test_a_long_lived_object_entered_indirectly_keeps_nothing_of_its_blocks(impl
                     await stack.enter_async_context(shared)
                 del stack
             else:
-                wrapper = _Delegating(shared)
+                wrapper = Delegating(shared)
                 refs.append(weakref.ref(wrapper))
                 async with wrapper:
                     pass

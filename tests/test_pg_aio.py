@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import psycopg
-from conftest import PATIENCE, block_records, wait_until
+from conftest import PATIENCE, Delegating, block_records, wait_until
 from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout, NotOwnedError,
                      postgres)
 from lockmgr._pg_aio import _AsyncLink
@@ -585,20 +585,6 @@ def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:
     closed, their keys released in process with an AbandonedLockWarning)."""
     with pytest.warns(AbandonedLockWarning):
         locks.lost_keys()
-
-
-class Delegating:
-    """A user's async context manager around a lockmgr one (its own ``__aenter__`` and
-    ``__aexit__`` frames)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    async def __aenter__(self) -> Any:
-        return await self.inner.__aenter__()
-
-    async def __aexit__(self, *exc_info: Any) -> Any:
-        return await self.inner.__aexit__(*exc_info)
 
 
 def server_holders(dsn: str, manager: Any, key: object) -> int:  # noqa: F811
