@@ -58,6 +58,20 @@ def _suspend() -> Any:
     yield "suspended"
 
 
+def _stranded(coroutine: Coroutine[Any, Any, None], condition: Callable[[], bool],
+              what: str) -> asyncio.Task[None]:
+    """A task running ``coroutine`` on a loop closed (with the task pending, as after a
+    second Ctrl-C) once ``condition`` holds: stranded, never to run again."""
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(coroutine)
+        loop.run_until_complete(until(condition, what))
+    finally:
+        loop.close()
+    task._log_destroy_pending = False  # pending for good, as meant: no log when collected
+    return task
+
+
 def _record(block: Any) -> Any:
     """The record of ``block`` (the compiled core's ``aio[key]`` is its own)."""
     return getattr(block, "_record", block)
@@ -286,13 +300,7 @@ def test_an_exit_for_a_task_whose_loop_is_closed_ends_that_task(impl, kind,
         async with block:
             await asyncio.get_running_loop().create_future()  # never done
 
-    loop = asyncio.new_event_loop()
-    try:
-        task = loop.create_task(in_block())
-        loop.run_until_complete(until(lambda: "k" in locks, "the task is inside"))
-    finally:
-        loop.close()  # with the task pending, as after a second Ctrl-C
-    task._log_destroy_pending = False  # pending for good, as meant: no log when collected
+    task = _stranded(in_block(), lambda: "k" in locks, "the task is inside")
     assert "x" in locks and "k" in locks
     errors: list[BaseException] = []
 
@@ -1022,13 +1030,7 @@ def test_a_task_stranded_on_its_own_future_inside_a_shared_view_is_collectable(i
         async with shared:
             await asyncio.get_running_loop().create_future()  # never done
 
-    loop = asyncio.new_event_loop()
-    try:
-        task = loop.create_task(in_block())
-        loop.run_until_complete(until(lambda: "k" in locks, "the task holds k"))
-    finally:
-        loop.close()
-    task._log_destroy_pending = False
+    task = _stranded(in_block(), lambda: "k" in locks, "the task holds k")
     with abandoned_warnings():
         impl.end_stranded_task(task)
     assert "k" not in locks
