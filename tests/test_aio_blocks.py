@@ -1418,25 +1418,22 @@ def test_concurrent_closers_of_ended_tasks_blocks_in_several_loops_leave_the_vie
 # frame that died) is the exit of the object's recorded task like any other.
 
 
-async def _step(view: Any, enter: bool, frames: list[Any]) -> int:
-    """Enter or exit ``view`` in a frame of this helper's (as an ``AsyncExitStack`` or a
-    wrapper does); an entering frame stays in ``frames`` until the caller lets it go.
-    Answers the frame's id."""
+async def _step(view: Any, enter: bool) -> None:
+    """Enter or exit ``view`` in a frame of this helper's, as an ``AsyncExitStack`` or a
+    wrapper does (the frame dies when the helper returns: another may get its id)."""
     if enter:
         await view.__aenter__()
-        frames.append(sys._getframe())
     else:
         await view.__aexit__(None, None, None)
-    return id(sys._getframe())
 
 
-def _step_of_its_own(name: str) -> Callable[[Any, bool, list[Any]], Coroutine[Any, Any, int]]:
+def _step_of_its_own(name: str) -> Callable[[Any, bool], Coroutine[Any, Any, None]]:
     """``_step`` under a code object of its own, of the same shape: the frame of one is
     often handed the memory, so the id, of another's freed frame."""
     return type(_step)(_step.__code__.replace(co_name=name), globals())
 
 
-async def _enters_then_waits(view: Any, frames: list[Any]) -> None:
+async def _enters_then_waits(view: Any) -> None:
     """A helper entering ``view`` for its caller, then waiting (where it is cancelled: its
     frame raises)."""
     await view.__aenter__()
@@ -1456,19 +1453,16 @@ def test_an_exit_through_a_helper_gives_back_the_tasks_own_block(impl, helpers,
     frame that died): the exit gives back that task's own hold at once."""
     locks = impl.LockManager()
     view = locks.aio["k"]
-    frames: list[Any] = []
-
-    def helper(name: str) -> Callable[[Any, bool, list[Any]], Coroutine[Any, Any, int]]:
+    def helper(name: str) -> Callable[[Any, bool], Coroutine[Any, Any, None]]:
         return _step if helpers == "one for both" else _step_of_its_own(name)
 
     async def own_block(round_: int, entered_in_a_helper: bool) -> tuple[int, int]:
         if entered_in_a_helper:
-            await helper(f"enter_{round_}")(view, True, frames)
-            frames.clear()
+            await helper(f"enter_{round_}")(view, True)
         else:
             await view.__aenter__()
         held = locks.aio.recursion_count("k")
-        await helper(f"exit_{round_}")(view, False, frames)
+        await helper(f"exit_{round_}")(view, False)
         return held, locks.aio.recursion_count("k")
 
     async def refused() -> None:
@@ -1480,9 +1474,9 @@ def test_an_exit_through_a_helper_gives_back_the_tasks_own_block(impl, helpers,
         for round_ in range(20):
             with abandoned_warnings() as caught:
                 if ended_by == "returning":
-                    await asyncio.create_task(helper(f"enter_{round_}")(view, True, frames))
+                    await asyncio.create_task(helper(f"enter_{round_}")(view, True))
                 else:
-                    entering = asyncio.create_task(_enters_then_waits(view, frames))
+                    entering = asyncio.create_task(_enters_then_waits(view))
                     await until(lambda: "k" in locks, "the helper entered")
                     entering.cancel()
                     with pytest.raises(asyncio.CancelledError):
@@ -1490,9 +1484,8 @@ def test_an_exit_through_a_helper_gives_back_the_tasks_own_block(impl, helpers,
                     del entering
                 await until(lambda: "k" not in locks, "the ended task's key is released")
             assert len(caught) == 1, caught
-            frames.clear()  # the ended block's frame dies
             await asyncio.create_task(refused())
-            await asyncio.create_task(helper(f"exit_{round_}")(view, False, frames))
+            await asyncio.create_task(helper(f"exit_{round_}")(view, False))
             assert "k" not in locks and _record(view)._inside == (None, 0)
             for entered_in_a_helper in (False, True):
                 held = await asyncio.create_task(own_block(round_, entered_in_a_helper))

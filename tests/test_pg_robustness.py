@@ -1,6 +1,7 @@
-"""The second adversarial review of the PostgreSQL backend (``lockmgr.postgres`` and
-``lockmgr._pg_aio``): reproducers against a real server, one per finding. Each test states
-what must hold; each fails on the reviewed commit."""
+"""The PostgreSQL backend where its surroundings misbehave: a role that may not use
+plpgsql, a stalled network under a clean-up, a thread's lost_keys() during a task's
+clean-up, a closed loop's task, and the test and bench runs' own servers when those runs
+are terminated. Against a real server; each test states what must hold."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import psycopg
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning, LockLost, postgres
 from test_pg_aio import HOLDER, locks, run, until  # noqa: F401
-from test_pg_aio_review import slow_abort
+from test_pg_aio_failures import slow_abort
 from test_postgres import (  # noqa: F401
     _waiting_on_server,
     child,

@@ -1,17 +1,9 @@
-"""Adversarial review of engine v2 (issue 11): reproducers, both engines where meaningful.
+"""Code that runs inside an operation, on both engines: a key's ``__eq__`` that takes a key
+while the engine compares it, an exception right after a thread granted itself a key, a
+child forked after a grant, a finalizer run by a thread's exit.
 
-Every scenario that can crash or hang runs in a subprocess with a hard timeout and a
-faulthandler watchdog; the test asserts the exit status and the printed outcome.
-
-Status on the review branch (compiled core as of 1ac5942; the pure twin is the OLD one):
-- test_key_eq_that_takes_a_key_during_compare[cython-*]      FAILS: SIGSEGV (NULL spare)
-- test_exception_after_self_grant_does_not_hang[cython]      FAILS: hangs in _settle
-- test_child_forked_after_grant_counts_no_waiter[cython]     FAILS: stats().waiting == 1
-- test_finalizer_run_by_thread_exit_leaves_nothing_locked[*] FAILS on both engines
-The OLD pure twin also fails test_key_eq_* (self-deadlock on its _mutex: issue item 8) and
-test_exception_after_self_grant_* (ValueError from _leave, then the child hangs); it passes
-test_child_forked_after_grant_counts_no_waiter. Run the core only with ``-k cython``.
-"""
+Every scenario that could crash or hang runs in a subprocess with a hard timeout and a
+faulthandler watchdog; the test asserts the exit status and the printed outcome."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The adversarial review of ``lockmgr._pg_aio``: its reproducers against a real server,
-one per finding (each states what must hold)."""
+"""The PostgreSQL asyncio views when things fail: clean-ups after a cancellation, keys
+lost while a clean-up runs, a fork from a task, a pooled connection that dies while it
+waits, a loop closed with a task waiting on the server, Ctrl-C in asyncio.run's shutdown.
+Against a real server; each test states what must hold."""
 
 from __future__ import annotations
 

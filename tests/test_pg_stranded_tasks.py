@@ -1,6 +1,7 @@
-"""The third adversarial review of the PostgreSQL backend (``lockmgr.postgres`` and
-``lockmgr._pg_aio``), of the fix round 6c71166..2bf63ad: reproducers against a real server,
-one per finding. Each test states what must hold; each fails on the reviewed commit."""
+"""Tasks stranded on a closed event loop while they hold or wait for PostgreSQL keys: the
+sweep that ends them (before every acquisition, from a task or a thread), what it frees in
+process and on the server, and the test harness's own server when a run is cut short.
+Against a real server; each test states what must hold."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 from conftest import PATIENCE, wait_until
 from lockmgr import postgres
 from test_pg_aio import HOLDER, locks, quietly_collect, strand_a_holder, until  # noqa: F401
-from test_pg_aio_review import slow_abort
+from test_pg_aio_failures import slow_abort
 from test_postgres import (  # noqa: F401
     _waiting_on_server,
     child,
@@ -242,7 +243,7 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
     doing), the waiter's poll found it only just after. No correct lock ever shows it; a
     Redis lock whose waiter polls does, and its row now reads "no overlap"."""
     from lockmgr import _distributed_bench
-    from test_pg_review2 import ScriptedWorker
+    from test_pg_robustness import ScriptedWorker
 
     monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
     log: dict[str, Any] = {}
@@ -329,3 +330,62 @@ def test_a_sweep_beside_a_grant_to_a_stranded_task_frees_its_token_once(dsn, nam
                                   "PYTHONMALLOC": "debug"})
     assert process.returncode == 0 and "survived" in process.stdout, (
         process.returncode, process.stdout[-1500:], process.stderr[-3000:])
+
+
+# -- a sweep that an exception interrupts ends every stranded task all the same --------------
+
+
+def test_an_interrupted_sweep_leaves_no_stranded_key_held_in_process(locks, dsn) -> None:  # noqa: F811
+    """``sweep_closed_loops`` (now before every acquisition, from any thread) takes the
+    closed loops out of ``loops`` and *all* their tasks' sessions out of ``sessions`` under
+    the guard, then ends the tasks one at a time (``end_stranded_task``: Python code,
+    warnings, finalizers). An exception out of one ending — the AbandonedLockWarning it
+    warns, under ``-W error`` or pytest's ``filterwarnings = error``; a KeyboardInterrupt,
+    which SIGINT (and now SIGTERM, in the bench) raises at any bytecode — leaves the other
+    stranded tasks listed nowhere and never ended in process: no later sweep finds them,
+    and their keys are held in process for good (a waiter without a timeout waits forever).
+    (The pop-all-then-end shape predates this round; the round runs it before every
+    acquisition, so the caller of any acquisition, of any key, meets it.)"""
+    loop = asyncio.new_event_loop()
+
+    async def holds(key: str, held: asyncio.Event) -> None:
+        async with locks.aio.hold(key):
+            held.set()
+            await asyncio.sleep(3600)
+
+    async def until_held() -> list[asyncio.Task[None]]:
+        events = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(holds(key, event)) for key, event in zip("ab", events)]
+        for event in events:
+            await event.wait()
+        return tasks
+
+    stranded = loop.run_until_complete(until_held())
+    loop.close()
+    outcome: dict[str, object] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # as under -W error
+            try:
+                locks.acquire("x", timeout=1.0)
+                locks.release("x")
+                outcome["first acquisition"] = "ok"
+            except Exception as error:  # noqa: BLE001
+                outcome["first acquisition"] = type(error).__name__
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+
+            def another_thread() -> None:  # (this one's acquisition may not be the point)
+                for key in "ab":
+                    got = locks.acquire(key, timeout=2.0)
+                    outcome[key] = got
+                    if got:
+                        locks.release(key)
+
+            thread = threading.Thread(target=another_thread)
+            thread.start()
+            thread.join(PATIENCE)
+    finally:
+        del stranded
+        quietly_collect()
+    assert outcome["a"] is True and outcome["b"] is True, outcome
