@@ -221,8 +221,8 @@ def test_a_grant_that_raced_the_cancellation_is_undone(locks, dsn, monkeypatch, 
     """The cancellation lands just as the server's answer (the grant) comes in."""
     original = _AsyncLink._round_trip_async
 
-    async def granted_then_cancelled(self: Any, send: Any, *args: Any) -> Any:
-        results = await original(self, send, *args)
+    async def granted_then_cancelled(self: Any, deadline: Any, send: Any, *args: Any) -> Any:
+        results = await original(self, deadline, send, *args)
         locking = send.__name__ != "send_prepare" and (
             b"pg_advisory_lock" in args[0] or args[0].startswith(b"lockmgr_pg_advisory_lock"))
         if locking:

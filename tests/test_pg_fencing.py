@@ -1,8 +1,9 @@
 """Fencing tokens of the PostgreSQL managers, against a real server (a server of this module's
 own: one test restarts it), in-process and across processes.
 
-Each test's managers put the fence table in a schema of the test's own (first in their
-search_path), so each test starts with no table and its first fenced acquisition makes it."""
+Each test's managers put the fence table in a schema of the test's own (``fence_table``; their
+search_path starts there too), so each test starts with no table and its first fenced
+acquisition makes it."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def make_fenced(engine, dsn, namespace, schema) -> Iterator[Callable[..., Manage
     made: list[Any] = []
 
     def make(cls: type = postgres.PgLockManager, **kwargs: Any) -> Any:
-        manager = cls(dsn, namespace=namespace, fencing=True,
+        manager = cls(dsn, namespace=namespace, fencing=True, fence_table=f"{schema}.lockmgr_fences",
                       connect_kwargs=kwargs.pop("connect_kwargs", in_schema(schema)), **kwargs)
         made.append(manager)
         return manager
@@ -90,7 +91,8 @@ def fenced_child(dsn: str, namespace: str, schema: str, body: str,
                  pure: bool = False) -> Any:
     """A child process whose ``fenced`` is a fencing manager of the test's schema."""
     make = (f"fenced = postgres.PgLockManager(os.environ['DSN'], namespace=os.environ['NAMESPACE'],"
-            f" fencing=True, connect_kwargs={in_schema(schema)!r})\n")
+            f" fencing=True, fence_table={schema + '.lockmgr_fences'!r},"
+            f" connect_kwargs={in_schema(schema)!r})\n")
     return child(dsn, namespace, make + textwrap.dedent(body), pure=pure)
 
 

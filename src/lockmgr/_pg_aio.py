@@ -69,13 +69,13 @@ from .postgres import (
     _FENCED_LOCK,
     _LOCK,
     _MADE_MEANWHILE,
-    _CREATE_FENCE_TABLE,
-    _FENCE_TABLE_EXISTS,
     _MODE_NAMES,
-    _STATEMENTS,
     _TRY_LOCK,
     _UNLOCK,
+    _answer_by,
+    _deadline,
     _drop_sql,
+    _FenceTable,
     _fences_from,
     _holding,
     _Link,
@@ -86,8 +86,10 @@ from .postgres import (
     _read_has_no_fence,
     _same,
     _CHECK_UNSUPPORTED,
-    _NO_LOCK_TIMEOUT,
     _Session,
+    _refusal,
+    _round_trip_deadline,
+    _Unanswered,
     _setup_sql,
     _unlock_sql,
     Lease,
@@ -114,14 +116,18 @@ class _AsyncLink(_Link):
     __slots__ = ()
 
     @classmethod
-    async def connect_async(cls, dsn: str, connect_kwargs: dict[str, Any]) -> _AsyncLink:
+    async def connect_async(cls, dsn: str, connect_kwargs: dict[str, Any],
+                            statements: dict[bytes, bytes]) -> _AsyncLink:
         conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **connect_kwargs)
-        link = cls(conn)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used
+        link = cls(conn, statements)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used
         try:
             try:
-                await link.run_async(_setup_sql(link.pgconn.server_version))
+                results = await link.run_all_async(_setup_sql(link.pgconn.server_version))
             except _CHECK_UNSUPPORTED:
-                await link.run_async(_NO_LOCK_TIMEOUT)
+                results = await link.run_all_async(_setup_sql(link.pgconn.server_version, False))
+            refusal = _refusal(results[0], link.pgconn.backend_pid)
+            if refusal is not None:
+                raise refusal
         except BaseException:
             link.close()
             raise
@@ -130,28 +136,34 @@ class _AsyncLink(_Link):
     def _finish(self) -> None:
         self.pgconn.finish()  # AsyncConnection.close() is a coroutine; this is all it does here
 
-    async def run_async(self, sql: str) -> Any:
-        return (await self.run_all_async(sql))[-1]
+    async def run_async(self, sql: str, deadline: float | None | bool = True) -> Any:
+        return (await self.run_all_async(sql, deadline))[-1]
 
-    async def run_all_async(self, sql: str) -> list[Any]:
-        return await self._round_trip_async(self.pgconn.send_query, sql.encode())
+    async def run_all_async(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
+        return await self._round_trip_async(_deadline(deadline), self.pgconn.send_query,
+                                            sql.encode())
 
-    async def call_async(self, statement: bytes, ident: int) -> Any:
+    async def call_async(self, statement: bytes, ident: int,
+                         deadline: float | None | bool = True) -> Any:
+        answer_by = _deadline(deadline)
         if statement not in self.prepared:
             try:
-                await self._round_trip_async(self.pgconn.send_prepare, statement,
-                                             _STATEMENTS[statement])
+                await self._round_trip_async(_answer_by() if answer_by is None else answer_by,
+                                             self.pgconn.send_prepare, statement,
+                                             self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # a clean-up after a cancellation drained the answer we never read
             self.prepared.add(statement)
-        results = await self._round_trip_async(self.pgconn.send_query_prepared, statement,
-                                               [b"%d" % ident])
+        results = await self._round_trip_async(answer_by, self.pgconn.send_query_prepared,
+                                               statement, [b"%d" % ident])
         return results[-1]
 
-    async def _round_trip_async(self, send: Callable[..., None], *args: Any) -> list[Any]:
-        """Send, then read every result. A cancellation leaves the statement running, and
-        the connection ``talking`` (other threads' and tasks' checks keep off it): the
-        clean-up task ends the statement on the server (``abort``), then the talk."""
+    async def _round_trip_async(self, deadline: float | None, send: Callable[..., None],
+                                *args: Any) -> list[Any]:
+        """Send, then read every result (past ``deadline``, the connection is closed:
+        ``_Unanswered``). A cancellation leaves the statement running, and the connection
+        ``talking`` (other threads' and tasks' checks keep off it): the clean-up task ends
+        the statement on the server (``abort``), then the talk."""
         pgconn = self.pgconn
         results: list[Any] = []
         with self.guard:
@@ -159,10 +171,10 @@ class _AsyncLink(_Link):
         try:
             send(*args)
             while pgconn.flush():
-                await self._ready(writing=True)
+                await self._ready(writing=True, deadline=deadline)
             while True:
                 if pgconn.is_busy():
-                    await self._ready(writing=False)
+                    await self._ready(writing=False, deadline=deadline)
                     pgconn.consume_input()
                     continue
                 result = pgconn.get_result()
@@ -180,7 +192,11 @@ class _AsyncLink(_Link):
                 raise pg_errors.error_from_result(result, encoding=encoding)
         return results
 
-    async def _ready(self, writing: bool) -> None:
+    async def _ready(self, writing: bool, deadline: float | None = None) -> None:
+        """Until the socket is ready; past ``deadline``, the connection is closed."""
+        if deadline is not None and deadline <= time.monotonic():
+            self.close()
+            raise _Unanswered("PostgreSQL did not answer in time: the connection was closed")
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         fd = self.pgconn.socket
@@ -188,9 +204,15 @@ class _AsyncLink(_Link):
             loop.add_writer(fd, _set_once, ready)
         else:
             loop.add_reader(fd, _set_once, ready)
+        # the loop's clock is time.monotonic (asyncio's default): the timer wakes this
+        # wait at the deadline, and the next call ends the round trip
+        timer = (None if deadline is None
+                 else loop.call_later(deadline - time.monotonic(), _set_once, ready))
         try:
             await ready
         finally:
+            if timer is not None:
+                timer.cancel()
             if writing:
                 loop.remove_writer(fd)
             else:
@@ -221,13 +243,13 @@ class _AsyncLink(_Link):
                 return
 
 
-async def _make_fence_table(link: _AsyncLink) -> None:
+async def _make_fence_table(link: _AsyncLink, table: _FenceTable) -> None:
     """``postgres._make_fence_table`` on a task's connection."""
     for attempt in range(2):
-        if (await link.run_async(_FENCE_TABLE_EXISTS)).get_value(0, 0) == b"t":
+        if (await link.run_async(table.exists_sql)).get_value(0, 0) == b"t":
             return
         try:
-            await link.run_async(_CREATE_FENCE_TABLE)
+            await link.run_async(table.create_sql)
             return
         except _MADE_MEANWHILE:
             if attempt:
@@ -294,6 +316,9 @@ class _Tasks:
         try:
             left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
             fences = await self.lock(session, fresh, left) if fresh else {}
+            # A connection lost on the way lost the keys this call re-entered too: the
+            # call fails, whatever a fresh connection then gave (the clean-up drops it).
+            session.refuse_lost(items)
             if fences is not None:
                 session.granted(items, self.manager._fences_of(fresh, fences))
                 taken = True
@@ -403,28 +428,33 @@ class _Tasks:
                 link, fresh_link = await self.attach(session)
             try:
                 if fencing and not manager._fence_table_made:
-                    await _make_fence_table(link)
+                    await _make_fence_table(link, manager._fence_table)
                     manager._fence_table_made = True
                 left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
                 trying = seconds == 0 or (deadline is not None and left <= 0)
                 how = "try" if trying else "wait" if deadline is None else "timed"
+                answer_by = _round_trip_deadline(how, deadline)
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
                     statement = (_FENCED_LOCK[how] if fencing
                                  else _TRY_LOCK[mode] if trying else _LOCK[mode])
-                    results = [await link.call_async(statement, ident)]
+                    results = [await link.call_async(statement, ident, answer_by)]
                 else:
-                    results = await link.run_all_async(_lock_sql(ordered, how, left, fencing))
+                    results = await link.run_all_async(
+                        _lock_sql(ordered, how, left, manager._fence_table if fencing else None),
+                        answer_by)
             except pg_errors.LockNotAvailable:
                 if deadline is not None and deadline - time.monotonic() > 0:
                     continue
                 return None
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as error:
                 if not link.broken():
                     raise
                 self.lose(session)
+                if isinstance(error, _Unanswered):
+                    return None
                 if fresh_link or retried:
                     raise
                 retried = True
@@ -568,7 +598,9 @@ class _Tasks:
             with manager._guard:
                 link = self.idle.pop() if self.idle else None
             if link is None:
-                link, fresh = await _AsyncLink.connect_async(manager._dsn, manager._connect_kwargs), True
+                link = await _AsyncLink.connect_async(
+                    manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+                fresh = True
                 break
             if link.idle():
                 fresh = False
@@ -709,7 +741,8 @@ class _Tasks:
         if link is None or not link.idle():
             if link is not None:
                 link.close()
-            link = await _AsyncLink.connect_async(manager._dsn, manager._connect_kwargs)
+            link = await _AsyncLink.connect_async(
+                manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
         try:
             result = await link.run_async(
                 f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {manager.advisory_key(key)}"

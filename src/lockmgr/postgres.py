@@ -14,9 +14,8 @@ The rules that keep it correct:
   other; it can never let two holders in.
 - **Connections**: a thread's session-level locks live on a connection that thread owns
   until it holds nothing (then the connection goes back to the manager's idle list, and is
-  checked before it is used again). Never give the manager a DSN that goes through a
-  *transaction* pooler (PgBouncer in transaction mode): session locks would land on a
-  server session other clients share. A forked child never uses (nor closes) a connection
+  checked before it is used again). Each new connection pins the settings locks depend on
+  and refuses a standby and a pooler (``_setup_sql``, ``_refusal``). A forked child never uses (nor closes) a connection
   of its parent's: it opens its own, and keys the parent held are not the child's.
 - **A lost connection is a lost lock**: the holder gets ``LockLost`` at each release of
   that key (and at an acquire of it), ``lost_keys()`` and the ``on_lost`` callback (once per
@@ -39,8 +38,10 @@ The rules that keep it correct:
   on the manager, which does it first (``_Session.unsure``).
 - ``xact_lock(conn, key)`` takes a transaction-scoped lock in the caller's own transaction,
   so the lock and the caller's writes commit or roll back together.
+- **Deadlines**: every round trip has one on the client (``_ANSWER_WITHIN``,
+  ``_WAIT_MARGIN``); past it the connection is closed and its keys are lost.
 - **Fencing tokens** (``fencing=True``): the first level of each write acquisition takes
-  the key's next fence — its row of ``lockmgr_fences``, keyed by advisory key, incremented
+  the key's next fence — its row of the fence table (``_FenceTable``), keyed by advisory key, incremented
   — in the lock's own message, after the lock and only if it was granted; a timed wait
   takes it under its transaction locks, so that a timeout rolls it back too. The increment
   commits with ``synchronous_commit`` on before the fence is handed out: a crash never
@@ -100,7 +101,8 @@ from ._common import (
 if TYPE_CHECKING:
     from ._pg_aio import PgAsyncLockManager, PgAsyncRWLockManager, _Tasks
 
-__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "advisory_key"]
+__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "UnsafeServerError",
+           "advisory_key"]
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
@@ -120,28 +122,13 @@ def _kind(mode: int) -> str:
 
 
 # Fencing: one counter per advisory key (which includes the namespace; a hash collision
-# makes two keys share a counter, which still only increases). Made at a manager's first
-# fenced acquisition where the connection's search_path puts new tables. The check comes
-# first because CREATE TABLE IF NOT EXISTS needs the CREATE privilege even when the table
-# exists: a role without it can use a table an administrator made.
-_FENCE_TABLE_EXISTS = "SELECT to_regclass('lockmgr_fences') IS NOT NULL"
-_CREATE_FENCE_TABLE = ("CREATE TABLE IF NOT EXISTS lockmgr_fences"
-                       " (key bigint PRIMARY KEY, fence bigint NOT NULL)")
+# makes two keys share a counter, which still only increases), in one table named with its
+# schema: every role, search_path and connection finds the same counters. Made at a
+# manager's first fenced acquisition if missing. The check comes first because CREATE
+# TABLE IF NOT EXISTS needs the CREATE privilege even when the table exists: a role
+# without it can use a table an administrator made.
+DEFAULT_FENCE_TABLE = "public.lockmgr_fences"
 _MADE_MEANWHILE = (pg_errors.UniqueViolation, pg_errors.DuplicateObject, pg_errors.DuplicateTable)
-
-
-def _next_fences_sql(idents: Sequence[str], got: str = "SELECT true AS granted") -> str:
-    """One statement: ``got`` (a query of one row with a boolean ``granted``, run first) and,
-    if granted, the next fence of each of ``idents`` (advisory keys, as SQL), in rows (key,
-    fence). Committed durably whatever synchronous_commit the session has: a server crash
-    must never hand out a fence again."""
-    values = ", ".join(f"({ident}::bigint)" for ident in idents)
-    return (f"WITH got AS ({got}),"
-            " durable AS (SELECT set_config('synchronous_commit', 'on', true))"
-            " INSERT INTO lockmgr_fences AS f (key, fence)"
-            f" SELECT key, 1 FROM got, durable, (VALUES {values}) AS bumped(key) WHERE granted"
-            " ON CONFLICT (key) DO UPDATE SET fence = f.fence + 1 RETURNING f.key, f.fence")
-
 
 # The single-key calls, prepared on each connection at first use.
 _STATEMENTS = {
@@ -149,12 +136,46 @@ _STATEMENTS = {
     for function in ("pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
                      "pg_try_advisory_lock_shared", "pg_advisory_unlock",
                      "pg_advisory_unlock_shared")
-} | {
-    b"lockmgr_fenced_lock": _next_fences_sql(
-        ["$1"], "SELECT pg_advisory_lock($1::bigint), true AS granted").encode(),
-    b"lockmgr_fenced_try_lock": _next_fences_sql(
-        ["$1"], "SELECT pg_try_advisory_lock($1::bigint) AS granted").encode(),
 }
+
+
+class _FenceTable:
+    """The fence table of a manager (``fence_table``, "schema.table"), and the statements
+    that use it."""
+
+    __slots__ = ("create_sql", "exists_sql", "name", "statements")
+
+    def __init__(self, qualified: str) -> None:
+        if not isinstance(qualified, str):
+            raise TypeError(f"fence_table must be a str, not {type(qualified).__name__}")
+        parts = qualified.split(".")
+        if len(parts) != 2 or not all(parts) or "\0" in qualified:
+            raise ValueError(f"fence_table must name a schema and a table, as"
+                             f" {DEFAULT_FENCE_TABLE!r}, not {qualified!r}")
+        self.name = ".".join('"' + part.replace('"', '""') + '"' for part in parts)
+        literal = "'" + self.name.replace("'", "''") + "'"
+        self.exists_sql = f"SELECT to_regclass({literal}) IS NOT NULL"
+        self.create_sql = (f"CREATE TABLE IF NOT EXISTS {self.name}"
+                           " (key bigint PRIMARY KEY, fence bigint NOT NULL)")
+        self.statements = _STATEMENTS | {
+            b"lockmgr_fenced_lock": self.next_fences_sql(
+                ["$1"], "SELECT pg_advisory_lock($1::bigint), true AS granted").encode(),
+            b"lockmgr_fenced_try_lock": self.next_fences_sql(
+                ["$1"], "SELECT pg_try_advisory_lock($1::bigint) AS granted").encode(),
+        }
+
+    def next_fences_sql(self, idents: Sequence[str], got: str = "SELECT true AS granted") -> str:
+        """One statement: ``got`` (a query of one row with a boolean ``granted``, run
+        first) and, if granted, the next fence of each of ``idents`` (advisory keys, as
+        SQL), in rows (key, fence). Committed durably whatever synchronous_commit the
+        session has: a server crash must never hand out a fence again."""
+        values = ", ".join(f"({ident}::bigint)" for ident in idents)
+        return (f"WITH got AS ({got}),"
+                " durable AS (SELECT set_config('synchronous_commit', 'on', true))"
+                f" INSERT INTO {self.name} AS f (key, fence)"
+                f" SELECT key, 1 FROM got, durable, (VALUES {values}) AS bumped(key) WHERE granted"
+                " ON CONFLICT (key) DO UPDATE SET fence = f.fence + 1 RETURNING f.key, f.fence")
+
 
 _LOCK = {mode: f"lockmgr_pg_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
 _TRY_LOCK = {mode: f"lockmgr_pg_try_advisory_lock{_kind(mode)}".encode() for mode in (READ, WRITE)}
@@ -164,25 +185,84 @@ _REMEMBERED_KEYS = 1024
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
+# Every round trip has a client-side deadline, whatever the server does (a stopped backend,
+# a stuck proxy, a half-open network): a round trip that waits for a lock without a timeout
+# waits for ever (None); a timed one gives up _WAIT_MARGIN after the call's deadline; any
+# other gives up after _ANSWER_WITHIN. Giving up closes the connection (its session's locks
+# are lost: nothing is left that could be granted to it later).
+_ANSWER_WITHIN = 10.0
+_WAIT_MARGIN = 0.5
 _POLLIN = getattr(select, "POLLIN", 1)  # Windows has no poll(), nor its constants
 _POLLOUT = getattr(select, "POLLOUT", 4)
 
-# Run first on every connection. Waits without a timeout wait forever, whatever the DSN or
-# the role's defaults say (timed waits set a transaction-local lock_timeout of their own).
-_NO_LOCK_TIMEOUT = "SET lock_timeout = 0"
+# Run first on every connection, one message: what the session is (``_refusal`` reads
+# the first row), then every setting correctness depends on, pinned for the session
+# whatever the server's, the role's or the database's defaults say:
+# - lock_timeout, statement_timeout: a wait without a timeout waits for ever (timed waits
+#   set a transaction-local lock_timeout of their own);
+# - idle_session_timeout (14+), idle_in_transaction_session_timeout: a session holding
+#   locks sits idle between calls; a server ending it would turn held locks into leases;
+# - default_transaction_isolation: a queued fenced wait reads the fence row after its
+#   wait, which under repeatable read or serializable would use a snapshot from before
+#   the wait and fail; default_transaction_read_only: fences are written.
+# A session-level SET outranks every default, and a later ALTER ROLE or ALTER SYSTEM
+# changes only new sessions (which are set up again).
+_WHO_IS_THIS = "SELECT pg_is_in_recovery(), pg_backend_pid()"
+_PINNED = ("lock_timeout = 0", "statement_timeout = 0", "idle_in_transaction_session_timeout = 0",
+           "default_transaction_isolation = 'read committed'",
+           "default_transaction_read_only = off")
 # A backend waiting for a lock notices its client has gone (a process killed while it
 # waits, a connection closed under a wait) only when granted, and keeps every lock of the
 # session until then: PostgreSQL 14+ can check the socket while a statement runs, on the
 # systems that can tell (Linux, macOS, the BSDs, illumos; elsewhere setting it is an error
 # and the server keeps its default).
-_CHECKING_CLIENT = f"{_NO_LOCK_TIMEOUT}; SET client_connection_check_interval = 1000"
+_CHECKING_CLIENT = "client_connection_check_interval = 1000"
 _CHECK_UNSUPPORTED = (pg_errors.InvalidParameterValue, pg_errors.UndefinedObject)
 
 
-def _setup_sql(server_version: int) -> str:
-    """What sets up a new connection (``_NO_LOCK_TIMEOUT`` alone if it fails with
+def _setup_sql(server_version: int, check_client: bool = True) -> str:
+    """What sets up a new connection (again with ``check_client`` false if it fails with
     ``_CHECK_UNSUPPORTED``)."""
-    return _CHECKING_CLIENT if server_version >= 140000 else _NO_LOCK_TIMEOUT
+    pinned = list(_PINNED)
+    if server_version >= 140000:
+        pinned.append("idle_session_timeout = 0")
+        if check_client:
+            pinned.append(_CHECKING_CLIENT)
+    return "; ".join([_WHO_IS_THIS, *(f"SET {setting}" for setting in pinned)])
+
+
+def _answer_by() -> float:
+    """The deadline of a round trip that waits for no lock."""
+    return time.monotonic() + _ANSWER_WITHIN
+
+
+class _Unanswered(psycopg.OperationalError):
+    """A round trip passed its deadline: the connection was closed."""
+
+
+class UnsafeServerError(LockError):
+    """The DSN reaches a server on which session locks would not exclude: a standby, or a
+    pooler between this process and the server. Raised by the call that connected; the
+    connection is closed and nothing is held."""
+
+
+def _refusal(first_row: Any, client_pid: int) -> UnsafeServerError | None:
+    """Why a session (``_WHO_IS_THIS``'s answer, and the backend pid libpq was given at
+    connect) cannot hold locks, or None."""
+    in_recovery = first_row.get_value(0, 0) == b"t"
+    backend_pid = int(first_row.get_value(0, 1))
+    if backend_pid != client_pid:
+        return UnsafeServerError(
+            f"the DSN reaches PostgreSQL through a connection pooler (the server's backend is"
+            f" pid {backend_pid}, the connection was told {client_pid}): a pooler may run the"
+            " next statement on another server session, which would not hold this session's"
+            " locks and might hold another client's. Point the DSN at the server itself")
+    if in_recovery:
+        return UnsafeServerError(
+            "the DSN reaches a standby (pg_is_in_recovery() is true): a standby's advisory"
+            " locks are its own, so a process on the primary could hold the same key. Point"
+            " the DSN at the primary (with several hosts: target_session_attrs=read-write)")
+    return None
 
 
 _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
@@ -235,48 +315,65 @@ class _Link:
     finalizer that closes the link (a thread's end, collected late) may run inside a check
     of it on the same thread."""
 
-    __slots__ = ("conn", "guard", "pgconn", "pid", "poller", "prepared", "talking")
+    __slots__ = ("conn", "guard", "pgconn", "pid", "poller", "prepared", "statements", "talking")
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
         self.guard = threading.RLock()  # see the class docstring
         self.talking = False  # the owner is in a round trip: checks keep off
         self.prepared: set[bytes] = set()  # names of the statements prepared on this session
+        self.statements = statements  # what each name prepares: its manager's (_FenceTable)
         self.conn = conn  # last but two: close() needs what comes before
         self.pgconn = conn.pgconn
         self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
         self.poller.register(self.pgconn.socket, _POLLIN)
 
     @classmethod
-    def connect(cls, dsn: str, connect_kwargs: dict[str, Any]) -> _Link:
-        link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs))
+    def connect(cls, dsn: str, connect_kwargs: dict[str, Any],
+                statements: dict[bytes, bytes]) -> _Link:
+        """A new connection, set up and checked (``_setup_sql``, ``_refusal``): closed
+        again if that fails or it is refused."""
+        link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs), statements)
         try:
-            link.run(_setup_sql(link.pgconn.server_version))
-        except _CHECK_UNSUPPORTED:
-            link.run(_NO_LOCK_TIMEOUT)
+            try:
+                results = link.run_all(_setup_sql(link.pgconn.server_version))
+            except _CHECK_UNSUPPORTED:
+                results = link.run_all(_setup_sql(link.pgconn.server_version, False))
+            refusal = _refusal(results[0], link.pgconn.backend_pid)
+            if refusal is not None:
+                raise refusal
+        except BaseException:
+            link.close()
+            raise
         return link
 
-    def run(self, sql: str) -> Any:
+    def run(self, sql: str, deadline: float | None | bool = True) -> Any:
         """Send ``sql`` (one or more statements: one implicit transaction) and return the
-        last result; an error result raises its psycopg exception once all are read."""
-        return self.run_all(sql)[-1]
+        last result; an error result raises its psycopg exception once all are read.
+        ``deadline``: a monotonic time, None (for ever: a wait for a lock) or True (soon:
+        ``_answer_by``); past it, ``_Unanswered``."""
+        return self.run_all(sql, deadline)[-1]
 
-    def run_all(self, sql: str) -> list[Any]:
+    def run_all(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
         """``run``, returning the result of each statement."""
-        return self._round_trip(self.pgconn.send_query, sql.encode())
+        return self._round_trip(_deadline(deadline), self.pgconn.send_query, sql.encode())
 
-    def call(self, statement: bytes, ident: int) -> Any:
-        """Run one of the single-key ``_STATEMENTS`` (prepared once per session: no parsing
+    def call(self, statement: bytes, ident: int, deadline: float | None | bool = True) -> Any:
+        """Run one of the single-key ``statements`` (prepared once per session: no parsing
         or planning on the server after that) for the advisory key ``ident``."""
+        answer_by = _deadline(deadline)
         if statement not in self.prepared:
-            try:
-                self._round_trip(self.pgconn.send_prepare, statement, _STATEMENTS[statement])
+            try:  # a prepare waits for no lock: within the call's deadline, or soon
+                self._round_trip(_answer_by() if answer_by is None else answer_by,
+                                 self.pgconn.send_prepare, statement, self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # an interrupt came after the server prepared it, before we noted it
             self.prepared.add(statement)
-        return self._round_trip(self.pgconn.send_query_prepared, statement, [b"%d" % ident])[-1]
+        return self._round_trip(answer_by, self.pgconn.send_query_prepared, statement,
+                                [b"%d" % ident])[-1]
 
-    def _round_trip(self, send: Callable[..., None], *args: Any) -> list[Any]:
+    def _round_trip(self, deadline: float | None, send: Callable[..., None],
+                    *args: Any) -> list[Any]:
         pgconn = self.pgconn
         results: list[Any] = []
         try:  # whatever is interrupted after ``talking`` is set, the finally clears it
@@ -285,13 +382,10 @@ class _Link:
             try:
                 send(*args)  # inside: a handler raising once the query is sent cancels it
                 while pgconn.flush():
-                    self._wait(_POLLOUT)
+                    self._wait(_POLLOUT, deadline)
                 while True:
                     if pgconn.is_busy():
-                        # In slices: Python runs signal handlers in the main thread only,
-                        # and a signal the kernel gave another thread does not end a poll.
-                        while not self.poller.poll(_SLICE_MS):
-                            pass
+                        self._wait(_POLLIN, deadline)
                         pgconn.consume_input()
                         continue
                     result = pgconn.get_result()
@@ -309,13 +403,27 @@ class _Link:
                 raise pg_errors.error_from_result(result, encoding=encoding)
         return results
 
-    def _wait(self, event: int) -> None:
-        self.poller.modify(self.pgconn.socket, event)
+    def _wait(self, event: int, deadline: float | None) -> None:
+        """Until the socket is ready for ``event``, in slices: Python runs signal handlers
+        in the main thread only, and a signal the kernel gave another thread does not end
+        a poll. Past ``deadline``, the connection is closed: ``_Unanswered``."""
+        if event != _POLLIN:
+            self.poller.modify(self.pgconn.socket, event)
         try:
-            while not self.poller.poll(_SLICE_MS):
-                pass
+            while True:
+                milliseconds = _SLICE_MS
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.close()
+                        raise _Unanswered("PostgreSQL did not answer in time: the connection"
+                                          " was closed")
+                    milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
+                if self.poller.poll(milliseconds):
+                    return
         finally:
-            self.poller.modify(self.pgconn.socket, _POLLIN)
+            if event != _POLLIN and not self.conn.closed:
+                self.poller.modify(self.pgconn.socket, _POLLIN)
 
     def _abort_query(self) -> None:
         """Interrupted mid-query: cancel it on the server and read what is left, so that the
@@ -391,6 +499,10 @@ class _Link:
     def __del__(self) -> None:
         if hasattr(self, "conn"):
             self.close()
+
+
+def _deadline(deadline: float | None | bool) -> float | None:
+    return _answer_by() if deadline is True else deadline
 
 
 class _SelectPoller:
@@ -545,10 +657,12 @@ class _PgEngine(Generic[K]):
         on_lost: Callable[[list[Hashable]], None] | None = None,
         connect_kwargs: dict[str, Any] | None = None,
         fencing: bool = False,
+        fence_table: str = DEFAULT_FENCE_TABLE,
     ) -> None:
         self._dsn = dsn
         self._namespace = namespace
         self._fencing = fencing
+        self._fence_table = _FenceTable(fence_table)
         self._fence_table_made = False  # set once this manager has made sure it exists
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
@@ -775,6 +889,9 @@ class _PgEngine(Generic[K]):
         try:
             left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
             fences = self._lock(session, fresh, left) if fresh else {}
+            # A connection lost on the way lost the keys this call re-entered too: the
+            # call fails, whatever a fresh connection then gave (the clean-up drops it).
+            session.refuse_lost(items)
             if fences is not None:
                 session.granted(items, self._fences_of(fresh, fences))
                 taken = True  # last: an interrupt before it finds the counts undone below
@@ -830,18 +947,21 @@ class _PgEngine(Generic[K]):
             link, fresh_link = (session.link, False) if session.link else self._attach(session)
             try:
                 if fencing and not self._fence_table_made:
-                    _make_fence_table(link)
+                    _make_fence_table(link, self._fence_table)
                     self._fence_table_made = True
                 left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
                 trying = seconds == 0 or (deadline is not None and left <= 0)
                 how = "try" if trying else "wait" if deadline is None else "timed"
+                answer_by = _round_trip_deadline(how, deadline)
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
                     statement = (_FENCED_LOCK[how] if fencing
                                  else _TRY_LOCK[mode] if trying else _LOCK[mode])
-                    results = [link.call(statement, ident)]
+                    results = [link.call(statement, ident, answer_by)]
                 else:
-                    results = link.run_all(_lock_sql(ordered, how, left, fencing))
+                    results = link.run_all(_lock_sql(ordered, how, left,
+                                                     self._fence_table if fencing else None),
+                                           answer_by)
             except pg_errors.LockNotAvailable:
                 # Only timed waits set a lock_timeout, and they wait with transaction locks:
                 # the error rolled the wait back, a grant that raced it and fences included.
@@ -850,12 +970,15 @@ class _PgEngine(Generic[K]):
                 return None
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as error:
                 if not link.broken():
                     raise  # a cancelled statement: the caller drops what it may have taken
                 # The connection died: the keys held on it are lost, and so is this
-                # attempt; a connection that had been idle is replaced once.
+                # attempt; a connection that had been idle is replaced once. Unanswered
+                # by the deadline: the call timed out.
                 self._lose(session)
+                if isinstance(error, _Unanswered):
+                    return None
                 if fresh_link or retried:
                     raise
                 retried = True
@@ -927,7 +1050,7 @@ class _PgEngine(Generic[K]):
             with self._guard:
                 link = self._idle.pop() if self._idle else None
             if link is None:
-                link, fresh = _Link.connect(self._dsn, self._connect_kwargs), True
+                link, fresh = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements), True
                 break
             if link.idle():
                 fresh = False
@@ -1058,7 +1181,7 @@ class _PgEngine(Generic[K]):
         if link is None or not link.idle():
             if link is not None:
                 link.close()
-            link = _Link.connect(self._dsn, self._connect_kwargs)
+            link = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements)
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
@@ -1125,13 +1248,13 @@ def _read_has_no_fence(key: Hashable) -> LockError:
     return LockError(f"key {key!r} is held for reading: only a write takes a fence")
 
 
-def _make_fence_table(link: _Link) -> None:
+def _make_fence_table(link: _Link, table: _FenceTable) -> None:
     """Make sure the fence table exists (its own transaction: committed before any wait)."""
     for attempt in range(2):
-        if link.run(_FENCE_TABLE_EXISTS).get_value(0, 0) == b"t":
+        if link.run(table.exists_sql).get_value(0, 0) == b"t":
             return
         try:
-            link.run(_CREATE_FENCE_TABLE)
+            link.run(table.create_sql)
             return
         except _MADE_MEANWHILE:
             if attempt:  # a lasting conflict (a type of that name)
@@ -1139,17 +1262,19 @@ def _make_fence_table(link: _Link) -> None:
 
 
 def _lock_sql(ordered: list[tuple[int, int]], how: str, milliseconds: int,
-              fencing: bool) -> str:
+              fences: _FenceTable | None) -> str:
     """The one message taking ``ordered`` ((advisory key, mode) pairs, ascending) ``how``:
-    "wait" as long as it takes, "try" once, or "timed" (within ``milliseconds``). With
-    ``fencing``, the same message gives each written key its next fence (``_fences_from``
-    reads the answer)."""
-    fenced = _fenced(ordered) if fencing else []
+    "wait" as long as it takes, "try" once, or "timed" (within ``milliseconds``). With a
+    ``fences`` table, the same message gives each written key its next fence
+    (``_fences_from`` reads the answer)."""
+    fenced = _fenced(ordered) if fences is not None else []
+    if not fenced or fences is None:
+        fences = None
     if how == "try":
-        return _try_lock_sql(ordered, fenced)
+        return _try_lock_sql(ordered, fenced, fences)
     if how == "timed":
-        return _timed_lock_sql(ordered, milliseconds, fenced)
-    return _wait_lock_sql(ordered, fenced)
+        return _timed_lock_sql(ordered, milliseconds, fenced, fences)
+    return _wait_lock_sql(ordered, fenced, fences)
 
 
 def _fences_from(results: Sequence[Any], ordered: list[tuple[int, int]], how: str,
@@ -1177,23 +1302,28 @@ def _fenced(ordered: list[tuple[int, int]]) -> list[str]:
                                                   if mode == WRITE)]
 
 
-def _wait_lock_sql(ordered: list[tuple[int, int]], fenced: list[str]) -> str:
+def _wait_lock_sql(ordered: list[tuple[int, int]], fenced: list[str],
+                   fences: _FenceTable | None) -> str:
     """Wait as long as it takes: session locks, one statement each, in order; then the
     fences (a failure there leaves the locks to the caller's clean-up)."""
     waits = "; ".join(f"SELECT pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
-    return f"{waits}; {_next_fences_sql(fenced)}" if fenced else waits
+    return f"{waits}; {fences.next_fences_sql(fenced)}" if fences else waits
 
 
-def _try_lock_sql(ordered: list[tuple[int, int]], fenced: list[str]) -> str:
+def _try_lock_sql(ordered: list[tuple[int, int]], fenced: list[str],
+                  fences: _FenceTable | None) -> str:
     """Try once: all or nothing (transaction locks first, released at the statement's end);
     the fences only if granted, in the same statement."""
     trial = " AND ".join(f"pg_try_advisory_xact_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     taking = " AND ".join(f"pg_try_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     granted = f"CASE WHEN {trial} THEN {taking} ELSE false END"
-    return _next_fences_sql(fenced, f"SELECT {granted} AS granted") if fenced else f"SELECT {granted}"
+    if fences is None:
+        return f"SELECT {granted}"
+    return fences.next_fences_sql(fenced, f"SELECT {granted} AS granted")
 
 
-def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: list[str]) -> str:
+def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: list[str],
+                    fences: _FenceTable | None) -> str:
     """Wait at most ``milliseconds`` in all, for transaction locks (so a timeout or cancel
     rolls back a grant that raced it), then take the fences, still under the timeout (so
     it rolls them back too), and the session locks (which no longer wait). One implicit
@@ -1203,9 +1333,17 @@ def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: l
     time_left = f"SELECT set_config('lock_timeout', {left}, true)"
     waits = "; ".join(f"{time_left}; SELECT pg_advisory_xact_lock{_kind(mode)}({ident})"
                       for ident, mode in ordered)
-    fences = f"; {time_left}; {_next_fences_sql(fenced)}" if fenced else ""
+    fencing = f"; {time_left}; {fences.next_fences_sql(fenced)}" if fences else ""
     taking = ", ".join(f"pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
-    return f"{waits}{fences}; SELECT {taking}"
+    return f"{waits}{fencing}; SELECT {taking}"
+
+
+def _round_trip_deadline(how: str, deadline: float | None) -> float | None:
+    """When a lock call's round trip gives up (``_Link.run``): a wait for ever never, a
+    timed one or a try _WAIT_MARGIN after the call's deadline."""
+    if how == "wait":
+        return None
+    return (time.monotonic() if deadline is None else deadline) + _WAIT_MARGIN
 
 
 def _milliseconds(seconds: float) -> int:
@@ -1218,10 +1356,12 @@ class PgLockManager(_PgEngine[K]):
     def __init__(self, dsn: str, *, namespace: str = "", fair: bool = True,
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
-                 log_waits_after: float | None = None, fencing: bool = False) -> None:
+                 log_waits_after: float | None = None, fencing: bool = False,
+                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(dsn, namespace=namespace, on_lost=on_lost,
-                         connect_kwargs=connect_kwargs, fencing=fencing)
+                         connect_kwargs=connect_kwargs, fencing=fencing,
+                         fence_table=fence_table)
         self._engine = engine
 
     @property
@@ -1320,10 +1460,12 @@ class PgRWLockManager(_PgEngine[K]):
     def __init__(self, dsn: str, *, namespace: str = "",
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
-                 log_waits_after: float | None = None, fencing: bool = False) -> None:
+                 log_waits_after: float | None = None, fencing: bool = False,
+                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(dsn, namespace=namespace, on_lost=on_lost,
-                         connect_kwargs=connect_kwargs, fencing=fencing)
+                         connect_kwargs=connect_kwargs, fencing=fencing,
+                         fence_table=fence_table)
         self._engine = engine
 
     @property

@@ -1,0 +1,457 @@
+"""What the PostgreSQL backend pins and refuses at connect, against real servers: settings a
+role, a database or the DSN would give a session are replaced by the ones locks depend on;
+a standby, and a pooler between the process and the server, are refused with an error that
+names the cause; fences live in one schema-qualified table whatever the role."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import pgserver
+from conftest import PATIENCE, wait_until
+from lockmgr import LockLost
+
+import psycopg
+from lockmgr import postgres
+from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
+    _waiting_on_server,
+    children_reaped,
+    dsn,
+    engine,
+    held_on_server,
+    namespace,
+    nothing_left_held,
+)
+
+
+def admin(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+@pytest.fixture
+def make_role(dsn: str) -> Iterator[Callable[..., str]]:
+    """Login roles of the test's own, each with a schema of its name (first in its default
+    search_path, "$user"); ``settings`` become the role's defaults (ALTER ROLE … SET)."""
+    made: list[str] = []
+
+    def make(**settings: str) -> str:
+        role = f"lockmgr_{uuid.uuid4().hex[:12]}"
+        made.append(role)
+        admin(dsn, f"CREATE ROLE {role} LOGIN", f"CREATE SCHEMA AUTHORIZATION {role}",
+              *(f"ALTER ROLE {role} SET {name} = '{value}'" for name, value in settings.items()))
+        return role
+
+    yield make
+    for role in made:
+        admin(dsn, f"DROP OWNED BY {role} CASCADE", f"DROP ROLE {role}")
+
+
+def as_role(role: str) -> dict[str, Any]:
+    return {"user": role}
+
+
+def ended_by_server(dsn: str, pid: int) -> Callable[[], bool]:
+    def ended() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                               (pid,)).fetchone()
+        return bool(row and row[0] == 0)
+    return ended
+
+
+# -- settings are pinned ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["role", "dsn"])
+def test_an_idle_session_timeout_never_ends_a_holding_session(engine, dsn, namespace,
+                                                              make_role, source) -> None:
+    """An ``idle_session_timeout`` the role (or the DSN) sets would end a holder's idle
+    session and let another process in. A session of that role with the server's default
+    is ended meanwhile; the manager's is not: the key stays held, and is released without
+    LockLost."""
+    role = make_role(**({"idle_session_timeout": "200ms"} if source == "role" else {}))
+    options = {} if source == "role" else {"options": "-c idle_session_timeout=200"}
+    lost: list[list[object]] = []
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, on_lost=lost.append,
+        connect_kwargs={**as_role(role), **options})
+    locks.acquire("k")
+    with psycopg.connect(dsn, autocommit=True, **as_role(role), **options) as unpinned:
+        pid = unpinned.info.backend_pid
+        wait_until(ended_by_server(dsn, pid), "the server ends an idle session of the role")
+    assert held_on_server(dsn, locks, "k") and locks.lost_keys() == set()
+    locks.release("k")
+    assert lost == [] and not held_on_server(dsn, locks, "k")
+    locks.close()
+
+
+@pytest.mark.parametrize("source", ["role", "dsn"])
+def test_a_statement_timeout_never_ends_a_wait_without_one(engine, dsn, namespace, make_role,
+                                                           workers, source) -> None:
+    """A ``statement_timeout`` would cancel a wait that has no timeout. A statement of the
+    role's own is cancelled meanwhile; the manager's wait goes on until the key is free."""
+    role = make_role(**({"statement_timeout": "300ms"} if source == "role" else {}))
+    options = {} if source == "role" else {"options": "-c statement_timeout=300"}
+    holder: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    waiting: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, connect_kwargs={**as_role(role), **options})
+    holder.acquire("k")
+    waiter = workers("waiter")
+    call = waiter.submit(lambda: waiting.acquire("k"))
+    wait_until(lambda: _waiting_on_server(dsn) == 1, "the waiter waits on the server")
+    with psycopg.connect(dsn, autocommit=True, **as_role(role), **options) as unpinned:
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            unpinned.execute(f"SELECT pg_sleep({PATIENCE})")
+    assert _waiting_on_server(dsn) == 1 and not call.done()
+    holder.release("k")
+    assert call.result() is True
+    waiter.run(lambda: waiting.release("k"))
+    holder.close()
+    waiting.close()
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+@pytest.mark.parametrize("how", ["untimed", "timed", "many"])
+def test_queued_fenced_waits_under_a_stricter_default_isolation_get_their_fences(
+        engine, dsn, namespace, make_role, workers, isolation, how) -> None:
+    """A role whose ``default_transaction_isolation`` is repeatable read or serializable:
+    a queued fenced wait would read the fence row with a snapshot from before its wait and
+    fail with SerializationFailure. Three waiters queue behind a holder; each gets the
+    next fence in turn."""
+    role = make_role(default_transaction_isolation=isolation)
+    table = f"{role}.lockmgr_fences"
+    managers = [postgres.PgLockManager(dsn, namespace=namespace, fencing=True,
+                                       fence_table=table, connect_kwargs=as_role(role))
+                for _ in range(4)]
+    holder, waiting = managers[0], managers[1:]
+    with holder.hold("k") as lease:
+        fences = [lease.fence]
+        threads = [workers(f"waiter {n}") for n in range(len(waiting))]
+
+        def take(manager: postgres.PgLockManager[Any]) -> Callable[[], int]:
+            def run() -> int:
+                if how == "many":
+                    assert manager.acquire_many(["k", "other"], timeout=PATIENCE)
+                else:
+                    assert manager.acquire("k", timeout=PATIENCE if how == "timed" else -1)
+                return manager.fence("k")
+            return run
+
+        calls = []
+        for number, (thread, manager) in enumerate(zip(threads, waiting, strict=True)):
+            calls.append(thread.submit(take(manager)))
+            wait_until(lambda n=number: _waiting_on_server(dsn) == n + 1, "the waiter queues")
+    for thread, manager, call in zip(threads, waiting, calls, strict=False):
+        fences.append(call.result())  # a waiter is granted only once the one before released
+        if how == "many":
+            thread.run(lambda manager=manager: manager.release_many(["k", "other"]))
+        else:
+            thread.run(lambda manager=manager: manager.release("k"))
+    assert fences == sorted(fences) and len(set(fences)) == 4
+    for manager in managers:
+        manager.close()
+
+
+# -- one fence table --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table", [None, "shared_fences.counters"], ids=["default", "given"])
+def test_fences_increase_across_roles_with_tables_of_their_own_on_their_search_path(
+        engine, dsn, namespace, make_role, table) -> None:
+    """Two roles, each with a schema of its name first on its search_path holding a
+    ``lockmgr_fences`` of its own (as an unqualified name would have made): their
+    managers still take fences from one table (``public.lockmgr_fences`` unless
+    ``fence_table`` names another), so a key's fences increase from holder to holder."""
+    roles = [make_role(), make_role()]
+    schema, name = (table or postgres.DEFAULT_FENCE_TABLE).split(".")
+    shared = f"{schema}.{name}"
+    admin(dsn, f"CREATE SCHEMA IF NOT EXISTS {schema}",
+          f"CREATE TABLE {shared} (key bigint PRIMARY KEY, fence bigint NOT NULL)",
+          *(f"GRANT USAGE ON SCHEMA {schema} TO {role}" for role in roles),
+          *(f"GRANT SELECT, INSERT, UPDATE ON {shared} TO {role}" for role in roles))
+    for role in roles:
+        with psycopg.connect(dsn, autocommit=True, **as_role(role)) as own:
+            own.execute("CREATE TABLE lockmgr_fences (key bigint PRIMARY KEY, fence bigint NOT NULL)")
+    try:
+        fences = []
+        for role in [*roles, *roles]:
+            manager: postgres.PgLockManager[Any] = postgres.PgLockManager(
+                dsn, namespace=namespace, fencing=True, connect_kwargs=as_role(role),
+                **({} if table is None else {"fence_table": table}))
+            with manager.hold("k") as lease:
+                fences.append(lease.fence)
+            manager.close()
+        assert fences == [1, 2, 3, 4]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for role in roles:
+                row = conn.execute(f"SELECT count(*) FROM {role}.lockmgr_fences").fetchone()
+                assert row == (0,)
+    finally:
+        admin(dsn, f"DROP TABLE {shared}",
+              *([f"DROP SCHEMA {schema}"] if schema != "public" else []))
+
+
+@pytest.mark.parametrize("table", ["lockmgr_fences", "a.b.c", ".t", "s.", 5],
+                         ids=["unqualified", "three-parts", "no-schema", "no-table", "int"])
+def test_a_fence_table_that_is_not_schema_dot_table_is_refused(dsn, table) -> None:
+    with pytest.raises(TypeError if isinstance(table, int) else ValueError,
+                       match="fence_table must"):
+        postgres.PgLockManager(dsn, fencing=True, fence_table=table)
+
+
+def test_a_fence_table_name_is_quoted(engine, dsn, namespace) -> None:
+    """Names are identifiers, never SQL: quotes and capitals are kept as given."""
+    admin(dsn, 'CREATE SCHEMA "Odd ""Schema"""')
+    try:
+        manager: postgres.PgLockManager[Any] = postgres.PgLockManager(
+            dsn, namespace=namespace, fencing=True, fence_table='Odd "Schema".Fen\'ces')
+        with manager.hold("k") as first, manager.hold("j") as other:
+            assert (first.fence, other.fence) == (1, 1)
+        manager.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute('SELECT count(*) FROM "Odd ""Schema"""."Fen\'ces"').fetchone() == (2,)
+    finally:
+        admin(dsn, 'DROP SCHEMA "Odd ""Schema""" CASCADE')
+
+
+# -- every round trip has a deadline ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def stopped_backend(dsn: str, manager: Any, key: object) -> Iterator[int]:
+    """The backend holding ``key`` stopped (SIGSTOP: the kernel still acknowledges its
+    packets, so keepalives see nothing) until the block ends; yields its pid."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s",
+                           (manager.advisory_key(key),)).fetchone()
+    assert row is not None
+    pid = int(row[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("timeout", [0, 0.3], ids=["try", "timed"])
+@pytest.mark.parametrize("keys", [1, 2], ids=["one", "many"])
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_timed_call_on_a_stopped_backend_returns_by_its_deadline(
+        engine, dsn, namespace, owner, keys, timeout) -> None:
+    """A timed call (or a try) whose backend stops answering returns False by its deadline
+    plus at most a second; the connection is closed, so what the session held is lost
+    (LockLost at its release) and the server frees it once the backend goes on."""
+    lost: list[list[object]] = []
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, on_lost=lost.append)
+    wanted = ["x", "y"][:keys]
+
+    def take() -> float:
+        began = time.monotonic()
+        got = (locks.acquire_many(wanted, timeout=timeout) if keys > 1
+               else locks.acquire(wanted[0], timeout=timeout))
+        assert got is False
+        return time.monotonic() - began
+
+    async def take_in_task() -> float:
+        began = time.monotonic()
+        got = (await locks.aio.acquire_many(wanted, timeout=timeout) if keys > 1
+               else await locks.aio.acquire(wanted[0], timeout=timeout))
+        assert got is False
+        return time.monotonic() - began
+
+    async def hold_and_take() -> None:
+        await locks.aio.acquire("held")
+        with stopped_backend(dsn, locks, "held"):
+            took.append(await take_in_task())
+        with pytest.raises(LockLost):
+            await locks.aio.release("held")
+
+    took: list[float] = []
+    if owner == "thread":
+        locks.acquire("held")
+        with stopped_backend(dsn, locks, "held"):
+            took.append(take())
+        with pytest.raises(LockLost):
+            locks.release("held")
+    else:
+        asyncio.run(hold_and_take())
+    assert took[0] <= timeout + 1.0, f"returned {took[0]:.2f} s after its call"
+    assert lost == [["held"]]
+    wait_until(lambda: not held_on_server(dsn, locks, "held"), "the server frees the key")
+    assert locks.acquire("held", timeout=PATIENCE) is True  # a new connection
+    locks.release("held")
+    locks.close()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_release_on_a_stopped_backend_ends_with_its_connection(
+        engine, dsn, namespace, owner, monkeypatch) -> None:
+    """A release (a round trip that waits for no lock) gives up after ``_ANSWER_WITHIN``:
+    the connection is closed, and the release raises LockLost (the key may have been
+    freed before it: the holder cannot tell)."""
+    monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.5)
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+
+    async def in_task() -> None:
+        await locks.aio.acquire("k")
+        with stopped_backend(dsn, locks, "k"):
+            with pytest.raises(LockLost):
+                await locks.aio.release("k")
+
+    if owner == "thread":
+        locks.acquire("k")
+        with stopped_backend(dsn, locks, "k"):
+            with pytest.raises(LockLost):
+                locks.release("k")
+    else:
+        asyncio.run(in_task())
+    assert not locks.owned("k") and len(locks) == 0
+    wait_until(lambda: not held_on_server(dsn, locks, "k"), "the server frees the key")
+    locks.close()
+
+
+# -- a standby and a pooler are refused -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def standby(dsn: str) -> Iterator[str]:
+    with pgserver.running_standby(dsn) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def transaction_pooler(dsn: str) -> Iterator[str]:
+    with pgserver.running_pgbouncer(dsn, pool_mode="transaction") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def session_pooler(dsn: str) -> Iterator[str]:
+    with pgserver.running_pgbouncer(dsn, pool_mode="session") as running:
+        yield running
+
+
+def both_hosts(first: str, second: str) -> str:
+    """A multi-host DSN without target_session_attrs: libpq takes the first that answers."""
+    def host(dsn: str) -> str:
+        return dsn.split("@", 1)[1].split("/", 1)[0]
+    return f"postgresql://postgres@{host(first)},{host(second)}/postgres"
+
+
+CALLS: dict[str, Callable[[Any], object]] = {
+    "acquire": lambda locks: locks.acquire("k"),
+    "try": lambda locks: locks.acquire("k", timeout=0),
+    "timed": lambda locks: locks.acquire("k", timeout=PATIENCE),
+    "many": lambda locks: locks.acquire_many(["k", "j"]),
+    "locked": lambda locks: locks.locked("k"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+@pytest.mark.parametrize("target", ["standby", "standby first of two hosts",
+                                    "transaction pooler", "session pooler"])
+def test_a_dsn_reaching_a_standby_or_a_pooler_is_refused(engine, request, dsn, namespace,
+                                                        target, call) -> None:
+    """A standby's advisory locks are its own, and a pooler may run the next statement on
+    another server session: both would let a second holder in. Every call that connects
+    raises UnsafeServerError naming the cause and the fix; nothing is held or kept."""
+    reached = {"standby": lambda: request.getfixturevalue("standby"),
+               "standby first of two hosts": lambda: both_hosts(
+                   request.getfixturevalue("standby"), dsn),
+               "transaction pooler": lambda: request.getfixturevalue("transaction_pooler"),
+               "session pooler": lambda: request.getfixturevalue("session_pooler")}[target]()
+    cause = "standby" if target.startswith("standby") else "connection pooler"
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(reached, namespace=namespace)
+    for _ in range(2):  # and again: nothing was kept of the first try
+        with pytest.raises(postgres.UnsafeServerError, match=cause):
+            CALLS[call](locks)
+    assert len(locks) == 0 and not locks.owned("k") and locks._idle == []
+    with pytest.raises(postgres.UnsafeServerError, match=cause):
+        asyncio.run(locks.aio.acquire("k"))
+    assert len(locks) == 0
+    locks.close()
+
+
+def test_a_multi_host_dsn_asking_for_the_primary_is_served(engine, dsn, namespace,
+                                                           standby) -> None:
+    """The fix the standby error names: target_session_attrs=read-write."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        both_hosts(standby, dsn) + "?target_session_attrs=read-write", namespace=namespace)
+    with locks.hold("k"):
+        assert held_on_server(dsn, locks, "k")
+    locks.close()
+
+
+# -- a lost connection fails the whole call ---------------------------------------------------
+
+
+def terminate_waiting_sessions(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(pid) FROM pg_locks"
+                     " WHERE locktype = 'advisory' AND NOT granted")
+
+
+@pytest.mark.parametrize("fencing", [False, True], ids=["plain", "fenced"])
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_set_whose_reentered_key_is_lost_while_it_waits_fails_with_lock_lost(
+        engine, dsn, namespace, workers, owner, fencing) -> None:
+    """A thread (or task) holding "a" asks for {"a", "b"}; its connection dies while the
+    call waits for "b". "a" went with the connection, so the call must fail with LockLost,
+    holding nothing of it, even once a new connection could take "b"."""
+    holder: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
+                                                                fencing=fencing)
+    holder.acquire("b")
+    waiter = workers("waiter")
+
+    def in_thread() -> list[str]:
+        locks.acquire("a")
+        outcome = []
+        try:
+            locks.acquire_many(["a", "b"])
+            outcome.append("granted")
+        except LockLost as error:
+            outcome.append(str(error))
+        outcome.append(repr(locks.owned("b")))
+        try:
+            locks.release("a")
+        except LockLost:
+            outcome.append("a lost")
+        return outcome
+
+    async def in_task() -> list[str]:
+        await locks.aio.acquire("a")
+        outcome = []
+        try:
+            await locks.aio.acquire_many(["a", "b"])
+            outcome.append("granted")
+        except LockLost as error:
+            outcome.append(str(error))
+        outcome.append(repr(locks.aio.owned("b")))
+        try:
+            await locks.aio.release("a")
+        except LockLost:
+            outcome.append("a lost")
+        return outcome
+
+    call = waiter.submit(in_thread if owner == "thread" else lambda: asyncio.run(in_task()))
+    wait_until(lambda: _waiting_on_server(dsn) == 1, "the set waits for b on the server")
+    terminate_waiting_sessions(dsn)
+    wait_until(lambda: _waiting_on_server(dsn) == 1 or call.done(), "the call goes on")
+    holder.release("b")
+    assert call.result() == ["the lock on 'a' was lost with its connection", "False", "a lost"]
+    assert not held_on_server(dsn, locks, "b") and not held_on_server(dsn, locks, "a")
+    holder.close()
+    locks.close()
