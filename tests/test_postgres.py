@@ -183,6 +183,21 @@ def test_advisory_keys_are_stable_and_typed() -> None:
             postgres.advisory_key(bad)
 
 
+def test_an_int_key_of_any_length_has_one_advisory_key_whatever_the_digit_limit() -> None:
+    """``sys.set_int_max_str_digits`` limits int to str conversions: a key must map to the
+    same advisory key (and never raise) whatever limit the process set."""
+    huge = 7 ** 9000  # 7,606 digits, over the default limit of 4,300
+    previous = sys.get_int_max_str_digits()
+    try:
+        keys = []
+        for limit in (0, 640, previous):
+            sys.set_int_max_str_digits(limit)
+            keys.append((postgres.advisory_key(huge), postgres.advisory_key(-huge)))
+    finally:
+        sys.set_int_max_str_digits(previous)
+    assert keys[0] == keys[1] == keys[2] and keys[0][0] != keys[0][1]
+
+
 def test_import_without_psycopg_says_what_to_install() -> None:
     code = "import sys; sys.modules['psycopg'] = None; import lockmgr.postgres"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -59,6 +59,7 @@ The rules that keep it correct:
 from __future__ import annotations
 
 import collections
+import decimal
 import hashlib
 import os
 import select
@@ -272,7 +273,7 @@ _KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
 def _encode(key: object) -> bytes:
     """A canonical, type-tagged encoding: equal keys (1 == True) encode alike."""
     if isinstance(key, int):
-        return b"i" + str(int(key)).encode()
+        return b"i" + _decimal(int(key)).encode()
     if isinstance(key, str):
         return b"s" + key.encode("utf-8", "surrogatepass")
     if isinstance(key, bytes):
@@ -283,6 +284,16 @@ def _encode(key: object) -> bytes:
     raise TypeError(
         f"PostgreSQL lock keys are str, bytes, int or tuples of them, not {type(key).__name__}"
     )
+
+
+def _decimal(number: int) -> str:
+    """``str(number)``, however many digits: ``sys.set_int_max_str_digits`` limits int to
+    str conversions (4,300 digits by default), not Decimal's, and a key must map to one
+    advisory key whatever the process set."""
+    try:
+        return str(number)
+    except ValueError:
+        return str(decimal.Decimal(number))
 
 
 def advisory_key(key: Hashable, namespace: str = "") -> int:
