@@ -510,7 +510,8 @@ def test_xact_lock_lives_and_dies_with_the_transaction(locks, dsn) -> None:
                 with locks.xact_lock(conn, "k", shared=True, timeout=1):
                     raise RuntimeError("roll back")
         assert not held_on_server(dsn, locks, "k")  # so did the rollback
-        locks.acquire("k")
+        other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=locks._namespace)
+        other.acquire("k")
         with conn.transaction():
             with pytest.raises(LockTimeout):
                 with locks.xact_lock(conn, "k", timeout=0.1):
@@ -519,9 +520,43 @@ def test_xact_lock_lives_and_dies_with_the_transaction(locks, dsn) -> None:
                 with locks.xact_lock(conn, "k", timeout=0):
                     pass
             assert conn.execute("SELECT 1").fetchone() == (1,)  # the transaction goes on
-        locks.release("k")
+        other.release("k")
+        other.close()
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 0, 0.1], ids=["untimed", "try", "timed"])
+def test_xact_lock_of_a_key_the_thread_holds_through_the_manager_is_refused_at_once(
+        engine, dsn, namespace, timeout) -> None:
+    """xact_lock runs on the caller's connection, another server session: a session lock
+    the same thread holds in a conflicting mode would make it wait for itself for ever
+    (or until its timeout). It raises DeadlockError at once, and the transaction goes on;
+    a shared xact_lock beside a read is no conflict."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    conn = psycopg.connect(dsn)
+    try:
+        for take, release, shared, refused in [
+                (rw.acquire_write, rw.release_write, False, True),
+                (rw.acquire_write, rw.release_write, True, True),
+                (rw.acquire_read, rw.release_read, False, True),
+                (rw.acquire_read, rw.release_read, True, False)]:
+            take("k")
+            with conn.transaction():
+                if refused:
+                    with pytest.raises(DeadlockError, match="wait for .* itself"):
+                        with rw.xact_lock(conn, "k", shared=shared, timeout=timeout):
+                            pass
+                    assert conn.execute("SELECT 1").fetchone() == (1,)
+                else:
+                    with rw.xact_lock(conn, "k", shared=shared, timeout=timeout):
+                        pass
+            release("k")
+        with conn.transaction(), rw.xact_lock(conn, "k", timeout=timeout):
+            pass  # nothing held through the manager: taken
+    finally:
+        conn.close()
+        rw.close()
 
 
 def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> None:

@@ -849,6 +849,7 @@ class _PgEngine(Generic[K]):
         """
         seconds = hold_seconds(timeout)
         ident = self.advisory_key(key)
+        self._refuse_own_session_lock(key, shared)
         if conn.info.transaction_status != TransactionStatus.INTRANS:
             raise LockError("xact_lock needs an open transaction on conn: "
                             "use it inside `with conn.transaction():`")
@@ -878,6 +879,21 @@ class _PgEngine(Generic[K]):
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous[0],))
         yield
+
+    def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
+        """``xact_lock`` runs on the caller's connection, another server session than the
+        calling thread's: a session lock of that thread's on ``key`` in a conflicting mode
+        would make it wait for itself for ever."""
+        session = self._session_or_none()
+        if session is None:
+            return
+        self._settle(session)
+        modes = (WRITE,) if shared else (WRITE, READ)
+        if any(session.levels.get((key, mode)) for mode in modes):
+            raise DeadlockError(
+                f"the calling thread holds {key!r} through this manager: xact_lock on"
+                " another connection would wait for that lock, and so for itself, for ever",
+                [(threading.get_ident(), key)])
 
     # -- taking and giving back ---------------------------------------------------------------
 
