@@ -72,7 +72,11 @@ from .postgres import (
     _MODE_NAMES,
     _TRY_LOCK,
     _UNLOCK,
+    _ABORT_SECONDS,
     _answer_by,
+    _call_deadline,
+    _CANCEL_GRACE,
+    _CLIENT_TIMEOUTS,
     _deadline,
     _drop_sql,
     _FenceTable,
@@ -89,6 +93,7 @@ from .postgres import (
     _Session,
     _refusal,
     _round_trip_deadline,
+    _Overdue,
     _Unanswered,
     _setup_sql,
     _unlock_sql,
@@ -104,7 +109,6 @@ T = TypeVar("T")
 
 __all__ = ["PgAsyncKeyLock", "PgAsyncLockManager", "PgAsyncRWLockManager"]
 
-_ABORT_SECONDS = 5.0  # how long a clean-up waits for a cancelled statement to end
 
 
 class _AsyncLink(_Link):
@@ -160,21 +164,24 @@ class _AsyncLink(_Link):
 
     async def _round_trip_async(self, deadline: float | None, send: Callable[..., None],
                                 *args: Any) -> list[Any]:
-        """Send, then read every result (past ``deadline``, the connection is closed:
-        ``_Unanswered``). A cancellation leaves the statement running, and the connection
-        ``talking`` (other threads' and tasks' checks keep off it): the clean-up task ends
-        the statement on the server (``abort``), then the talk."""
+        """Send, then read every result (past ``deadline``, as ``_Link._round_trip``). A
+        cancellation leaves the statement running, and the connection ``talking`` (other
+        threads' and tasks' checks keep off it): the clean-up task ends the statement on
+        the server (``abort``), then the talk."""
         pgconn = self.pgconn
         results: list[Any] = []
+        self.cancelled_late = False
         with self.guard:
             previous, self.talking = self.talking, True
         try:
             send(*args)
             while pgconn.flush():
-                await self._ready(writing=True, deadline=deadline)
+                while not await self._ready(writing=True, deadline=deadline):
+                    deadline = await self._past_deadline_async()
             while True:
                 if pgconn.is_busy():
-                    await self._ready(writing=False, deadline=deadline)
+                    while not await self._ready(writing=False, deadline=deadline):
+                        deadline = await self._past_deadline_async()
                     pgconn.consume_input()
                     continue
                 result = pgconn.get_result()
@@ -189,14 +196,32 @@ class _AsyncLink(_Link):
         encoding = self.conn.info.encoding
         for result in results:
             if result.status == _FATAL_ERROR:
-                raise pg_errors.error_from_result(result, encoding=encoding)
+                error = pg_errors.error_from_result(result, encoding=encoding)
+                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                                   " cancelled") from error
+                raise error
         return results
 
-    async def _ready(self, writing: bool, deadline: float | None = None) -> None:
-        """Until the socket is ready; past ``deadline``, the connection is closed."""
-        if deadline is not None and deadline <= time.monotonic():
+    async def _past_deadline_async(self) -> float:
+        """``_Link._past_deadline`` on the event loop."""
+        if self.cancelled_late:
             self.close()
-            raise _Unanswered("PostgreSQL did not answer in time: the connection was closed")
+            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
+                              " connection was closed")
+        self.cancelled_late = True
+        grace = time.monotonic() + _CANCEL_GRACE
+        conn: psycopg.AsyncConnection[Any] = self.conn  # type: ignore[assignment]
+        try:
+            await conn.cancel_safe(timeout=_CANCEL_GRACE)
+        except psycopg.Error:
+            pass  # no answer to the cancel either: the grace ends with the close
+        return grace
+
+    async def _ready(self, writing: bool, deadline: float | None = None) -> bool:
+        """Until the socket is ready (True) or ``deadline`` passed (False)."""
+        if deadline is not None and deadline <= time.monotonic():
+            return False
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         fd = self.pgconn.socket
@@ -207,9 +232,9 @@ class _AsyncLink(_Link):
         # the loop's clock is time.monotonic (asyncio's default): the timer wakes this
         # wait at the deadline, and the next call ends the round trip
         timer = (None if deadline is None
-                 else loop.call_later(deadline - time.monotonic(), _set_once, ready))
+                 else loop.call_later(deadline - time.monotonic(), _set_late, ready))
         try:
-            await ready
+            return await ready is not False
         finally:
             if timer is not None:
                 timer.cancel()
@@ -243,17 +268,29 @@ class _AsyncLink(_Link):
                 return
 
 
-async def _make_fence_table(link: _AsyncLink, table: _FenceTable) -> None:
+async def _make_fence_table(link: _AsyncLink, table: _FenceTable, deadline: float | bool) -> None:
     """``postgres._make_fence_table`` on a task's connection."""
     for attempt in range(2):
-        if (await link.run_async(table.exists_sql)).get_value(0, 0) == b"t":
+        if (await link.run_async(table.exists_sql, deadline)).get_value(0, 0) == b"t":
             return
         try:
-            await link.run_async(table.create_sql)
+            await link.run_async(table.create_sql, deadline)
             return
         except _MADE_MEANWHILE:
             if attempt:
                 raise
+
+
+async def _clean_up_done(cleaning: asyncio.Task[None], deadline: float | bool) -> None:
+    """Wait for a clean-up task without cancelling it: until ``deadline`` if it is a time
+    (then ``_Overdue``, the clean-up going on), else however long it takes."""
+    if deadline is True:
+        await asyncio.shield(cleaning)
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(cleaning), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise _Overdue("an earlier call's clean-up has not ended in time") from None
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
@@ -264,6 +301,11 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 def _set_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _set_late(future: asyncio.Future[bool | None]) -> None:
+    if not future.done():
+        future.set_result(False)
 
 
 class _TaskSession(_Session):
@@ -306,7 +348,12 @@ class _Tasks:
         started = time.monotonic()
         self.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self.session()
-        await self.settle(session)
+        try:
+            await self.settle(session, _call_deadline(started, seconds))
+        except _CLIENT_TIMEOUTS:
+            if seconds < 0:
+                raise
+            return False  # an earlier call's clean-up still runs: timed out
         session.refuse_lost(items)
         if not await local_acquire(seconds):
             return False
@@ -325,16 +372,24 @@ class _Tasks:
         except BaseException as error:
             session.undo_take(before, fresh)
             unrun = isinstance(error, GeneratorExit)
+            client_timeout = seconds >= 0 and isinstance(error, _CLIENT_TIMEOUTS)
             try:
                 if fresh and not unrun:
-                    await self.clean_up(session)
+                    await self.clean_up(session, time.monotonic() + _CANCEL_GRACE
+                                        if client_timeout else True)
             except GeneratorExit:  # closed while it cleaned up: unrun all the same
                 unrun = True
                 raise
+            except _CLIENT_TIMEOUTS:
+                pass  # the clean-up goes on; the next call waits for it (settle)
             finally:
                 if unrun:
                     _close_link(session)
-            raise
+            if not client_timeout:
+                raise
+            # A timed call that passed its deadline on the client timed out.
+            session.refuse_lost(items)
+            return False
         finally:
             if not taken:
                 try:
@@ -427,13 +482,13 @@ class _Tasks:
             else:
                 link, fresh_link = await self.attach(session)
             try:
-                if fencing and not manager._fence_table_made:
-                    await _make_fence_table(link, manager._fence_table)
-                    manager._fence_table_made = True
                 left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
                 trying = seconds == 0 or (deadline is not None and left <= 0)
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
+                if fencing and not manager._fence_table_made:
+                    await _make_fence_table(link, manager._fence_table, answer_by or True)
+                    manager._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
                     statement = (_FENCED_LOCK[how] if fencing
@@ -453,9 +508,7 @@ class _Tasks:
                 if not link.broken():
                     raise
                 self.lose(session)
-                if isinstance(error, _Unanswered):
-                    return None
-                if fresh_link or retried:
+                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
                     raise
                 retried = True
                 continue
@@ -489,15 +542,16 @@ class _Tasks:
         if gone:
             self.manager._report(session, items=gone)
 
-    async def clean_up(self, session: _TaskSession) -> None:
+    async def clean_up(self, session: _TaskSession, deadline: float | bool = True) -> None:
         """Give back, in a task of its own that a cancellation cannot stop halfway, what a
-        failed call may hold (``session.unsure``); wait for it unless cancelled again."""
+        failed call may hold (``session.unsure``); wait for it unless cancelled again, or
+        until ``deadline`` (True: however long it takes): then ``_Overdue``, and it goes on."""
         if session.cleaning is None:
             session.cleaning = asyncio.get_running_loop().create_task(self.drop_or_lose(session))
             # Whoever still waits for it gets its exception (an on_lost that raised); if
             # nobody does any more, it must not be reported as never retrieved.
             session.cleaning.add_done_callback(_retrieve)
-        await asyncio.shield(session.cleaning)
+        await _clean_up_done(session.cleaning, deadline)
 
     async def hand_over(self, session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
         """A release interrupted before its unlock was sent: the clean-up releases ``items``
@@ -573,17 +627,18 @@ class _Tasks:
             session.ended = True
             _close_link(session)
 
-    async def settle(self, session: _TaskSession) -> None:
-        """``_PgEngine._settle`` for the task: first wait for a clean-up still running."""
+    async def settle(self, session: _TaskSession, deadline: float | bool = True) -> None:
+        """``_PgEngine._settle`` for the task: first wait for a clean-up still running (by
+        ``deadline``: ``clean_up``)."""
         if session.cleaning is not None:
-            await asyncio.shield(session.cleaning)
+            await _clean_up_done(session.cleaning, deadline)
         link = session.link
         if link is None:
             if session.levels or session.unsure:  # a lose() interrupted half-way: finish it
                 self.lose(session)
             return
         if session.unsure:
-            await self.clean_up(session)
+            await self.clean_up(session, deadline)
             link = session.link
             if link is None:
                 return

@@ -39,7 +39,8 @@ The rules that keep it correct:
 - ``xact_lock(conn, key)`` takes a transaction-scoped lock in the caller's own transaction,
   so the lock and the caller's writes commit or roll back together.
 - **Deadlines**: every round trip has one on the client (``_ANSWER_WITHIN``,
-  ``_WAIT_MARGIN``); past it the connection is closed and its keys are lost.
+  ``_WAIT_MARGIN``); past it the statement is cancelled, and if the cancel goes
+  unanswered too (``_CANCEL_GRACE``) the connection is closed and its keys are lost.
 - **Fencing tokens** (``fencing=True``): the first level of each write acquisition takes
   the key's next fence — its row of the fence table (``_FenceTable``), keyed by advisory key, incremented
   — in the lock's own message, after the lock and only if it was granted; a timed wait
@@ -187,12 +188,18 @@ _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
 _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 24.8 days)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 # Every round trip has a client-side deadline, whatever the server does (a stopped backend,
-# a stuck proxy, a half-open network): a round trip that waits for a lock without a timeout
-# waits for ever (None); a timed one gives up _WAIT_MARGIN after the call's deadline; any
-# other gives up after _ANSWER_WITHIN. Giving up closes the connection (its session's locks
-# are lost: nothing is left that could be granted to it later).
+# a stuck proxy, a half-open network, a table locked by a migration): a round trip that
+# waits for a lock without a timeout waits for ever (None); a timed call's (and a try's)
+# ends _WAIT_MARGIN after the call's deadline; any other's after _ANSWER_WITHIN. At the
+# deadline the statement is cancelled: a server that is only slow ends it and the
+# connection lives (``_Overdue``). A cancel unanswered for _CANCEL_GRACE closes the
+# connection (``_Unanswered``): its session's locks are lost, and nothing is left that
+# could be granted to it later. A timed call so returns by its deadline plus at most
+# _WAIT_MARGIN + _CANCEL_GRACE, and _CANCEL_GRACE for the release of what it may have taken.
 _ANSWER_WITHIN = 10.0
-_WAIT_MARGIN = 0.5
+_WAIT_MARGIN = 0.25
+_CANCEL_GRACE = 0.25
+_ABORT_SECONDS = 5.0  # how long an interrupted round trip waits for its cancelled statement
 _POLLIN = getattr(select, "POLLIN", 1)  # Windows has no poll(), nor its constants
 _POLLOUT = getattr(select, "POLLOUT", 4)
 
@@ -205,13 +212,15 @@ _POLLOUT = getattr(select, "POLLOUT", 4)
 #   locks sits idle between calls; a server ending it would turn held locks into leases;
 # - default_transaction_isolation: a queued fenced wait reads the fence row after its
 #   wait, which under repeatable read or serializable would use a snapshot from before
-#   the wait and fail; default_transaction_read_only: fences are written.
+#   the wait and fail; default_transaction_read_only: fences are written;
+# - transaction_timeout (17+): a wait is one statement in one transaction;
+# - standard_conforming_strings: the fence table's name is quoted in a literal.
 # A session-level SET outranks every default, and a later ALTER ROLE or ALTER SYSTEM
 # changes only new sessions (which are set up again).
 _WHO_IS_THIS = "SELECT pg_is_in_recovery(), pg_backend_pid()"
 _PINNED = ("lock_timeout = 0", "statement_timeout = 0", "idle_in_transaction_session_timeout = 0",
            "default_transaction_isolation = 'read committed'",
-           "default_transaction_read_only = off")
+           "default_transaction_read_only = off", "standard_conforming_strings = on")
 # A backend waiting for a lock notices its client has gone (a process killed while it
 # waits, a connection closed under a wait) only when granted, and keeps every lock of the
 # session until then: PostgreSQL 14+ can check the socket while a statement runs, on the
@@ -225,6 +234,8 @@ def _setup_sql(server_version: int, check_client: bool = True) -> str:
     """What sets up a new connection (again with ``check_client`` false if it fails with
     ``_CHECK_UNSUPPORTED``)."""
     pinned = list(_PINNED)
+    if server_version >= 170000:
+        pinned.append("transaction_timeout = 0")
     if server_version >= 140000:
         pinned.append("idle_session_timeout = 0")
         if check_client:
@@ -238,7 +249,16 @@ def _answer_by() -> float:
 
 
 class _Unanswered(psycopg.OperationalError):
-    """A round trip passed its deadline: the connection was closed."""
+    """A round trip passed its deadline, and its cancel went unanswered: the connection was
+    closed."""
+
+
+class _Overdue(psycopg.OperationalError):
+    """A round trip passed its deadline and was cancelled: the statement ended (it may have
+    taken locks before the cancel: the caller drops them); the connection lives."""
+
+
+_CLIENT_TIMEOUTS = (_Unanswered, _Overdue)
 
 
 class UnsafeServerError(LockError):
@@ -326,12 +346,14 @@ class _Link:
     finalizer that closes the link (a thread's end, collected late) may run inside a check
     of it on the same thread."""
 
-    __slots__ = ("conn", "guard", "pgconn", "pid", "poller", "prepared", "statements", "talking")
+    __slots__ = ("cancelled_late", "conn", "guard", "pgconn", "pid", "poller", "prepared",
+                 "statements", "talking")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
         self.guard = threading.RLock()  # see the class docstring
         self.talking = False  # the owner is in a round trip: checks keep off
+        self.cancelled_late = False  # the owner's round trip passed its deadline: cancelled
         self.prepared: set[bytes] = set()  # names of the statements prepared on this session
         self.statements = statements  # what each name prepares: its manager's (_FenceTable)
         self.conn = conn  # last but two: close() needs what comes before
@@ -387,16 +409,19 @@ class _Link:
                     *args: Any) -> list[Any]:
         pgconn = self.pgconn
         results: list[Any] = []
+        self.cancelled_late = False
         try:  # whatever is interrupted after ``talking`` is set, the finally clears it
             with self.guard:  # waits out another thread's check
                 self.talking = True
             try:
                 send(*args)  # inside: a handler raising once the query is sent cancels it
                 while pgconn.flush():
-                    self._wait(_POLLOUT, deadline)
+                    while not self._wait(_POLLOUT, deadline):
+                        deadline = self._past_deadline()
                 while True:
                     if pgconn.is_busy():
-                        self._wait(_POLLIN, deadline)
+                        while not self._wait(_POLLIN, deadline):
+                            deadline = self._past_deadline()
                         pgconn.consume_input()
                         continue
                     result = pgconn.get_result()
@@ -404,20 +429,39 @@ class _Link:
                         break
                     results.append(result)
             except BaseException:
-                self._abort_query()
+                self._abort_query(deadline)
                 raise
             encoding = self.conn.info.encoding
         finally:
             self.talking = False  # no call before it: nothing can skip it
         for result in results:
             if result.status == _FATAL_ERROR:
-                raise pg_errors.error_from_result(result, encoding=encoding)
+                error = pg_errors.error_from_result(result, encoding=encoding)
+                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                                   " cancelled") from error
+                raise error
         return results
 
-    def _wait(self, event: int, deadline: float | None) -> None:
-        """Until the socket is ready for ``event``, in slices: Python runs signal handlers
-        in the main thread only, and a signal the kernel gave another thread does not end
-        a poll. Past ``deadline``, the connection is closed: ``_Unanswered``."""
+    def _past_deadline(self) -> float:
+        """The round trip passed its deadline: cancel its statement, and give the cancel
+        _CANCEL_GRACE (the new deadline); passed again, close the connection."""
+        if self.cancelled_late:
+            self.close()
+            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
+                              " connection was closed")
+        self.cancelled_late = True
+        grace = time.monotonic() + _CANCEL_GRACE
+        try:
+            self.conn.cancel_safe(timeout=_CANCEL_GRACE)
+        except psycopg.Error:
+            pass  # no answer to the cancel either: the grace ends with the close
+        return grace
+
+    def _wait(self, event: int, deadline: float | None) -> bool:
+        """Until the socket is ready for ``event`` (True) or ``deadline`` passed (False), in
+        slices: Python runs signal handlers in the main thread only, and a signal the
+        kernel gave another thread does not end a poll."""
         if event != _POLLIN:
             self.poller.modify(self.pgconn.socket, event)
         try:
@@ -426,31 +470,36 @@ class _Link:
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        self.close()
-                        raise _Unanswered("PostgreSQL did not answer in time: the connection"
-                                          " was closed")
+                        return False
                     milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
                 if self.poller.poll(milliseconds):
-                    return
+                    return True
         finally:
-            if event != _POLLIN and not self.conn.closed:
+            if event != _POLLIN:
                 self.poller.modify(self.pgconn.socket, _POLLIN)
 
-    def _abort_query(self) -> None:
+    def _abort_query(self, deadline: float | None) -> None:
         """Interrupted mid-query: cancel it on the server and read what is left, so that the
-        connection is idle again; if that fails or is interrupted too, close it."""
+        connection is idle again, within _ABORT_SECONDS and the round trip's ``deadline``
+        (plus _CANCEL_GRACE); if that fails, close it. The caller re-raises what
+        interrupted it; only a second interrupt here replaces it."""
         if self.pgconn.transaction_status != TransactionStatus.ACTIVE:
             return
+        ends = time.monotonic() + _ABORT_SECONDS
+        if deadline is not None:
+            ends = min(ends, max(deadline, time.monotonic()) + _CANCEL_GRACE)
         try:
-            self.conn.cancel_safe(timeout=5.0)
-            deadline = time.monotonic() + 5.0
+            self.conn.cancel_safe(timeout=max(0.0, ends - time.monotonic()))
             while True:
                 if self.pgconn.is_busy():
-                    if not self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                        raise TimeoutError("the cancelled query did not end")
+                    if not self._wait(_POLLIN, ends):
+                        self.close()
+                        return
                     self.pgconn.consume_input()
                 elif self.pgconn.get_result() is None:
                     return
+        except Exception:
+            self.close()
         except BaseException:
             self.close()
             raise
@@ -906,7 +955,7 @@ class _PgEngine(Generic[K]):
         if self._tasks is not None:
             self._tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
-        self._settle(session)
+        self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
         if not local_acquire(seconds):
             return False
@@ -922,13 +971,19 @@ class _PgEngine(Generic[K]):
             if fences is not None:
                 session.granted(items, self._fences_of(fresh, fences))
                 taken = True  # last: an interrupt before it finds the counts undone below
-        except BaseException:
+        except BaseException as error:
             # Wherever the failure or interrupt came, the call failed: nothing it took stays
             # held (a connection lost on the way already moved what it held to ``lost``).
             session.undo_take(before, fresh)
+            client_timeout = seconds >= 0 and isinstance(error, _CLIENT_TIMEOUTS)
             if fresh:
-                self._drop_or_lose(session, fresh)
-            raise
+                self._drop_or_lose(session, fresh, time.monotonic() + _CANCEL_GRACE
+                                   if client_timeout else True)
+            if not client_timeout:
+                raise
+            # A timed call that passed its deadline on the client timed out.
+            session.refuse_lost(items)
+            return False
         finally:
             # Timed out, failed or interrupted: the in-process acquisition goes back, from
             # this one place only (an interrupt right after it must not give it back twice).
@@ -973,13 +1028,13 @@ class _PgEngine(Generic[K]):
         while True:
             link, fresh_link = (session.link, False) if session.link else self._attach(session)
             try:
-                if fencing and not self._fence_table_made:
-                    _make_fence_table(link, self._fence_table)
-                    self._fence_table_made = True
                 left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
                 trying = seconds == 0 or (deadline is not None and left <= 0)
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
+                if fencing and not self._fence_table_made:
+                    _make_fence_table(link, self._fence_table, answer_by or True)
+                    self._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
                     statement = (_FENCED_LOCK[how] if fencing
@@ -1002,11 +1057,9 @@ class _PgEngine(Generic[K]):
                     raise  # a cancelled statement: the caller drops what it may have taken
                 # The connection died: the keys held on it are lost, and so is this
                 # attempt; a connection that had been idle is replaced once. Unanswered
-                # by the deadline: the call timed out.
+                # by a timed call's deadline: the caller times out.
                 self._lose(session)
-                if isinstance(error, _Unanswered):
-                    return None
-                if fresh_link or retried:
+                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
                     raise
                 retried = True
                 continue
@@ -1037,11 +1090,13 @@ class _PgEngine(Generic[K]):
         if gone:  # the server no longer had it: lost, though the connection lives
             self._report(session, items=gone)
 
-    def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> None:
+    def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
+                      deadline: float | None | bool = True) -> None:
         """After a failed or interrupted call: release on the server whichever of ``items``
-        this call may have taken (the levels it recorded before are not among them). If
-        that cannot be done, end the session: its keys are lost, nothing stays held.
-        ``items`` are the session's ``unsure``, cleared once done."""
+        this call may have taken (the levels it recorded before are not among them), by
+        ``deadline`` (``_Link.run``). If that cannot be done, end the session: its keys
+        are lost, nothing stays held. ``items`` are the session's ``unsure``, cleared once
+        done."""
         link = session.link
         if link is None:
             session.unsure = []
@@ -1049,7 +1104,7 @@ class _PgEngine(Generic[K]):
         try:
             if not link.idle():
                 raise psycopg.OperationalError("the connection is not idle after an interrupt")
-            link.run(_drop_sql(items, self.advisory_key))
+            link.run(_drop_sql(items, self.advisory_key), deadline)
             session.unsure = []
         except Exception:
             self._lose(session)  # the original failure is what the caller re-raises
@@ -1103,16 +1158,16 @@ class _PgEngine(Generic[K]):
         if link is not None:
             link.close()
 
-    def _settle(self, session: _Session) -> None:
+    def _settle(self, session: _Session, deadline: float | None | bool = True) -> None:
         """The owner's check at every call: a dead connection loses what it held, and keys
-        an interrupted clean-up left unsure are released now."""
+        an interrupted clean-up left unsure are released now (by ``deadline``)."""
         link = session.link
         if link is None:
             if session.levels or session.unsure:  # a _lose interrupted half-way: finish it
                 self._lose(session)
             return
         if session.unsure:
-            self._drop_or_lose(session, session.unsure)
+            self._drop_or_lose(session, session.unsure, deadline)
             link = session.link
             if link is None:
                 return
@@ -1275,13 +1330,14 @@ def _read_has_no_fence(key: Hashable) -> LockError:
     return LockError(f"key {key!r} is held for reading: only a write takes a fence")
 
 
-def _make_fence_table(link: _Link, table: _FenceTable) -> None:
-    """Make sure the fence table exists (its own transaction: committed before any wait)."""
+def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | bool) -> None:
+    """Make sure the fence table exists (its own transaction: committed before any wait),
+    by ``deadline`` (``_Link.run``)."""
     for attempt in range(2):
-        if link.run(table.exists_sql).get_value(0, 0) == b"t":
+        if link.run(table.exists_sql, deadline).get_value(0, 0) == b"t":
             return
         try:
-            link.run(table.create_sql)
+            link.run(table.create_sql, deadline)
             return
         except _MADE_MEANWHILE:
             if attempt:  # a lasting conflict (a type of that name)
@@ -1363,6 +1419,12 @@ def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: l
     fencing = f"; {time_left}; {fences.next_fences_sql(fenced)}" if fences else ""
     taking = ", ".join(f"pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
     return f"{waits}{fencing}; SELECT {taking}"
+
+
+def _call_deadline(started: float, seconds: float) -> float | bool:
+    """The deadline of the round trips a call starting at ``started`` makes before it
+    waits: a timed call's own, plus _WAIT_MARGIN; for a call without a timeout, soon."""
+    return True if seconds < 0 else started + seconds + _WAIT_MARGIN
 
 
 def _round_trip_deadline(how: str, deadline: float | None) -> float | None:
