@@ -602,3 +602,86 @@ def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
     other.release("k")
     locks.close()
     other.close()
+
+
+# -- a stale probe never marks a newer connection ---------------------------------------------
+
+
+def terminate_holder_of(dsn: str, manager: Any, key: object) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"SELECT pg_terminate_backend(pid) FROM {postgres._GRANTED_ADVISORY} %s",
+                     (manager.advisory_key(key),))
+    wait_until(lambda: not held_on_server(dsn, manager, key), "the server ends the session")
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_stale_probe_never_marks_the_connection_its_owner_moved_on_to(
+        engine, dsn, namespace, workers, monkeypatch, owner) -> None:
+    """``lost_keys()`` in another thread probes each holder's connection, then marks the
+    dead ones. If the holder handled its loss between the probe and the mark and took a
+    key on a new connection, the mark must not hit that connection: the new key is not
+    lost, and ``on_lost`` hears only of the key that was."""
+    lost: list[list[object]] = []
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, on_lost=lost.append)
+    holder, checker = workers("holder"), workers("checker")
+    took_a, may_handle, moved_on, checked = (threading.Event() for _ in range(4))
+    outcome: list[str] = []
+
+    def in_thread() -> None:
+        locks.acquire("a")
+        took_a.set()
+        assert may_handle.wait(PATIENCE)
+        try:
+            locks.release("a")
+        except LockLost:
+            outcome.append("a lost")
+        locks.acquire("b")  # a new connection
+        moved_on.set()
+        assert checked.wait(PATIENCE)
+        try:
+            locks.release("b")
+        except LockLost:
+            outcome.append("b lost")
+
+    async def in_task() -> None:
+        await locks.aio.acquire("a")
+        took_a.set()
+        assert await asyncio.to_thread(may_handle.wait, PATIENCE)
+        try:
+            await locks.aio.release("a")
+        except LockLost:
+            outcome.append("a lost")
+        await locks.aio.acquire("b")
+        moved_on.set()
+        assert await asyncio.to_thread(checked.wait, PATIENCE)
+        try:
+            await locks.aio.release("b")
+        except LockLost:
+            outcome.append("b lost")
+
+    owning = holder.submit(in_thread if owner == "thread" else lambda: asyncio.run(in_task()))
+    assert took_a.wait(PATIENCE)
+    terminate_holder_of(dsn, locks, "a")
+    probed, go = threading.Event(), threading.Event()
+    probe = postgres._Link.idle_unless_busy
+
+    def pausing_probe(link: Any) -> bool | None:
+        answer = probe(link)
+        if threading.current_thread() is checker.thread and answer is False:
+            probed.set()
+            go.wait(PATIENCE)
+        return answer
+
+    monkeypatch.setattr(postgres._Link, "idle_unless_busy", pausing_probe)
+    checking = checker.submit(locks.lost_keys)
+    assert probed.wait(PATIENCE), "the checker found the holder's connection dead"
+    may_handle.set()  # the holder handles its loss and moves on to a new connection
+    assert moved_on.wait(PATIENCE)
+    go.set()
+    assert checking.result() == set()
+    assert lost == [["a"]] and held_on_server(dsn, locks, "b")
+    checked.set()
+    owning.result()
+    assert outcome == ["a lost"]  # "b" was held all along
+    locks.close()

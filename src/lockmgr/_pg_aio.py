@@ -699,7 +699,7 @@ class _Tasks:
         for other in others:
             link = other.link
             if link is not None and link.idle_unless_busy() is False:
-                self.manager._report(other, mark_dead=True)
+                self.manager._report(other, dead_link=link)
 
     def lease(self, items: Sequence[tuple[Hashable, int]]) -> Lease:
         """The current task's lease on ``items``, which it has just acquired."""

@@ -819,7 +819,7 @@ class _PgEngine(Generic[K]):
         for other in others:
             link = other.link
             if link is not None and link.idle_unless_busy() is False:
-                self._report(other, mark_dead=True)
+                self._report(other, dead_link=link)
         if self._tasks is not None:
             self._tasks.sweep_closed_loops()
             self._tasks.check_others(None)
@@ -1186,16 +1186,21 @@ class _PgEngine(Generic[K]):
         if not session.lost:
             self._return_if_idle(session)
 
-    def _report(self, session: _Session, *, mark_dead: bool = False,
+    def _report(self, session: _Session, *, dead_link: _Link | None = None,
                 items: list[tuple[Hashable, int]] | None = None) -> None:
         """Tell ``on_lost`` once about each key newly lost by ``session``: all it holds
-        (from another thread: ``mark_dead``), or just ``items`` (the owner)."""
+        (from another thread, which found ``dead_link`` dead), or just ``items`` (the
+        owner)."""
         with self._guard:
             if items is not None:
                 for item in items:
                     session.lost[item] = session.lost.get(item, 0) + session.levels.pop(item)
                     session.fences.pop(item, None)
-            if mark_dead:
+            if dead_link is not None:
+                # Checked under the guard, and probed before it: the owner may have handled
+                # that loss meanwhile and moved on to a new connection, which lives.
+                if session.link is not dead_link:
+                    return
                 session.dead = True
             held = {key for key, _ in list(session.lost)}
             if session.dead:
