@@ -685,3 +685,27 @@ def test_a_stale_probe_never_marks_the_connection_its_owner_moved_on_to(
     owning.result()
     assert outcome == ["a lost"]  # "b" was held all along
     locks.close()
+
+
+# -- what a manager counts --------------------------------------------------------------------
+
+
+def test_len_of_a_readers_writer_manager_counts_no_key_only_lost_readers_hold(
+        engine, dsn, namespace, workers) -> None:
+    """Two threads read "k"; one's connection is lost. "k" is held while the other reads,
+    and no longer once it has released, though the first has not yet released its lost
+    read."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    first, second = workers("first"), workers("second")
+    first.run(lambda: [rw.acquire_read("k"), rw.acquire_write("mark:first")])
+    second.run(lambda: rw.acquire_read("k"))
+    terminate_holder_of(dsn, rw, "mark:first")
+    assert rw.lost_keys() == {"k", "mark:first"}
+    assert len(rw) == 1 and rw.readers("k") == 1
+    second.run(lambda: rw.release_read("k"))
+    assert len(rw) == 0 and rw.readers("k") == 0
+    for release in (lambda: rw.release_read("k"), lambda: rw.release_write("mark:first")):
+        with pytest.raises(LockLost):
+            first.run(release)
+    assert len(rw) == 0 and rw.lost_keys() == set()
+    rw.close()

@@ -802,9 +802,15 @@ class _PgEngine(Generic[K]):
         return metrics
 
     def __len__(self) -> int:
-        """Keys held by this process's threads (lost ones are not held)."""
+        """Keys held by this process's threads and tasks (lost ones are not held)."""
         held: int = len(self._engine)
-        return held - sum(1 for _, mode in self._lost_items() if mode == WRITE)
+        lost = self._lost_items()
+        return held - sum(1 for key in {key for key, _ in lost} if self._only_lost(key, lost))
+
+    def _only_lost(self, key: Hashable,
+                   lost: collections.Counter[tuple[Hashable, int]]) -> bool:
+        """Whether every holder of ``key`` in process lost it (``lost``: ``_lost_items``)."""
+        return bool(lost[key, WRITE])
 
     def lost_keys(self) -> set[Hashable]:
         """Keys whose session was lost and that their holders (living threads of this
@@ -1628,6 +1634,11 @@ class PgRWLockManager(_PgEngine[K]):
         reading = [key for key, mode in items if mode == READ]
         writing = [key for key, mode in items if mode == WRITE]
         self._give(items, lambda: self._engine.release_many(reading, writing))
+
+    def _only_lost(self, key: Hashable,
+                   lost: collections.Counter[tuple[Hashable, int]]) -> bool:
+        written = lost[key, WRITE] or not self._engine.write_locked(key)
+        return bool(written and lost[key, READ] >= self._engine.readers(key))
 
     def readers(self, key: K) -> int:
         """Threads of *this process* reading ``key`` (lost reads are not counted)."""
