@@ -500,9 +500,10 @@ def test_xact_lock_lives_and_dies_with_the_transaction(locks, dsn) -> None:
                 pytest.raises(LockError, match="open transaction"):
             with locks.xact_lock(outside, "k"):
                 pass
+        other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=locks._namespace)
         with conn.transaction():
             with locks.xact_lock(conn, "k"):
-                assert locks.acquire("k", timeout=0) is False  # the same lock
+                assert other.acquire("k", timeout=0) is False  # the same lock
             assert held_on_server(dsn, locks, "k")  # leaving the block does not release it
         assert not held_on_server(dsn, locks, "k")  # the commit did
         with pytest.raises(RuntimeError):
@@ -510,7 +511,6 @@ def test_xact_lock_lives_and_dies_with_the_transaction(locks, dsn) -> None:
                 with locks.xact_lock(conn, "k", shared=True, timeout=1):
                     raise RuntimeError("roll back")
         assert not held_on_server(dsn, locks, "k")  # so did the rollback
-        other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=locks._namespace)
         other.acquire("k")
         with conn.transaction():
             with pytest.raises(LockTimeout):
@@ -554,6 +554,39 @@ def test_xact_lock_of_a_key_the_thread_holds_through_the_manager_is_refused_at_o
             release("k")
         with conn.transaction(), rw.xact_lock(conn, "k", timeout=timeout):
             pass  # nothing held through the manager: taken
+    finally:
+        conn.close()
+        rw.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, 0.1], ids=["untimed", "try", "timed"])
+def test_a_session_lock_of_a_key_the_thread_took_with_xact_lock_is_refused_at_once(
+        engine, dsn, namespace, timeout) -> None:
+    """The other order: the thread took the key with xact_lock in a transaction still
+    open; a session lock of it in a conflicting mode would wait for that transaction, and
+    so for itself. DeadlockError at once; once the transaction ended, it is taken."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    conn = psycopg.connect(dsn)
+    try:
+        for shared, take, release, refused in [
+                (False, rw.acquire_write, rw.release_write, True),
+                (False, rw.acquire_read, rw.release_read, True),
+                (True, rw.acquire_write, rw.release_write, True),
+                (True, rw.acquire_read, rw.release_read, False)]:
+            with conn.transaction():
+                with rw.xact_lock(conn, "k", shared=shared):
+                    pass
+                if refused:
+                    with pytest.raises(DeadlockError, match="wait for .* itself"):
+                        take("k", timeout=timeout)
+                    assert rw.acquire_many(writes=["j"], timeout=timeout)  # other keys go
+                    rw.release_many(writes=["j"])
+                else:
+                    assert take("k", timeout=timeout)
+                    release("k")
+            assert take("k", timeout=timeout)  # committed: the xact lock went with it
+            release("k")
+        assert len(rw) == 0 and not held_on_server(dsn, rw, "k")
     finally:
         conn.close()
         rw.close()

@@ -69,7 +69,7 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, ParamSpec, TypeVar
 
 try:
     import psycopg
@@ -933,6 +933,7 @@ class _PgEngine(Generic[K]):
             finally:
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous[0],))
+        self._note_xact_lock(conn, ident, shared)
         yield
 
     def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
@@ -950,6 +951,35 @@ class _PgEngine(Generic[K]):
                 " another connection would wait for that lock, and so for itself, for ever",
                 [(threading.get_ident(), key)])
 
+    def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool) -> None:
+        """Remember, for the calling thread, an xact_lock taken in ``conn``'s transaction
+        (``_refuse_own_xact_lock``); records of ended transactions go now and then."""
+        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if records is None:
+            records = self._local.xact_locks = []
+        if len(records) >= _REMEMBERED_XACT_LOCKS:
+            records[:] = [record for record in records if record.may_hold()]
+        records.append(_XactLock(weakref.ref(conn), conn.info.backend_pid, ident, shared))
+
+    def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """The other order of ``_refuse_own_session_lock``: the calling thread took ``key``
+        with xact_lock in a transaction still open on another connection, so a session lock
+        of it in a conflicting mode would wait for itself. The server says whether that
+        transaction still holds it (one round trip, only for such a key)."""
+        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if not records:
+            return
+        records[:] = [record for record in records if record.may_hold()]
+        for key, mode in items:
+            ident = self.advisory_key(key)
+            for record in records:
+                if (record.ident == ident and (mode == WRITE or not record.shared)
+                        and self._held_by_backend(ident, record.backend_pid)):
+                    raise DeadlockError(
+                        f"the calling thread holds {key!r} with xact_lock in a transaction"
+                        " still open: a session lock of it would wait for that transaction,"
+                        " and so for itself, for ever", [(threading.get_ident(), key)])
+
     # -- taking and giving back ---------------------------------------------------------------
 
     def _take(self, items: Sequence[tuple[Hashable, int]], seconds: float,
@@ -963,6 +993,7 @@ class _PgEngine(Generic[K]):
         session = self._session()
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
+        self._refuse_own_xact_lock(items)
         if not local_acquire(seconds):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
@@ -1278,12 +1309,20 @@ class _PgEngine(Generic[K]):
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
+        return self._ask(
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {self.advisory_key(key)}"
+            f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+
+    def _held_by_backend(self, ident: int, backend_pid: int) -> bool:
+        return self._ask(f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {ident}"
+                         f" AND pid = {int(backend_pid)})")
+
+    def _ask(self, question: str) -> bool:
+        """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives."""
         link, borrowed = self._borrow()
         try:
-            result = link.run(
-                f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {self.advisory_key(key)}"
-                f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+            result = link.run(question)
         except BaseException:
             if borrowed:
                 link.close()
@@ -1292,6 +1331,25 @@ class _PgEngine(Generic[K]):
             with self._guard:
                 self._idle.append(link)
         return bool(result.get_value(0, 0) == b"t")
+
+
+class _XactLock(NamedTuple):
+    """An xact_lock a thread took: in the transaction open on ``conn`` (its backend
+    ``backend_pid``), the advisory key ``ident``, shared or not."""
+
+    conn: weakref.ref[psycopg.Connection[Any]]
+    backend_pid: int
+    ident: int
+    shared: bool
+
+    def may_hold(self) -> bool:
+        """Whether the transaction it was taken in may still be open."""
+        conn = self.conn()
+        return conn is not None and not conn.closed and conn.info.transaction_status in (
+            TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+_REMEMBERED_XACT_LOCKS = 64  # a thread's records past which those of ended transactions go
 
 
 def _count_down(levels: dict[tuple[Hashable, int], int], item: tuple[Hashable, int]) -> None:
