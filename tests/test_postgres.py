@@ -1026,6 +1026,88 @@ say(failures=failures, left=left, seen=seen, base=base)
 """
 
 
+def test_a_poll_that_returned_with_a_handlers_exception_set_raises_that_exception() -> None:
+    """CPython 3.13t (GIL off) can turn a Ctrl-C landing as poll() returns into SystemError
+    "... returned a result with an exception set", the KeyboardInterrupt as its cause: the
+    backend raises the KeyboardInterrupt itself, which its clean-ups expect; any other
+    SystemError stays what it is."""
+    class Poller:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def poll(self, milliseconds: float) -> list[tuple[int, int]]:
+            raise self.error
+
+    wrapped = SystemError("<method 'poll' of 'select.poll' objects> returned a result with"
+                          " an exception set")
+    wrapped.__cause__ = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        postgres._poll(Poller(wrapped), 0)
+    assert raised.value.__cause__ is None and raised.value.__context__ is None
+    other = SystemError("something else")
+    with pytest.raises(SystemError) as kept:
+        postgres._poll(Poller(other), 0)
+    assert kept.value is other
+
+
+@pytest.mark.parametrize("first", ["read", "counted"])
+@pytest.mark.parametrize("call", ["untimed", "timed", "try", "many"])
+def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
+        engine, dsn, namespace, monkeypatch, call, first) -> None:
+    """A first Ctrl-C lands once the server's grant has been read (or counted), a second
+    one at the clean-up's first check point (undo_take's entry). The keys the server
+    granted must be on record (``unsure``) from before the round trip, and the counts as
+    they were (``taking``), so the thread's next call releases them; the in-process
+    acquisition goes back too."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    fired: set[str] = set()
+    round_trip, undo_take = postgres._Link._round_trip, postgres._Session.undo_take
+    granted = postgres._Session.granted
+
+    def interrupted_after_the_grant(link: Any, deadline: Any, send: Any, *args: Any) -> Any:
+        results = round_trip(link, deadline, send, *args)
+        statement = bytes(args[0])
+        locking = any(name in statement for name in (b"pg_advisory_lock", b"pg_try_advisory",
+                                                     b"pg_advisory_xact_lock"))
+        if "grant" not in fired and send.__name__ != "send_prepare" and locking:
+            fired.add("grant")
+            raise KeyboardInterrupt
+        return results
+
+    def interrupted_once_counted(session: Any, *args: Any) -> None:
+        granted(session, *args)
+        fired.add("grant")
+        raise KeyboardInterrupt
+
+    def interrupted_at_entry(session: Any, *args: Any) -> None:
+        if "undo" not in fired:
+            fired.add("undo")
+            raise KeyboardInterrupt
+        undo_take(session, *args)
+
+    take = {"untimed": lambda: locks.acquire("k"), "timed": lambda: locks.acquire("k", timeout=PATIENCE),
+            "try": lambda: locks.acquire("k", timeout=0),
+            "many": lambda: locks.acquire_many(["k", "j"], timeout=PATIENCE)}[call]
+    if first == "read":
+        monkeypatch.setattr(postgres._Link, "_round_trip", interrupted_after_the_grant)
+    else:
+        monkeypatch.setattr(postgres._Session, "granted", interrupted_once_counted)
+    monkeypatch.setattr(postgres._Session, "undo_take", interrupted_at_entry)
+    with pytest.raises(KeyboardInterrupt):
+        take()
+    assert fired == {"grant", "undo"}
+    monkeypatch.undo()
+    assert locks.lost_keys() == set()  # the next call settles
+    assert not locks.owned("k") and len(locks) == 0 and locks.recursion_count("k") == 0
+    assert other.acquire_many(["k", "j"], timeout=0) is True  # nothing held on the server
+    other.release_many(["k", "j"])
+    assert locks.acquire("k", timeout=0) is True
+    locks.release("k")
+    locks.close()
+    other.close()
+
+
 @pytest.mark.parametrize("repeated", [False, True], ids=["once-per-call", "repeated"])
 def test_ctrl_c_storms_leave_nothing_held(engine, dsn, namespace, repeated) -> None:
     """SIGINT every few milliseconds at a thread acquiring a contended key: every call ends

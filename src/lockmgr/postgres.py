@@ -472,7 +472,7 @@ class _Link:
                     if left <= 0:
                         return False
                     milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
-                if self.poller.poll(milliseconds):
+                if _poll(self.poller, milliseconds):
                     return True
         finally:
             if event != _POLLIN:
@@ -525,7 +525,7 @@ class _Link:
         if pgconn.status != ConnStatus.OK:
             return False
         for _ in range(3):  # the goodbye message first, the end of the stream next
-            if not self.poller.poll(0):
+            if not _poll(self.poller, 0):
                 break
             try:
                 pgconn.consume_input()
@@ -561,6 +561,25 @@ class _Link:
             self.close()
 
 
+def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:
+    """``poller.poll(milliseconds)``, a signal handler's exception raised as itself. On
+    CPython 3.13t with the GIL off, poll() can come back with its result and the handler's
+    exception both set (SystemError "... returned a result with an exception set", the
+    exception as its cause): re-attaching the thread after the call may wait out another
+    thread's stop-the-world pause, a signal interrupts that wait and leaves errno at EINTR,
+    and poll then runs the handlers as if it had been interrupted itself. The result is
+    gone: it is the handler's interrupt, landing right after poll returned."""
+    try:
+        result: list[tuple[int, int]] = poller.poll(milliseconds)
+    except SystemError as error:
+        interrupt = error.__cause__
+        if interrupt is None or "returned a result with an exception set" not in str(error):
+            raise
+        error.__cause__ = error.__context__ = None  # no cycle keeping frames (and links) alive
+        raise interrupt from None
+    return result
+
+
 def _deadline(deadline: float | None | bool) -> float | None:
     return _answer_by() if deadline is True else deadline
 
@@ -591,7 +610,8 @@ class _Session:
     """One thread's standing with one manager: the connection it holds keys on, and keys
     lost with an earlier connection that the thread has not yet released."""
 
-    __slots__ = ("dead", "fences", "ident", "levels", "link", "lost", "reported", "unsure")
+    __slots__ = ("dead", "fences", "ident", "levels", "link", "lost", "reported", "taking",
+                 "unsure")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -607,6 +627,10 @@ class _Session:
         # answered (or the link is gone); a clean-up interrupted again leaves them to the
         # owner's next call (_settle), so they are never left held.
         self.unsure: list[tuple[Hashable, int]] = []
+        # An acquisition's (levels before, fresh items), from before its round trip until it
+        # is counted or undone: an undo that an interrupt kept from running (at its entry)
+        # is finished by the owner's next call (_settle).
+        self.taking: tuple[dict[tuple[Hashable, int], int], list[tuple[Hashable, int]]] | None = None
 
     def holds_anything(self) -> bool:
         return bool(self.levels or self.lost or self.unsure)
@@ -656,6 +680,7 @@ class _Session:
                 self.levels[item] = levels
                 if not levels:
                     del self.levels[item]
+        self.taking = None
 
     def given(self, items: Sequence[tuple[Hashable, int]]) -> list[Hashable]:
         """One level of each of ``items`` released (or, if lost, acknowledged); the keys of
@@ -999,6 +1024,7 @@ class _PgEngine(Generic[K]):
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
         taken = False
+        session.taking = (before, fresh)
         try:
             left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
             fences = self._lock(session, fresh, left) if fresh else {}
@@ -1007,7 +1033,9 @@ class _PgEngine(Generic[K]):
             session.refuse_lost(items)
             if fences is not None:
                 session.granted(items, self._fences_of(fresh, fences))
-                taken = True  # last: an interrupt before it finds the counts undone below
+            # No check point from the last call to the end of the block: answered, counted.
+            session.unsure, session.taking = [], None
+            taken = fences is not None  # last: an interrupt before it finds the counts undone below
         except BaseException as error:
             # Wherever the failure or interrupt came, the call failed: nothing it took stays
             # held (a connection lost on the way already moved what it held to ``lost``).
@@ -1064,6 +1092,10 @@ class _PgEngine(Generic[K]):
         retried = False
         while True:
             link, fresh_link = (session.link, False) if session.link else self._attach(session)
+            # Unsure before the server can take them (a lost connection clears it): an
+            # interrupt after the grant, then another at the clean-up's first check point
+            # (undo_take's entry), would leave them held on the connection, recorded nowhere.
+            session.unsure = items
             try:
                 left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
                 trying = seconds == 0 or (deadline is not None and left <= 0)
@@ -1198,6 +1230,8 @@ class _PgEngine(Generic[K]):
     def _settle(self, session: _Session, deadline: float | None | bool = True) -> None:
         """The owner's check at every call: a dead connection loses what it held, and keys
         an interrupted clean-up left unsure are released now (by ``deadline``)."""
+        if session.taking is not None:  # an interrupt kept a failed acquisition's undo from running
+            session.undo_take(*session.taking)
         link = session.link
         if link is None:
             if session.levels or session.unsure:  # a _lose interrupted half-way: finish it
@@ -1282,7 +1316,7 @@ class _PgEngine(Generic[K]):
             if session.link is not None:
                 links.append(session.link)
                 session.link = None
-            session.unsure = []  # on the parent's connection
+            session.unsure, session.taking = [], None  # on the parent's connection
             if session.ident == me:
                 for item, levels in session.levels.items():
                     session.lost[item] = session.lost.get(item, 0) + levels
