@@ -575,9 +575,10 @@ def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:
         interrupt = error.__cause__
         if interrupt is None or "returned a result with an exception set" not in str(error):
             raise
-        error.__cause__ = error.__context__ = None  # no cycle keeping frames (and links) alive
-        raise interrupt from None
-    return result
+        error.__cause__ = None
+    else:
+        return result
+    raise interrupt  # out of the handler: no chain (nor cycle) keeping frames and links alive
 
 
 def _deadline(deadline: float | None | bool) -> float | None:
