@@ -1026,6 +1026,51 @@ say(failures=failures, left=left, seen=seen, base=base)
 """
 
 
+class InterruptedAsItReturns:
+    """An in-process engine whose acquisitions are interrupted right after they return (a
+    Ctrl-C at the check CPython makes after a call)."""
+
+    ACQUISITIONS = ("acquire", "acquire_read", "acquire_write", "acquire_many")
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.engine, name)
+        if name not in self.ACQUISITIONS:
+            return method
+
+        def interrupted(*args: Any, **kwargs: Any) -> bool:
+            method(*args, **kwargs)
+            raise KeyboardInterrupt
+        return interrupted
+
+
+@pytest.mark.parametrize("manager", ["PgLockManager", "PgRWLockManager"])
+@pytest.mark.parametrize("timeout", [-1, 0, 5], ids=["untimed", "try", "timed"])
+def test_ctrl_c_as_the_in_process_acquisition_returns_leaves_nothing_held(
+        engine, dsn, namespace, workers, manager, timeout) -> None:
+    """The interrupt takes the acquisition's result, not the acquisition: it goes back, so
+    no thread keeps a key in process that the server never gave it."""
+    locks: Any = getattr(postgres, manager)(dsn, namespace=namespace)
+    real = locks._engine
+    locks._engine = InterruptedAsItReturns(real)
+    take = locks.acquire if manager == "PgLockManager" else locks.acquire_write
+    with pytest.raises(KeyboardInterrupt):
+        take("k", timeout=timeout)
+    with pytest.raises(KeyboardInterrupt):
+        locks.acquire_many(["k", "j"], timeout=timeout)
+    locks._engine = real
+    assert len(locks) == 0 and locks.lost_keys() == set()
+    other = workers("other")
+    assert other.run(lambda: take("k", timeout=0)) is True  # in process and on the server
+    other.run(lambda: locks.release("k") if manager == "PgLockManager"
+              else locks.release_write("k"))
+    assert take("k", timeout=0) is True
+    locks.release_all()
+    locks.close()
+
+
 def test_a_poll_that_returned_with_a_handlers_exception_set_raises_that_exception() -> None:
     """CPython 3.13t (GIL off) can turn a Ctrl-C landing as poll() returns into SystemError
     "... returned a result with an exception set", the KeyboardInterrupt as its cause: the

@@ -1020,13 +1020,14 @@ class _PgEngine(Generic[K]):
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
         self._refuse_own_xact_lock(items)
-        if not local_acquire(seconds):
-            return False
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
-        taken = False
-        session.taking = (before, fresh)
+        acquired = taken = False
         try:
+            acquired = local_acquire(seconds)
+            if not acquired:
+                return False
+            session.taking = (before, fresh)
             left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
             fences = self._lock(session, fresh, left) if fresh else {}
             # A connection lost on the way lost the keys this call re-entered too: the
@@ -1038,6 +1039,11 @@ class _PgEngine(Generic[K]):
             session.unsure, session.taking = [], None
             taken = fences is not None  # last: an interrupt before it finds the counts undone below
         except BaseException as error:
+            if not acquired:
+                # An interrupt as the in-process acquisition returned (CPython checks for
+                # signals right after a call) finds it done all the same.
+                acquired = self._acquired_in_process(session, items)
+                raise
             # Wherever the failure or interrupt came, the call failed: nothing it took stays
             # held (a connection lost on the way already moved what it held to ``lost``).
             session.undo_take(before, fresh)
@@ -1053,12 +1059,26 @@ class _PgEngine(Generic[K]):
         finally:
             # Timed out, failed or interrupted: the in-process acquisition goes back, from
             # this one place only (an interrupt right after it must not give it back twice).
-            if not taken:
+            if acquired and not taken:
                 try:
                     local_release()
                 finally:
                     self._return_if_idle(session)
         return taken
+
+    def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
+        """Whether the in-process engine holds ``items`` (all or none of them: one call) for
+        the calling thread one level above what ``session`` records: an acquisition whose
+        result an interrupt took. Asked only then (a snapshot of every key)."""
+        me = threading.get_ident()
+        key, mode = items[0]
+        name = "read" if mode == READ else "write"
+        for state in self._engine.snapshot():
+            if state.key == key:
+                count: int = sum(holder.count for holder in state.holders
+                            if holder.kind == "thread" and holder.owner == me and holder.mode == name)
+                return count > session.levels.get((key, mode), 0) + session.lost.get((key, mode), 0)
+        return False
 
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
