@@ -709,3 +709,36 @@ def test_len_of_a_readers_writer_manager_counts_no_key_only_lost_readers_hold(
             first.run(release)
     assert len(rw) == 0 and rw.lost_keys() == set()
     rw.close()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_fenced_wait_without_a_timeout_has_no_deadline_before_its_wait(
+        engine, dsn, namespace, owner, monkeypatch) -> None:
+    """A wait without a timeout waits for ever, and so do the round trips it makes first
+    (the fence table's check, the fenced statement's prepare: both may wait for a table a
+    migration locked): none of them is cut short by the deadline of other round trips."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
+                                                                fencing=True)
+
+    async def in_task() -> int:
+        await locks.aio.acquire("read first", timeout=PATIENCE)  # connected
+        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.0)  # every other round trip: late
+        assert await locks.aio.acquire("k")
+        fence = locks.aio.fence("k")
+        monkeypatch.undo()
+        await locks.aio.release("k")
+        await locks.aio.release("read first")
+        return fence
+
+    if owner == "thread":
+        assert locks.acquire("read first", timeout=PATIENCE)
+        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.0)
+        assert locks.acquire("k")
+        fence = locks.fence("k")
+        monkeypatch.undo()
+        locks.release("k")
+        locks.release("read first")
+    else:
+        fence = asyncio.run(in_task())
+    assert fence >= 1
+    locks.close()

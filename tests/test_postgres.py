@@ -559,6 +559,48 @@ def test_xact_lock_of_a_key_the_thread_holds_through_the_manager_is_refused_at_o
         rw.close()
 
 
+def test_xact_lock_records_name_their_transaction_and_mode(engine, dsn, namespace,
+                                                           workers) -> None:
+    """Only the transaction an xact_lock was taken in, and only a conflicting mode, make a
+    session lock of the thread's refused: a later transaction on the same connection (a
+    pool handing it on) is another holder to wait for, a shared lock beside a read is no
+    conflict, and the records of ended transactions go."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    conn = psycopg.connect(dsn)
+    try:
+        with conn.transaction():
+            with rw.xact_lock(conn, "k"):
+                pass
+        other = workers("other")
+        took, done = threading.Event(), threading.Event()
+
+        def hold_in_own_transaction() -> None:
+            with conn.transaction(), rw.xact_lock(conn, "k"):
+                took.set()
+                assert done.wait(PATIENCE)
+
+        holding = other.submit(hold_in_own_transaction)
+        assert took.wait(PATIENCE)
+        assert rw.acquire_write("k", timeout=0.2) is False  # waits for that other holder
+        done.set()
+        holding.result()
+        with conn.transaction():
+            with rw.xact_lock(conn, "r"):
+                pass
+        with conn.transaction():
+            with rw.xact_lock(conn, "r", shared=True):
+                pass
+            assert rw.acquire_read("r", timeout=0) is True  # shared beside a read
+            rw.release_read("r")
+        for number in range(200):
+            with conn.transaction(), rw.xact_lock(conn, number % 20):
+                pass
+        assert len(rw._local.xact_locks) == 1  # the last transaction's, gone at the next
+    finally:
+        conn.close()
+        rw.close()
+
+
 @pytest.mark.parametrize("timeout", [-1, 0, 0.1], ids=["untimed", "try", "timed"])
 def test_a_session_lock_of_a_key_the_thread_took_with_xact_lock_is_refused_at_once(
         engine, dsn, namespace, timeout) -> None:
@@ -1069,6 +1111,37 @@ def test_ctrl_c_as_the_in_process_acquisition_returns_leaves_nothing_held(
     assert take("k", timeout=0) is True
     locks.release_all()
     locks.close()
+
+
+def test_ctrl_c_at_a_releases_count_down_leaves_no_level_without_its_lock(
+        engine, dsn, namespace, monkeypatch) -> None:
+    """A Ctrl-C at the count-down's entry, once the server released the keys: the thread
+    must not keep levels that its next acquisition would take as a re-entry (no server
+    lock: a second holder could come in). The in-process release still happens, and the
+    next call finishes the count-down."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    given = postgres._Session.given
+    fired: list[bool] = []
+
+    def interrupted_at_entry(session: Any, items: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return given(session, items)
+
+    locks.acquire_many(["k", "j"])
+    monkeypatch.setattr(postgres._Session, "given", interrupted_at_entry)
+    with pytest.raises(KeyboardInterrupt):
+        locks.release_many(["k", "j"])
+    monkeypatch.undo()
+    assert locks.lost_keys() == set() and len(locks) == 0
+    assert locks.acquire("k", timeout=0) is True and held_on_server(dsn, locks, "k")
+    assert other.acquire("k", timeout=0) is False  # one holder
+    locks.release("k")
+    assert locks.recursion_count("k") == 0 and not held_on_server(dsn, locks, "k")
+    locks.close()
+    other.close()
 
 
 def test_a_poll_that_returned_with_a_handlers_exception_set_raises_that_exception() -> None:

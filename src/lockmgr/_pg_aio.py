@@ -73,7 +73,6 @@ from .postgres import (
     _TRY_LOCK,
     _UNLOCK,
     _ABORT_SECONDS,
-    _answer_by,
     _call_deadline,
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
@@ -94,6 +93,7 @@ from .postgres import (
     _refusal,
     _round_trip_deadline,
     _Overdue,
+    _poll,
     _Unanswered,
     _setup_sql,
     _unlock_sql,
@@ -152,8 +152,7 @@ class _AsyncLink(_Link):
         answer_by = _deadline(deadline)
         if statement not in self.prepared:
             try:
-                await self._round_trip_async(_answer_by() if answer_by is None else answer_by,
-                                             self.pgconn.send_prepare, statement,
+                await self._round_trip_async(answer_by, self.pgconn.send_prepare, statement,
                                              self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # a clean-up after a cancellation drained the answer we never read
@@ -220,8 +219,8 @@ class _AsyncLink(_Link):
 
     async def _ready(self, writing: bool, deadline: float | None = None) -> bool:
         """Until the socket is ready (True) or ``deadline`` passed (False)."""
-        if deadline is not None and deadline <= time.monotonic():
-            return False
+        if deadline is not None and deadline <= time.monotonic():  # an answer there counts
+            return False if writing else bool(_poll(self.poller, 0))
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         fd = self.pgconn.socket
@@ -268,7 +267,8 @@ class _AsyncLink(_Link):
                 return
 
 
-async def _make_fence_table(link: _AsyncLink, table: _FenceTable, deadline: float | bool) -> None:
+async def _make_fence_table(link: _AsyncLink, table: _FenceTable,
+                            deadline: float | None) -> None:
     """``postgres._make_fence_table`` on a task's connection."""
     for attempt in range(2):
         if (await link.run_async(table.exists_sql, deadline)).get_value(0, 0) == b"t":
@@ -487,7 +487,7 @@ class _Tasks:
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
                 if fencing and not manager._fence_table_made:
-                    await _make_fence_table(link, manager._fence_table, answer_by or True)
+                    await _make_fence_table(link, manager._fence_table, answer_by)
                     manager._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
@@ -525,11 +525,13 @@ class _Tasks:
                 result = await link.call_async(_UNLOCK[mode], advisory_key(key))
             else:
                 result = await link.run_async(_unlock_sql(items, advisory_key))
-        except psycopg.OperationalError:
+        except psycopg.OperationalError as error:
             if link.broken():
                 self.lose(session)
                 return
             await self.clean_up(session)
+            if isinstance(error, _Overdue):
+                return  # released by the clean-up (or lost with the connection: LockLost)
             raise
         except BaseException as error:
             if isinstance(error, GeneratorExit):

@@ -60,6 +60,7 @@ The rules that keep it correct:
 from __future__ import annotations
 
 import collections
+import datetime
 import decimal
 import hashlib
 import os
@@ -396,9 +397,9 @@ class _Link:
         or planning on the server after that) for the advisory key ``ident``."""
         answer_by = _deadline(deadline)
         if statement not in self.prepared:
-            try:  # a prepare waits for no lock: within the call's deadline, or soon
-                self._round_trip(_answer_by() if answer_by is None else answer_by,
-                                 self.pgconn.send_prepare, statement, self.statements[statement])
+            try:  # within the call's deadline: a fenced statement's waits for the fence table
+                self._round_trip(answer_by, self.pgconn.send_prepare, statement,
+                                 self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # an interrupt came after the server prepared it, before we noted it
             self.prepared.add(statement)
@@ -469,8 +470,8 @@ class _Link:
                 milliseconds = _SLICE_MS
                 if deadline is not None:
                     left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
+                    if left <= 0:  # an answer already there still counts
+                        return bool(_poll(self.poller, 0)) if event == _POLLIN else False
                     milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
                 if _poll(self.poller, milliseconds):
                     return True
@@ -611,8 +612,8 @@ class _Session:
     """One thread's standing with one manager: the connection it holds keys on, and keys
     lost with an earlier connection that the thread has not yet released."""
 
-    __slots__ = ("dead", "fences", "ident", "levels", "link", "lost", "reported", "taking",
-                 "unsure")
+    __slots__ = ("dead", "fences", "giving", "ident", "levels", "link", "lost", "reported",
+                 "taking", "unsure")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -632,15 +633,12 @@ class _Session:
         # is counted or undone: an undo that an interrupt kept from running (at its entry)
         # is finished by the owner's next call (_settle).
         self.taking: tuple[dict[tuple[Hashable, int], int], list[tuple[Hashable, int]]] | None = None
+        # A release's items until their levels are counted down (``given``): one an
+        # interrupt kept from counting down is finished by the owner's next call.
+        self.giving: list[tuple[Hashable, int]] | None = None
 
     def holds_anything(self) -> bool:
         return bool(self.levels or self.lost or self.unsure)
-
-    def count_down(self, item: tuple[Hashable, int]) -> None:
-        """One level of ``item`` released; the last one takes its fence with it."""
-        _count_down(self.levels, item)
-        if item not in self.levels:
-            self.fences.pop(item, None)
 
     def forget_levels(self) -> None:
         """The connection's keys are no longer held on it (moved to ``lost``, or released)."""
@@ -685,16 +683,29 @@ class _Session:
 
     def given(self, items: Sequence[tuple[Hashable, int]]) -> list[Hashable]:
         """One level of each of ``items`` released (or, if lost, acknowledged); the keys of
-        those that had been lost."""
+        those that had been lost. Works through ``giving`` (``items`` if unset), each item
+        counted down and taken off it with no check point in between: an interrupt leaves
+        exactly the items still to count, for the owner's next call (``_settle``)."""
+        if self.giving is None:
+            self.giving = list(items)
+        giving = self.giving
         lost = []
-        for item in items:
-            if self.levels.get(item):
-                self.count_down(item)
-            else:
+        while giving:
+            item = giving[-1]
+            counts = self.levels if self.levels.get(item) else self.lost
+            if counts is self.lost:
                 lost.append(item[0])
-                _count_down(self.lost, item)
+            left = counts[item] - 1
+            if left:
+                counts[item] = left
+            else:
+                del counts[item]
+            giving.pop()
+            if not left and counts is self.levels:
+                self.fences.pop(item, None)  # the last level takes its fence with it
         if self.reported:
             self.reported &= {key for key, _ in self.lost}
+        self.giving = None
         return lost
 
 
@@ -831,7 +842,8 @@ class _PgEngine(Generic[K]):
         """Keys held by this process's threads and tasks (lost ones are not held)."""
         held: int = len(self._engine)
         lost = self._lost_items()
-        return held - sum(1 for key in {key for key, _ in lost} if self._only_lost(key, lost))
+        # (two reads: a key taken and lost between them must not make it negative)
+        return max(0, held - sum(1 for key in {key for key, _ in lost} if self._only_lost(key, lost)))
 
     def _only_lost(self, key: Hashable,
                    lost: collections.Counter[tuple[Hashable, int]]) -> bool:
@@ -936,7 +948,8 @@ class _PgEngine(Generic[K]):
                             "use it inside `with conn.transaction():`")
         kind = "_shared" if shared else ""
         if seconds == 0:
-            row = conn.execute(f"SELECT pg_try_advisory_xact_lock{kind}(%s)", (ident,)).fetchone()
+            row = conn.execute(f"SELECT pg_try_advisory_xact_lock{kind}(%s), now()",
+                               (ident,)).fetchone()
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
@@ -948,7 +961,8 @@ class _PgEngine(Generic[K]):
                     try:
                         with conn.transaction():  # a savepoint: a timeout leaves the caller's intact
                             conn.execute(f"SET LOCAL lock_timeout = {left}")
-                            conn.execute(f"SELECT pg_advisory_xact_lock{kind}(%s)", (ident,))
+                            row = conn.execute(f"SELECT pg_advisory_xact_lock{kind}(%s), now()",
+                                               (ident,)).fetchone()
                         break
                     except pg_errors.LockNotAvailable:
                         # lock_timeout's ceiling (about 24.8 days) is below threading's
@@ -959,7 +973,8 @@ class _PgEngine(Generic[K]):
             finally:
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous[0],))
-        self._note_xact_lock(conn, ident, shared)
+        assert row is not None
+        self._note_xact_lock(conn, ident, shared, row[1])
         yield
 
     def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
@@ -977,15 +992,18 @@ class _PgEngine(Generic[K]):
                 " another connection would wait for that lock, and so for itself, for ever",
                 [(threading.get_ident(), key)])
 
-    def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool) -> None:
+    def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
+                        started: datetime.datetime) -> None:
         """Remember, for the calling thread, an xact_lock taken in ``conn``'s transaction
-        (``_refuse_own_xact_lock``); records of ended transactions go now and then."""
+        that ``started`` (``_refuse_own_xact_lock``). Records of ended transactions go: the
+        list holds at most the keys of the transactions still open."""
         records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
         if records is None:
             records = self._local.xact_locks = []
-        if len(records) >= _REMEMBERED_XACT_LOCKS:
-            records[:] = [record for record in records if record.may_hold()]
-        records.append(_XactLock(weakref.ref(conn), conn.info.backend_pid, ident, shared))
+        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
+        records[:] = [kept for kept in records if kept.may_hold() and kept != record
+                      and (kept.conn() is not conn or kept.started == started)]
+        records.append(record)
 
     def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
         """The other order of ``_refuse_own_session_lock``: the calling thread took ``key``
@@ -1000,7 +1018,7 @@ class _PgEngine(Generic[K]):
             ident = self.advisory_key(key)
             for record in records:
                 if (record.ident == ident and (mode == WRITE or not record.shared)
-                        and self._held_by_backend(ident, record.backend_pid)):
+                        and self._held_in_transaction(record)):
                     raise DeadlockError(
                         f"the calling thread holds {key!r} with xact_lock in a transaction"
                         " still open: a session lock of it would wait for that transaction,"
@@ -1087,17 +1105,25 @@ class _PgEngine(Generic[K]):
         last = [item for item in items if session.levels.get(item) == 1]
         # No round trip to the server will tell whether the connection lives, or an earlier
         # clean-up was interrupted: settle first.
-        if not last or session.unsure or session.link is None:
+        if (not last or session.unsure or session.link is None or session.taking is not None
+                or session.giving is not None):
             self._settle(session)
             last = [item for item in items if session.levels.get(item) == 1]
+        session.giving = list(items)
         try:
             if last:
                 session.unsure = last  # counted down below whatever happens
                 self._unlock(session, last)  # a connection lost on the way moves them to lost
         finally:
-            lost = session.given(items)
-            local_release()
-            self._return_if_idle(session)
+            # Each step however the one before ended: an interrupt at the count-down's entry
+            # leaves it to the next call (``giving``), never the in-process release undone.
+            try:
+                lost = session.given(items)
+            finally:
+                try:
+                    local_release()
+                finally:
+                    self._return_if_idle(session)
         if lost:
             raise _lost_error(sorted(set(lost), key=repr))
 
@@ -1123,7 +1149,7 @@ class _PgEngine(Generic[K]):
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
                 if fencing and not self._fence_table_made:
-                    _make_fence_table(link, self._fence_table, answer_by or True)
+                    _make_fence_table(link, self._fence_table, answer_by)
                     self._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
@@ -1166,11 +1192,13 @@ class _PgEngine(Generic[K]):
                 result = link.call(_UNLOCK[mode], self.advisory_key(key))
             else:
                 result = link.run(_unlock_sql(items, self.advisory_key))
-        except psycopg.OperationalError:
+        except psycopg.OperationalError as error:
             if link.broken():
                 self._lose(session)
                 return
             self._drop_or_lose(session, items)
+            if isinstance(error, _Overdue):
+                return  # released by the drop (or lost with the connection: LockLost)
             raise
         except BaseException:
             self._drop_or_lose(session, items)
@@ -1253,6 +1281,8 @@ class _PgEngine(Generic[K]):
         an interrupted clean-up left unsure are released now (by ``deadline``)."""
         if session.taking is not None:  # an interrupt kept a failed acquisition's undo from running
             session.undo_take(*session.taking)
+        if session.giving is not None:  # ... or a release's count-down
+            session.given(session.giving)
         link = session.link
         if link is None:
             if session.levels or session.unsure:  # a _lose interrupted half-way: finish it
@@ -1337,7 +1367,7 @@ class _PgEngine(Generic[K]):
             if session.link is not None:
                 links.append(session.link)
                 session.link = None
-            session.unsure, session.taking = [], None  # on the parent's connection
+            session.unsure, session.taking, session.giving = [], None, None  # the parent's
             if session.ident == me:
                 for item, levels in session.levels.items():
                     session.lost[item] = session.lost.get(item, 0) + levels
@@ -1369,9 +1399,14 @@ class _PgEngine(Generic[K]):
             f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
-    def _held_by_backend(self, ident: int, backend_pid: int) -> bool:
-        return self._ask(f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {ident}"
-                         f" AND pid = {int(backend_pid)})")
+    def _held_in_transaction(self, record: _XactLock) -> bool:
+        """Whether the transaction of ``record`` is still open and holds its lock."""
+        pid = int(record.backend_pid)
+        return self._ask(
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
+            f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
+            f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
+            f" '{record.started.isoformat()}'::timestamptz))")
 
     def _ask(self, question: str) -> bool:
         """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives."""
@@ -1390,10 +1425,11 @@ class _PgEngine(Generic[K]):
 
 class _XactLock(NamedTuple):
     """An xact_lock a thread took: in the transaction open on ``conn`` (its backend
-    ``backend_pid``), the advisory key ``ident``, shared or not."""
+    ``backend_pid``) since ``started``, the advisory key ``ident``, shared or not."""
 
     conn: weakref.ref[psycopg.Connection[Any]]
     backend_pid: int
+    started: datetime.datetime
     ident: int
     shared: bool
 
@@ -1403,14 +1439,6 @@ class _XactLock(NamedTuple):
         return conn is not None and not conn.closed and conn.info.transaction_status in (
             TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
-
-_REMEMBERED_XACT_LOCKS = 64  # a thread's records past which those of ended transactions go
-
-
-def _count_down(levels: dict[tuple[Hashable, int], int], item: tuple[Hashable, int]) -> None:
-    levels[item] -= 1
-    if not levels[item]:
-        del levels[item]
 
 
 def _lost_error(keys: list[Hashable]) -> LockLost:
@@ -1454,7 +1482,7 @@ def _read_has_no_fence(key: Hashable) -> LockError:
     return LockError(f"key {key!r} is held for reading: only a write takes a fence")
 
 
-def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | bool) -> None:
+def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | None) -> None:
     """Make sure the fence table exists (its own transaction: committed before any wait),
     by ``deadline`` (``_Link.run``)."""
     for attempt in range(2):
