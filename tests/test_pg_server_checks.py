@@ -24,6 +24,7 @@ from lockmgr import LockLost
 
 import psycopg
 from lockmgr import postgres
+from lockmgr._pg_aio import _AsyncLink
 from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
     _waiting_on_server,
     children_reaped,
@@ -712,33 +713,65 @@ def test_len_of_a_readers_writer_manager_counts_no_key_only_lost_readers_hold(
 
 
 @pytest.mark.parametrize("owner", ["thread", "task"])
-def test_a_fenced_wait_without_a_timeout_has_no_deadline_before_its_wait(
-        engine, dsn, namespace, owner, monkeypatch) -> None:
-    """A wait without a timeout waits for ever, and so do the round trips it makes first
-    (the fence table's check, the fenced statement's prepare: both may wait for a table a
-    migration locked): none of them is cut short by the deadline of other round trips."""
+def test_a_fenced_wait_without_a_timeout_waits_out_a_migration_of_the_fence_table(
+        engine, dsn, namespace, workers, owner, monkeypatch) -> None:
+    """A wait without a timeout waits for ever, the steps before it too: its first fenced
+    statement's prepare waits for the fence table a migration holds, is cancelled at the
+    round trip's deadline (the server answers: it is only slow) and made again, until the
+    table is free; then the wait takes the key and its fence."""
+    maker: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
+                                                                fencing=True)
+    with maker.hold("made"):  # the fence table exists
+        pass
+    maker.close()
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
                                                                 fencing=True)
+    cancels: list[bool] = []
+    for link_class, name in ((postgres._Link, "_past_deadline"),
+                             (_AsyncLink, "_past_deadline_async")):
+        original = getattr(link_class, name)
+
+        def counted(link: Any, original: Any = original) -> Any:
+            cancels.append(True)
+            return original(link)
+        monkeypatch.setattr(link_class, name, counted)
+
+    connected, migrating = threading.Event(), threading.Event()
 
     async def in_task() -> int:
-        await locks.aio.acquire("read first", timeout=PATIENCE)  # connected
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.0)  # every other round trip: late
+        # connected first (a timed call prepares nothing), holding a key so the
+        # connection stays the task's
+        assert await locks.aio.acquire("connected", timeout=PATIENCE)
+        connected.set()
+        assert await asyncio.to_thread(migrating.wait, PATIENCE)
         assert await locks.aio.acquire("k")
         fence = locks.aio.fence("k")
-        monkeypatch.undo()
         await locks.aio.release("k")
-        await locks.aio.release("read first")
+        await locks.aio.release("connected")
         return fence
 
-    if owner == "thread":
-        assert locks.acquire("read first", timeout=PATIENCE)
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.0)
+    def in_thread() -> int:
+        assert locks.acquire("connected", timeout=PATIENCE)  # as in_task
+        connected.set()
+        assert migrating.wait(PATIENCE)
         assert locks.acquire("k")
         fence = locks.fence("k")
-        monkeypatch.undo()
         locks.release("k")
-        locks.release("read first")
-    else:
-        fence = asyncio.run(in_task())
-    assert fence >= 1
+        locks.release("connected")
+        return fence
+
+    call = workers("waiter").submit(in_thread if owner == "thread"
+                                    else lambda: asyncio.run(in_task()))
+    assert connected.wait(PATIENCE)
+    migration = psycopg.connect(dsn)
+    try:
+        migration.execute(f"LOCK TABLE {postgres.DEFAULT_FENCE_TABLE} IN ACCESS EXCLUSIVE MODE")
+        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.3)
+        migrating.set()
+        wait_until(lambda: len(cancels) >= 2, "the prepare is cancelled, and made again")
+        assert not call.done()
+    finally:
+        migration.rollback()
+        migration.close()
+    assert call.result() >= 1
     locks.close()

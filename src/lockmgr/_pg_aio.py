@@ -73,6 +73,7 @@ from .postgres import (
     _TRY_LOCK,
     _UNLOCK,
     _ABORT_SECONDS,
+    _answer_by,
     _call_deadline,
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
@@ -152,7 +153,8 @@ class _AsyncLink(_Link):
         answer_by = _deadline(deadline)
         if statement not in self.prepared:
             try:
-                await self._round_trip_async(answer_by, self.pgconn.send_prepare, statement,
+                await self._round_trip_async(_answer_by() if answer_by is None else answer_by,
+                                             self.pgconn.send_prepare, statement,
                                              self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # a clean-up after a cancellation drained the answer we never read
@@ -268,7 +270,7 @@ class _AsyncLink(_Link):
 
 
 async def _make_fence_table(link: _AsyncLink, table: _FenceTable,
-                            deadline: float | None) -> None:
+                            deadline: float | bool) -> None:
     """``postgres._make_fence_table`` on a task's connection."""
     for attempt in range(2):
         if (await link.run_async(table.exists_sql, deadline)).get_value(0, 0) == b"t":
@@ -487,7 +489,7 @@ class _Tasks:
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
                 if fencing and not manager._fence_table_made:
-                    await _make_fence_table(link, manager._fence_table, answer_by)
+                    await _make_fence_table(link, manager._fence_table, answer_by or True)
                     manager._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
@@ -504,6 +506,10 @@ class _Tasks:
                 return None
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
+            except _Overdue:  # as in _PgEngine._lock
+                if seconds >= 0:
+                    raise
+                continue
             except psycopg.OperationalError as error:
                 if not link.broken():
                     raise

@@ -397,9 +397,9 @@ class _Link:
         or planning on the server after that) for the advisory key ``ident``."""
         answer_by = _deadline(deadline)
         if statement not in self.prepared:
-            try:  # within the call's deadline: a fenced statement's waits for the fence table
-                self._round_trip(answer_by, self.pgconn.send_prepare, statement,
-                                 self.statements[statement])
+            try:  # waits for no lock but the fence table's: the call's deadline, or soon
+                self._round_trip(_answer_by() if answer_by is None else answer_by,
+                                 self.pgconn.send_prepare, statement, self.statements[statement])
             except pg_errors.DuplicatePreparedStatement:
                 pass  # an interrupt came after the server prepared it, before we noted it
             self.prepared.add(statement)
@@ -1149,7 +1149,7 @@ class _PgEngine(Generic[K]):
                 how = "try" if trying else "wait" if deadline is None else "timed"
                 answer_by = _round_trip_deadline(how, deadline)
                 if fencing and not self._fence_table_made:
-                    _make_fence_table(link, self._fence_table, answer_by)
+                    _make_fence_table(link, self._fence_table, answer_by or True)
                     self._fence_table_made = True
                 if how != "timed" and len(ordered) == 1:
                     ident, mode = ordered[0]
@@ -1168,6 +1168,14 @@ class _PgEngine(Generic[K]):
                 return None
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
+            except _Overdue:
+                # A step before a wait without a timeout (the prepare, the fence table's
+                # check) was cancelled at its deadline: the server is slow (a migration
+                # holds the fence table), and the wait waits, steps again included. A timed
+                # call times out (the caller drops what it may have taken).
+                if seconds >= 0:
+                    raise
+                continue
             except psycopg.OperationalError as error:
                 if not link.broken():
                     raise  # a cancelled statement: the caller drops what it may have taken
@@ -1482,7 +1490,7 @@ def _read_has_no_fence(key: Hashable) -> LockError:
     return LockError(f"key {key!r} is held for reading: only a write takes a fence")
 
 
-def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | None) -> None:
+def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | bool) -> None:
     """Make sure the fence table exists (its own transaction: committed before any wait),
     by ``deadline`` (``_Link.run``)."""
     for attempt in range(2):
