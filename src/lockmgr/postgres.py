@@ -1085,18 +1085,19 @@ class _PgEngine(Generic[K]):
         return taken
 
     def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
-        """Whether the in-process engine holds ``items`` (all or none of them: one call) for
-        the calling thread one level above what ``session`` records: an acquisition whose
-        result an interrupt took. Asked only then (a snapshot of every key)."""
+        """Whether the in-process engine holds every one of ``items`` for the calling
+        thread one level above what ``session`` records: an acquisition (all or none of
+        them: one call) whose result an interrupt took. Asked only then (a snapshot of
+        every key)."""
         me = threading.get_ident()
-        key, mode = items[0]
-        name = "read" if mode == READ else "write"
+        counts: collections.Counter[tuple[Hashable, str]] = collections.Counter()
         for state in self._engine.snapshot():
-            if state.key == key:
-                count: int = sum(holder.count for holder in state.holders
-                            if holder.kind == "thread" and holder.owner == me and holder.mode == name)
-                return count > session.levels.get((key, mode), 0) + session.lost.get((key, mode), 0)
-        return False
+            for holder in state.holders:
+                if holder.kind == "thread" and holder.owner == me:
+                    counts[state.key, holder.mode] += holder.count
+        return all(counts[key, "read" if mode == READ else "write"]
+                   > session.levels.get((key, mode), 0) + session.lost.get((key, mode), 0)
+                   for key, mode in items)
 
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
