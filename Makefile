@@ -2,7 +2,7 @@
 .PHONY: test bench wheel memcheck free-threaded-python tsan
 
 test:
-	python3 -m pip install -e '.[test]' && python3 -m pytest
+	bash scripts/test-servers.sh && python3 -m pip install -e '.[test]' && python3 -m pytest -n auto
 
 bench:
 	python3 -m pip install . && python3 -m lockmgr.bench --quick

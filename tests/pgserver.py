@@ -3,7 +3,8 @@
 refuses root), stopped afterwards; ``restart(dsn)`` restarts it in between, as an
 administrator or a failover would. Beside it, a streaming hot standby of it
 (``running_standby``) and Debian's pgbouncer in front of it (``running_pgbouncer``). A missing
-server is an error, never a skip."""
+server binary is a skip that names what is missing (``pytest -ra`` prints it), or an error
+where ``LOCKMGR_REQUIRE_SERVERS=1`` says the servers must be there (``.ci/run``)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,35 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import NoReturn
 
 import psycopg
+import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from lockmgr.bench import sigterm_interrupts
+
+
+def missing_server(binary: str, package: str) -> NoReturn:
+    """Skip the test that needs ``binary``, naming it and the Debian package that has it
+    (``scripts/test-servers.sh`` installs them all); fail instead where the servers are
+    required."""
+    message = (f"no {binary} on this machine: install Debian's {package} "
+               "(bash scripts/test-servers.sh does)")
+    if os.environ.get("LOCKMGR_REQUIRE_SERVERS") == "1":
+        raise RuntimeError(message + "; LOCKMGR_REQUIRE_SERVERS=1 makes that an error")
+    pytest.skip(message)
+
+
+def require_postgres() -> None:
+    """For a test that starts a server in a child process of its own."""
+    _bindir()
+
+
+def require_redis_server() -> None:
+    """For the tests that start a Redis server (``lockmgr-bench --redis start``)."""
+    if shutil.which("redis-server") is None:
+        missing_server("redis-server", "redis-server")
 
 
 def _bindir() -> str:
@@ -30,7 +55,7 @@ def _bindir() -> str:
     initdb = shutil.which("initdb")
     if initdb:
         return os.path.dirname(initdb)
-    raise RuntimeError("no PostgreSQL server binaries: install Debian's postgresql (.ci/run does)")
+    missing_server("PostgreSQL server (initdb)", "postgresql")
 
 
 # DSN -> the command line that runs pg_ctl on that server's data directory
@@ -159,7 +184,7 @@ def running_pgbouncer(primary_dsn: str, pool_mode: str = "transaction") -> Itera
     afterwards, SIGTERM included, as ``running_server``."""
     binary = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
     if binary is None:
-        raise RuntimeError("no pgbouncer: install Debian's pgbouncer (.ci/run does)")
+        missing_server("pgbouncer", "pgbouncer")
     with sigterm_interrupts():
         yield from _running_pgbouncer(binary, primary_dsn, pool_mode)
 

@@ -20,6 +20,7 @@ import pytest
 
 import psycopg
 from conftest import PATIENCE, wait_until
+import pgserver
 from lockmgr import AbandonedLockWarning, LockLost, postgres
 from test_pg_aio import HOLDER, locks, run, until  # noqa: F401
 from test_pg_aio_failures import slow_abort
@@ -434,6 +435,7 @@ def test_a_terminated_test_run_leaves_no_server_running(tmp_path) -> None:
     import os
     import signal
 
+    pgserver.require_postgres()
     process = subprocess.Popen([sys.executable, "-c", SERVER_USER, os.path.dirname(__file__)],
                                stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
@@ -460,6 +462,7 @@ def test_a_terminated_bench_stops_the_redis_server_it_started() -> None:
     import os
     import signal
 
+    pgserver.require_redis_server()
     bench = subprocess.Popen([sys.executable, "-m", "lockmgr.bench", "--quick", "--scenario",
                               "server-pairs", "--redis", "start"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

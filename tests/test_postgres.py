@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -646,9 +647,11 @@ def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> N
 
 
 def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
-    """``--redis start`` runs Debian's redis-server (installed by .ci/run) for the run."""
+    """``--redis start`` runs Debian's redis-server (scripts/test-servers.sh installs it) for
+    the run."""
     from lockmgr import bench
 
+    pgserver.require_redis_server()
     out = tmp_path / "pairs.json"
     assert bench.main(["--quick", "--scenario", "server-pairs", "--pg-dsn", dsn, "--redis",
                        "start", "--threads", "2", "--json", str(out)]) == 0
@@ -672,6 +675,7 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
     "needs lockmgr[compare]"."""
     from lockmgr import bench
 
+    pgserver.require_redis_server()
     out = tmp_path / "distributed.json"
     argv = ["--quick", "--scenario", "distributed", "--pg-dsn", dsn, "--redis", "start",
             "--threads", "2", "--json", str(out)]
@@ -1428,3 +1432,20 @@ def test_seeing_contention_between_this_process_threads(engine, dsn, namespace) 
         logger.setLevel(level)
         manager.release_all()
         manager.close()
+
+
+def test_a_missing_server_binary_skips_naming_it_or_fails_where_servers_are_required(
+        monkeypatch) -> None:
+    """Without PostgreSQL or Redis binaries (a wheel runner, a machine the servers were not
+    installed on) the tests that need them are skipped, each naming what is missing; where
+    ``LOCKMGR_REQUIRE_SERVERS=1`` (``.ci/run``) the same is an error."""
+    monkeypatch.setattr(pgserver.shutil, "which", lambda name: None)
+    monkeypatch.setattr(pgserver.glob, "glob", lambda pattern: [])
+    monkeypatch.delenv("LOCKMGR_REQUIRE_SERVERS", raising=False)
+    for require, binary in ((pgserver.require_postgres, "PostgreSQL server (initdb)"),
+                            (pgserver.require_redis_server, "redis-server")):
+        with pytest.raises(pytest.skip.Exception, match=rf"no {re.escape(binary)} on this"):
+            require()
+    monkeypatch.setenv("LOCKMGR_REQUIRE_SERVERS", "1")
+    with pytest.raises(RuntimeError, match="no redis-server on this machine.*an error"):
+        pgserver.require_redis_server()
