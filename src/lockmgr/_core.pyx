@@ -102,7 +102,7 @@ changed before it saw the post waits for the post, which is at most a finish awa
 waiter re-reads its state in a section after every wake-up and runs signal handlers (and,
 on 3.12+, the garbage collector) only while it is still waiting. Code that runs there may
 use any manager, with one rule: it may not start a second wait (NestedWaitError); see the
-README's "When things go wrong".
+docs' "When things go wrong" (docs/semantics.md).
 
 Seeing contention
 -----------------
