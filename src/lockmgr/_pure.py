@@ -96,7 +96,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, final
 
 from ._aio import (
     AsyncKeyLock,
@@ -107,6 +107,8 @@ from ._aio import (
     _take,
     _wait_for_grant,
 )
+if TYPE_CHECKING:
+    from ._contract import AsyncBlock, BlockRecord, Engine
 from ._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS,
@@ -155,7 +157,7 @@ from ._common import (
     running_loop,
 )
 
-__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager"]
+__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stranded_task"]
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
@@ -389,6 +391,15 @@ class _BlockRecord:
         if state is None or token is None or token.ended:
             return None, 0 if state is None else state[1]
         return token.ident, state[1]
+
+
+def _own_record(record: object) -> _BlockRecord:
+    """``record`` if this engine made it (``_task_record()``): TypeError for any other, as
+    the compiled core's typed parameter raises."""
+    if type(record) is _BlockRecord:
+        return record
+    raise TypeError(f"Argument 'record' has incorrect type (expected {__name__}._BlockRecord, "
+                    f"got {type(record).__name__})")
 
 
 def _in_use(inside: _TaskToken | None) -> RuntimeError:
@@ -1119,18 +1130,20 @@ class _Engine:
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
 
     def _task_enter(self, key: Hashable, mode: int, seconds: float, raises_timeout: bool,
-                    record: _BlockRecord | None = None) -> Awaitable[bool]:
+                    record: BlockRecord | None = None) -> Awaitable[bool]:
+        entering = None if record is None else _own_record(record)
         token = _running_task_token()
         got = self._task_take(token, key, mode, seconds == 0, 1)
         try:  # (here, not in _answer: a signal handler may raise as that call starts)
-            return _answer(got, key, seconds, raises_timeout, record, token)
+            return _answer(got, key, seconds, raises_timeout, entering, token)
         except BaseException:
             _give_back(got, lambda: self._task_release_as(token, key, mode))
             raise
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
                          raises_timeout: bool,
-                         record: _BlockRecord | None = None) -> Awaitable[bool]:
+                         record: BlockRecord | None = None) -> Awaitable[bool]:
+        entering = None if record is None else _own_record(record)
         if not items:  # nothing to take, nor to record: the block's exit gives back nothing
             _task_token(create=False)  # outside a task: RuntimeError all the same
             return _READY_TRUE
@@ -1138,18 +1151,18 @@ class _Engine:
         got = self._task_take_many(items, seconds == 0)
         try:
             keys = tuple(key for key, _ in items) if raises_timeout else None
-            return _answer(got, keys, seconds, raises_timeout, record, token)
+            return _answer(got, keys, seconds, raises_timeout, entering, token)
         except BaseException:
             _give_back(got, lambda: self._release_many(items, token))
             raise
 
-    async def _task_acquire(self, key: Hashable, blocking: bool = True,
+    async def _task_acquire(self: Engine, key: Hashable, blocking: bool = True,
                             timeout: float = -1) -> bool:
         """``aio.acquire`` (and ``acquire_write``), bound by the view as its own."""
         return await _take(self, self._task_enter, key, _WRITE,
                            wait_seconds(blocking, timeout), False)
 
-    async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
+    async def _task_acquire_read(self: Engine, key: Hashable, blocking: bool = True,
                                  timeout: float = -1) -> bool:
         return await _take(self, self._task_enter, key, _READ,
                            wait_seconds(blocking, timeout), False)
@@ -1163,28 +1176,25 @@ class _Engine:
     def _task_record(self) -> _BlockRecord:
         return _BlockRecord()
 
-    def _task_hold(self, key: Hashable, seconds: float, mode: int) -> _AsyncHolding:
+    # (``self`` is a manager: these make the views that call back into it)
+    def _task_hold(self: Engine, key: Hashable, seconds: float, mode: int) -> AsyncBlock:
         return _AsyncHolding(self, key, seconds, mode)
 
-    def _task_hold_many(self, items: list[tuple[Hashable, int]],
-                        seconds: float) -> _AsyncHoldingMany:
+    def _task_hold_many(self: Engine, items: list[tuple[Hashable, int]],
+                        seconds: float) -> AsyncBlock:
         return _AsyncHoldingMany(self, items, seconds)
 
-    def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
-        hash(key)  # an unhashable key fails here, as it does in the core
-        return AsyncKeyLock(self, key)
-
-    def _task_exit(self, record: _BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
-        token = record.leave()
+    def _task_exit(self, record: BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
+        token = _own_record(record).leave()
         if token is not None and _releases_here(token, self, key, mode):
             self._task_release_as(token, key, mode)
         return _READY_NONE
 
-    def _task_exit_many(self, record: _BlockRecord,
+    def _task_exit_many(self, record: BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
         if not items:  # an empty hold_many entered nothing
             return _READY_NONE
-        token = record.leave()
+        token = _own_record(record).leave()
         if token is not None and _releases_here(token, self, items, -1):
             self._release_many(items, token)
         return _READY_NONE
@@ -2198,6 +2208,11 @@ class LockManager(_Engine, Generic[K]):
         view = KeyLock(self, key)
         view._seconds = seconds
         return view
+
+    def _task_key_lock(self, key: K) -> AsyncKeyLock[K]:
+        """``aio[key]`` (the engine's task operations are in ``_Engine``)."""
+        hash(key)  # an unhashable key fails here, as it does in the core
+        return AsyncKeyLock(self, key)
 
     def __getitem__(self, key: K) -> KeyLock[K]:
         """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
