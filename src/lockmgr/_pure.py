@@ -162,6 +162,7 @@ __all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stran
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
 T = TypeVar("T")  # and its result
+R = TypeVar("R")  # what a section answers
 
 _WAITING = 0  # queued, asleep or about to sleep
 _WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
@@ -223,7 +224,7 @@ def _reentered() -> RuntimeError:
     )
 
 
-def _section(run: Callable[..., Any], *args: Any) -> Any:
+def _section(run: Callable[..., R], *args: Any) -> R:
     """``run(*args)`` under the engine mutex; returns its verdict. On the main thread, with
     the signals that may have Python handlers blocked: see the module docstring."""
     ident = _get_ident()
@@ -243,7 +244,7 @@ def _section(run: Callable[..., Any], *args: Any) -> Any:
         _set_signal_mask(_SIG_SETMASK, mask)
 
 
-def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def _run_section(ident: int, run: Callable[..., R], args: tuple[Any, ...]) -> R:
     woken = None
     try:
         while _mutex.setdefault(0, ident) != ident:
@@ -892,6 +893,7 @@ def _histogram_copy(histogram: list[Any]) -> tuple[Any, ...]:
     return tuple(histogram[0]), histogram[1], histogram[2], histogram[3]
 
 
+@final
 class _Unsure:
     """A section's verdict: these entries' keys hash like the caller's and must be compared
     with it outside the section. ``first`` was their chain's first entry then: entries join
@@ -1086,7 +1088,7 @@ class _Engine:
     def _describe_wait(self, request: _Request) -> tuple[float, list[Any], list[int]]:
         """For the slow-wait log: the state of every key ``request`` queued on, and how many
         requests are ahead of it in each queue."""
-        return _section(self._describe_wait_section, request)  # type: ignore[no-any-return]
+        return _section(self._describe_wait_section, request)
 
     def _describe_wait_section(self, request: _Request) -> tuple[float, list[Any], list[int]]:
         raw, ahead = [], []
@@ -1277,7 +1279,7 @@ class _Engine:
     def _task_levels(self, key: Hashable) -> tuple[int, int]:
         """The current task's write and read levels of ``key``."""
         token = _task_token(create=False)
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _levels_of, self._table_key(key), token)
 
     # -- finding entries ---------------------------------------------------------------------
@@ -1332,22 +1334,23 @@ class _Engine:
             first.same_hash = entry.same_hash
         _retired.append(entry)
 
-    def _run_on_key(self, run: Callable[..., Any], key: Hashable, *args: Any) -> Any:
+    def _run_on_key(self, run: Callable[..., R], key: Hashable, *args: Any) -> R:
         """``run(entry, *args)`` in a section, with ``key``'s entry (or None) found for it."""
         key_hash = hash(key)
         kind = type(key)
         plain = kind is str or kind is int or kind is bytes or _is_plain(key)
         known = None
+        on_key: Callable[..., R | _Unsure] = self._on_key_section
         while True:
-            verdict = _section(self._on_key_section, run, key, key_hash, plain, known, args)
+            verdict = _section(on_key, run, key, key_hash, plain, known, args)
             if type(verdict) is not _Unsure:
                 return verdict
             known = verdict.settle(key)
 
     def _on_key_section(
-        self, run: Callable[..., Any], key: Hashable, key_hash: int, plain: bool,
+        self, run: Callable[..., R], key: Hashable, key_hash: int, plain: bool,
         known: tuple[_Entry, _Entry | None] | None, args: tuple[Any, ...],
-    ) -> Any:
+    ) -> R | _Unsure:
         entry: _Entry | _Unsure | None = self._table.get(key_hash)
         if entry is not None and entry.key is not key:  # type: ignore[union-attr]
             entry = self._find(key, key_hash, plain, known)  # else: the common cases, at once
@@ -1509,7 +1512,7 @@ class _Engine:
             entry = self._find(key, hashes[index], plains[index], known[index])
             if type(entry) is _Unsure:
                 return index, entry
-            entries.append(entry)  # type: ignore[arg-type]
+            entries.append(entry)
         blocked = None  # the first key that is not free for this set
         for index, ((_, mode), entry) in enumerate(zip(items, entries, strict=True)):
             if entry is None:
@@ -1673,7 +1676,7 @@ class _Engine:
                     self._log_wait_end(request, outcome)
                 if outcome:
                     _section(self._complete_section, request)
-                return outcome  # type: ignore[no-any-return]
+                return outcome
             # In slices, on every thread: on the main thread a slice bounds how late a
             # signal's handler runs; everywhere it bounds how late the waiter sees that its
             # request became grantable without a post (code that ran inside its own wait
@@ -2247,11 +2250,11 @@ class LockManager(_Engine, Generic[K]):
 
     def locked(self, key: K) -> bool:
         """Whether any thread holds ``key``."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds ``key``."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _written_by, self._table_key(key), _existing_token())
 
     def owner(self, key: K) -> int | None:
@@ -2260,15 +2263,15 @@ class LockManager(_Engine, Generic[K]):
 
     def recursion_count(self, key: K) -> int:
         """How many times the calling thread holds ``key`` (0 if it does not)."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _write_level, self._table_key(key), _existing_token())
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is currently held (by any thread)."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def _owner_and_count(self, key: K) -> tuple[int | None, int]:
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _owner_and_count, self._table_key(key))
 
     def _release_save(self, key: K) -> tuple[int, int]:
@@ -2358,19 +2361,19 @@ class RWLockManager(_Engine, Generic[K]):
 
     def readers(self, key: K) -> int:
         """How many threads hold ``key`` for reading."""
-        return self._run_on_key(_reader_count, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_reader_count, self._table_key(key))
 
     def write_locked(self, key: K) -> bool:
         """Whether a thread holds ``key`` for writing."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has any holder."""
-        return self._run_on_key(_has_holder, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_has_holder, self._table_key(key))
 
     def _read_count(self, key: K) -> int:
         """How many times the calling thread reads ``key``."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _read_level, self._table_key(key), _existing_token())
 
 
