@@ -75,8 +75,8 @@ from ._common import (
 if TYPE_CHECKING:
     from types import TracebackType
 
-    #: What ``hold()``, ``read()``, ``write()`` and ``hold_many()`` answer: an ``async with``
-    #: object (the compiled core's own C type, or ``_AsyncHolding``/``_AsyncHoldingMany``).
+    # AsyncBlock: what hold(), read(), write() and hold_many() answer, an ``async with``
+    # object (the compiled core's own C type, or _AsyncHolding/_AsyncHoldingMany).
     from ._contract import (
         AsyncBlock,
         BlockRecord,
@@ -153,23 +153,24 @@ class _AsyncHolding:
         self._mode = mode
         self._record = manager._task_record()
 
-    if TYPE_CHECKING:  # what the engine answers, typed as the AsyncBlock they are
+    def _enter(self) -> Awaitable[bool]:
+        manager = self._manager
+        try:
+            return manager._task_enter(self._key, self._mode, self._seconds, True, self._record)
+        except BaseException:
+            manager._task_abandon()
+            raise
+
+    def _exit(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit(self._record, self._key, self._mode)
+
+    if TYPE_CHECKING:  # the engine's awaitables, typed as the AsyncBlock they act as
         async def __aenter__(self) -> bool: ...
 
         async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                             traceback: TracebackType | None, /) -> None: ...
     else:
-        def __aenter__(self) -> Awaitable[bool]:
-            manager = self._manager
-            try:
-                return manager._task_enter(self._key, self._mode, self._seconds, True,
-                                           self._record)
-            except BaseException:
-                manager._task_abandon()
-                raise
-
-        def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
-            return self._manager._task_exit(self._record, self._key, self._mode)
+        __aenter__, __aexit__ = _enter, _exit
 
 
 class _AsyncHoldingMany:
@@ -187,22 +188,24 @@ class _AsyncHoldingMany:
         self._seconds = seconds
         self._record = manager._task_record()
 
-    if TYPE_CHECKING:  # what the engine answers, typed as the AsyncBlock they are
+    def _enter(self) -> Awaitable[bool]:
+        manager = self._manager
+        try:
+            return manager._task_enter_many(self._items, self._seconds, True, self._record)
+        except BaseException:
+            manager._task_abandon()
+            raise
+
+    def _exit(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit_many(self._record, self._items)
+
+    if TYPE_CHECKING:  # the engine's awaitables, typed as the AsyncBlock they act as
         async def __aenter__(self) -> bool: ...
 
         async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                             traceback: TracebackType | None, /) -> None: ...
     else:
-        def __aenter__(self) -> Awaitable[bool]:
-            manager = self._manager
-            try:
-                return manager._task_enter_many(self._items, self._seconds, True, self._record)
-            except BaseException:
-                manager._task_abandon()
-                raise
-
-        def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
-            return self._manager._task_exit_many(self._record, self._items)
+        __aenter__, __aexit__ = _enter, _exit
 
 
 class AsyncKeyLock(Generic[K]):
