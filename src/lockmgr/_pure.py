@@ -1139,7 +1139,7 @@ class _Engine:
         try:  # (here, not in _answer: a signal handler may raise as that call starts)
             return _answer(got, key, seconds, raises_timeout, entering, token)
         except BaseException:
-            _give_back(got, lambda: self._task_release_as(token, key, mode))
+            _give_back(got, lambda: self._task_release(key, mode, token))
             raise
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
@@ -1170,10 +1170,10 @@ class _Engine:
                            wait_seconds(blocking, timeout), False)
 
     def _task_release_write(self, key: Hashable) -> None:
-        self._task_release_as(_task_token(create=False), key, _WRITE)
+        self._task_release(key, _WRITE)
 
     def _task_release_read(self, key: Hashable) -> None:
-        self._task_release_as(_task_token(create=False), key, _READ)
+        self._task_release(key, _READ)
 
     def _task_record(self) -> _BlockRecord:
         return _BlockRecord()
@@ -1189,7 +1189,7 @@ class _Engine:
     def _task_exit(self, record: BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
         token = _own_record(record).leave()
         if token is not None and _releases_here(token, self, key, mode):
-            self._task_release_as(token, key, mode)
+            self._task_release(key, mode, token)
         return _READY_NONE
 
     def _task_exit_many(self, record: BlockRecord,
@@ -1201,14 +1201,14 @@ class _Engine:
             self._release_many(items, token)
         return _READY_NONE
 
-    def _task_release_for(self, token: _TaskToken, key: Any, mode: int) -> None:
+    def _task_release_for(self, owner: _TaskToken, key: Any, mode: int) -> None:
         """A block's exit run on another thread than its task's loop, sent there."""
-        if token.ended:
+        if owner.ended:
             return
         if mode < 0:
-            self._release_many(key, token)
+            self._release_many(key, owner)
         else:
-            self._task_release_as(token, key, mode)
+            self._task_release(key, mode, owner)
 
     def _task_take(self, token: _TaskToken, key: Hashable, mode: int, try_only: bool,
                    count: int) -> object:
@@ -1221,7 +1221,7 @@ class _Engine:
         else:
             got = self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
         if type(got) is _TaskWait:
-            got.taken = lambda: self._task_release_as(token, key, mode)
+            got.taken = lambda: self._task_release(key, mode, token)
         return got
 
     def _task_take_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
@@ -1257,10 +1257,9 @@ class _Engine:
         if token is not None:
             _abandon_stranded(token)
 
-    def _task_release(self, key: Hashable, mode: int) -> None:
-        self._task_release_as(_task_token(create=False), key, mode)
-
-    def _task_release_as(self, token: _TaskToken | None, key: Hashable, mode: int) -> None:
+    def _task_release(self, key: Hashable, mode: int, owner: _TaskToken | None = None) -> None:
+        """Give back one level of ``key`` held by ``owner``'s task: the current task's if None."""
+        token = _task_token(create=False) if owner is None else owner
         key = self._table_key(key)
         run = self._release_write_on if mode == _WRITE else self._release_read_on
         verdict = self._run_on_key(run, key, token)
