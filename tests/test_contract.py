@@ -269,3 +269,24 @@ def test_the_comparison_finds_departures() -> None:
     assert _parameter_mismatches("x", _contract.Engine._task_release, core_style) == []
     assert _parameter_mismatches("x", _contract.Engine._task_release,
                                  _TextSigned("($self, key, owner, mode)")) != []
+
+
+def test_an_engine_takes_back_only_its_own_records(impl: ModuleType) -> None:
+    """A record is opaque to the views: each engine refuses one it did not make (TypeError,
+    before anything is taken or given back), as the core's typed parameters do."""
+    from lockmgr import _core, _pure
+
+    locks = impl.LockManager()
+    other = (_pure if impl is _core else _core).LockManager()._task_record()
+    for foreign in (object(), other, None):
+        with pytest.raises(TypeError, match="record"):
+            locks._task_exit(foreign, "k", 1)
+        for items in ([("k", 1)], []):
+            with pytest.raises(TypeError, match="record"):
+                locks._task_exit_many(foreign, items)
+    for foreign in (object(), other):
+        with pytest.raises(TypeError, match="record"):
+            locks._task_enter("k", 1, -1.0, False, foreign)
+        with pytest.raises(TypeError, match="record"):
+            locks._task_enter_many([("k", 1)], -1.0, False, foreign)
+    assert not locks.locked("k") and len(locks) == 0

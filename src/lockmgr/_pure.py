@@ -1194,9 +1194,10 @@ class _Engine:
 
     def _task_exit_many(self, record: BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
+        own = _own_record(record)
         if not items:  # an empty hold_many entered nothing
             return _READY_NONE
-        token = _own_record(record).leave()
+        token = own.leave()
         if token is not None and _releases_here(token, self, items, -1):
             self._release_many(items, token)
         return _READY_NONE
