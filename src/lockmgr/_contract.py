@@ -17,11 +17,13 @@ managers in ``postgres``/``_pg_aio``, ``otel`` — use only what these protocols
   ``_aio._wait_for_grant`` drives; ``BlockRecord``: which task is inside an ``async with``
   object (made by ``_task_record()``, handed back to ``_task_enter``/``_task_exit``).
 
-How each engine is held to it: the pure twin by mypy (``_pure`` ends with assignments of
-its module and classes to these types, under ``--strict``); the compiled core by
-``tests/test_contract.py``, which compares every member's name, kind (method or attribute)
-and parameters (names, kinds, which have defaults) with these protocols, for both engines.
-The core's methods carry their signatures (``embedsignature`` in ``lockmgr_core.pyx``).
+How each engine is held to it: the pure twin by mypy (the end of this module assigns its
+module and classes to these types; the views, typed by them, are made by the twin's
+managers; ``make typecheck``); the compiled core by ``tests/test_contract.py``, which
+compares every member's name, kind (method or attribute) and parameters (names, kinds,
+defaults) with these protocols, for both engines. The core's methods carry their
+signatures (``embedsignature`` in ``lockmgr_core.pyx``); a core built without it fails
+that test ("no signature to compare").
 
 Keys are ``K`` in the public operations, as the managers are generic in it, and
 ``Hashable`` in the task operations (the views check nothing about keys: the engine does).
