@@ -1,4 +1,4 @@
-# cython: language_level=3, binding=False, freethreading_compatible=True
+# cython: language_level=3, binding=False, freethreading_compatible=True, embedsignature=True, embedsignature.format=clinic
 """The compiled engine of lockmgr, built as ``lockmgr._core``.
 
 It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, holds and tokens, the same

@@ -41,7 +41,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, cast
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -102,6 +102,7 @@ from .postgres import (
 )
 
 if TYPE_CHECKING:
+    from ._contract import EngineModule
     from .postgres import PgLockManager, PgRWLockManager, _PgEngine
 
 K = TypeVar("K", bound=Hashable)
@@ -333,7 +334,7 @@ class _Tasks:
     def __init__(self, manager: _PgEngine[Any]) -> None:
         self.manager = manager
         # The in-process engine's module (the compiled core or the pure twin): its tasks.
-        self.engine = sys.modules[type(manager._engine).__module__]
+        self.engine = cast("EngineModule", sys.modules[type(manager._engine).__module__])
         self.idle: list[_AsyncLink] = []  # connections holding nothing
         self.sessions: dict[asyncio.Task[Any], _TaskSession] = {}  # running tasks' sessions
         # The loops those tasks run on (and ran on: a closed one leaves at the next sweep),

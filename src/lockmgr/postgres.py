@@ -102,6 +102,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
+    from ._contract import Engine, LockEngine, RWLockEngine
     from ._pg_aio import PgAsyncLockManager, PgAsyncRWLockManager, _Tasks
 
 __all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "UnsafeServerError",
@@ -744,7 +745,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
 class _PgEngine(Generic[K]):
     """What both PostgreSQL managers share: sessions, the advisory-lock calls, loss."""
 
-    _engine: Any
+    _engine: Engine  # the in-process manager (lockmgr._contract)
 
     def __init__(
         self,
@@ -1603,6 +1604,8 @@ def _milliseconds(seconds: float) -> int:
 class PgLockManager(_PgEngine[K]):
     """``LockManager`` across processes and hosts, on PostgreSQL advisory locks."""
 
+    _engine: LockEngine[Hashable]
+
     def __init__(self, dsn: str, *, namespace: str = "", fair: bool = True,
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
@@ -1706,6 +1709,8 @@ class PgLockManager(_PgEngine[K]):
 
 class PgRWLockManager(_PgEngine[K]):
     """``RWLockManager`` across processes and hosts, on PostgreSQL advisory locks."""
+
+    _engine: RWLockEngine[Hashable]
 
     def __init__(self, dsn: str, *, namespace: str = "",
                  on_lost: Callable[[list[Hashable]], None] | None = None,
