@@ -123,7 +123,7 @@ def block_records() -> int:
     from lockmgr import _pure
 
     kinds: tuple[type, ...] = (_pure._BlockRecord,)
-    pg_aio = sys.modules.get("lockmgr._pg_aio")
+    pg_aio = sys.modules.get("lockmgr.postgres._tasks")
     if pg_aio is not None:
         kinds += (pg_aio._PgBlockRecord,)
     core = sys.modules.get("lockmgr._core")

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from lockmgr.bench import sigterm_interrupts
+from lockmgr._signals import sigterm_interrupts
 
 
 def _bindir() -> str:

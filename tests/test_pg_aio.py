@@ -24,7 +24,9 @@ import psycopg
 from conftest import PATIENCE, Delegating, block_records, wait_until
 from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout, NotOwnedError,
                      postgres)
-from lockmgr._pg_aio import _AsyncLink
+from lockmgr.postgres._aio_link import _AsyncLink
+from lockmgr.postgres._session import _Session
+from lockmgr.postgres._sql import _GRANTED_ADVISORY
 from test_postgres import (  # noqa: F401  (fixtures: pytest finds them by name here)
     _waiting_on_server,
     children_reaped,
@@ -500,10 +502,10 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
     """As for threads (test_postgres): an exception raised by a signal handler after the
     dead connection was taken from the task's session but before its keys were moved to
     ``lost``: the task's next call finishes the loss."""
-    real_lose_levels = postgres._Session.lose_levels
+    real_lose_levels = _Session.lose_levels
 
-    def interrupted(session: postgres._Session) -> None:
-        monkeypatch.setattr(postgres._Session, "lose_levels", real_lose_levels)
+    def interrupted(session: _Session) -> None:
+        monkeypatch.setattr(_Session, "lose_levels", real_lose_levels)
         raise KeyboardInterrupt  # where a signal handler's may land
 
     async def main() -> None:
@@ -511,7 +513,7 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
         await aio.acquire("k")
         await aio.acquire("j")
         await asyncio.to_thread(terminate_holder, dsn, locks, "k")
-        monkeypatch.setattr(postgres._Session, "lose_levels", interrupted)
+        monkeypatch.setattr(_Session, "lose_levels", interrupted)
         with pytest.raises(KeyboardInterrupt):
             await aio.release("k")  # finds the connection dead
         assert not aio.owned("k") and not aio.owned("j")  # j: its connection is gone
@@ -590,7 +592,7 @@ def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:
 def server_holders(dsn: str, manager: Any, key: object) -> int:  # noqa: F811
     """How many server sessions hold ``key`` (a read is held by each reader's session)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT count(*) FROM {postgres._GRANTED_ADVISORY} %s",
+        row = conn.execute(f"SELECT count(*) FROM {_GRANTED_ADVISORY} %s",
                            (manager.advisory_key(key),)).fetchone()
     return int(row[0]) if row else 0
 

@@ -18,7 +18,7 @@ import psycopg
 
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning, LockLost, postgres
-from lockmgr._pg_aio import _AsyncLink
+from lockmgr.postgres._aio_link import _AsyncLink
 from test_pg_aio import HOLDER, locks, run, until  # noqa: F401
 from test_postgres import (  # noqa: F401
     _waiting_on_server,
@@ -444,7 +444,7 @@ def test_a_loop_closed_with_a_task_waiting_on_the_server_leaves_a_zombie_session
 
 INTERRUPTED = """
 import asyncio
-from lockmgr._pg_aio import _AsyncLink
+from lockmgr.postgres._aio_link import _AsyncLink
 original = _AsyncLink.abort
 async def slow_abort(self):  # a clean-up over a slow network
     await asyncio.sleep(1.0)

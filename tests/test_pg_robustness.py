@@ -349,7 +349,7 @@ def test_a_closed_loops_task_frees_its_keys_in_process_too(locks, dsn) -> None: 
 
 
 class ScriptedWorker:
-    """A stand-in for ``_distributed_bench.Worker`` answering from a script (no process):
+    """A stand-in for ``_distributed.Worker`` answering from a script (no process):
     the second one gets the key a moment after the pause ended, before the first, just
     resumed, has written and released — as python-redis-lock's waiter does when its 2-second
     BLPOP ends 0.5 s before the 2.5-second pause would, on a machine busy enough to make up
@@ -400,11 +400,11 @@ def test_the_paused_holder_rows_agree_when_the_second_holder_gets_in_late(monkey
     (test_bench_distributed_beside_redis_locks_and_tooz: every overlapped Redis lock had its
     stale write accepted) then fails on a busy machine, and a full run's medians (3 pauses)
     can mix the two kinds."""
-    from lockmgr import _distributed_bench
+    from lockmgr.bench import _distributed
 
-    monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
+    monkeypatch.setattr(_distributed, "PAUSE", 0.05)
     log: dict[str, Any] = {}
-    pause = _distributed_bench.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
+    pause = _distributed.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
                                              ScriptedWorker("second", log), "k")  # type: ignore[arg-type]
     overlapped = pause.overlap > 0
     assert (overlapped, pause.second_got_in, pause.stale_write_accepted) in (

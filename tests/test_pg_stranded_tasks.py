@@ -242,12 +242,12 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
     means both held the key at once — the lease ran out during the pause (the pause's
     doing), the waiter's poll found it only just after. No correct lock ever shows it; a
     Redis lock whose waiter polls does, and its row now reads "no overlap"."""
-    from lockmgr import _distributed_bench
+    from lockmgr.bench import _distributed
     from test_pg_robustness import ScriptedWorker
 
-    monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
+    monkeypatch.setattr(_distributed, "PAUSE", 0.05)
     log: dict[str, Any] = {}
-    pause = _distributed_bench.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
+    pause = _distributed.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
                                              ScriptedWorker("second", log), "k")  # type: ignore[arg-type]
     assert log["second acquired"] < time.monotonic()  # (it held "k" before the first released)
     assert pause.overlap > 0, pause

@@ -26,6 +26,11 @@ from lockmgr import DeadlockError, LockError, LockLost, LockTimeout, NotOwnedErr
 
 import psycopg  # part of the [test] extra: missing, the suite fails rather than skips
 from lockmgr import postgres
+from lockmgr.postgres import _managers
+from lockmgr.postgres._engine import _PgEngine
+from lockmgr.postgres._link import _Link, _poll
+from lockmgr.postgres._session import _Session
+from lockmgr.postgres._sql import _GRANTED_ADVISORY
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +91,8 @@ def children_reaped() -> Iterator[None]:
 @pytest.fixture
 def engine(impl, monkeypatch):  # type: ignore[no-untyped-def]
     """Run the backend over the in-process engine under test."""
-    monkeypatch.setattr(postgres, "LockManager", impl.LockManager)
-    monkeypatch.setattr(postgres, "RWLockManager", impl.RWLockManager)
+    monkeypatch.setattr(_managers, "LockManager", impl.LockManager)
+    monkeypatch.setattr(_managers, "RWLockManager", impl.RWLockManager)
     return impl
 
 
@@ -107,7 +112,7 @@ def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # t
 def held_on_server(dsn: str, manager: Any, key: object) -> bool:
     """Whether any session holds ``key``, asked on a connection of the test's own."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT EXISTS (SELECT 1 FROM {postgres._GRANTED_ADVISORY} %s)",
+        row = conn.execute(f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} %s)",
                            (manager.advisory_key(key),)).fetchone()
     return bool(row and row[0])
 
@@ -718,7 +723,7 @@ def terminate_holder(dsn: str, manager: Any, key: object) -> None:
     """End the server session holding ``key`` (as an administrator or a failover would)."""
     with psycopg.connect(dsn, autocommit=True) as admin:
         pids = [row[0] for row in admin.execute(
-            f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s", (manager.advisory_key(key),))]
+            f"SELECT pid FROM {_GRANTED_ADVISORY} %s", (manager.advisory_key(key),))]
         assert pids, f"no session holds {key!r}"
         for pid in pids:
             admin.execute("SELECT pg_terminate_backend(%s, %s)", (pid, int(PATIENCE * 1000)))
@@ -938,14 +943,14 @@ def test_ctrl_c_before_a_release_reaches_the_server_leaves_nothing_held(locks, d
                                                                          monkeypatch) -> None:
     """Ctrl-C landing at the first check point of a release's round trip (the release is
     counted as done): the key is given back on the server by the thread's next call."""
-    unlock = postgres._PgEngine._unlock
+    unlock = _PgEngine._unlock
 
     def interrupted(*args: Any) -> None:
-        monkeypatch.setattr(postgres._PgEngine, "_unlock", unlock)  # once
+        monkeypatch.setattr(_PgEngine, "_unlock", unlock)  # once
         raise KeyboardInterrupt
 
     locks.acquire("k")
-    monkeypatch.setattr(postgres._PgEngine, "_unlock", interrupted)
+    monkeypatch.setattr(_PgEngine, "_unlock", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.release("k")
     assert not locks.owned("k") and len(locks) == 0
@@ -959,19 +964,19 @@ def test_ctrl_c_before_a_release_reaches_the_server_leaves_nothing_held(locks, d
 def test_ctrl_c_twice_in_a_failed_acquire_leaves_nothing_held(locks, dsn, monkeypatch) -> None:
     """Ctrl-C right after the server granted the key, then again at the first check point of
     the clean-up that gives it back: the thread's next call gives it back."""
-    lock, drop = postgres._PgEngine._lock, postgres._PgEngine._drop_or_lose
+    lock, drop = _PgEngine._lock, _PgEngine._drop_or_lose
 
     def granted_then_interrupted(*args: Any) -> bool:
-        monkeypatch.setattr(postgres._PgEngine, "_lock", lock)  # once
+        monkeypatch.setattr(_PgEngine, "_lock", lock)  # once
         assert lock(*args) is True
         raise KeyboardInterrupt
 
     def interrupted(*args: Any) -> None:
-        monkeypatch.setattr(postgres._PgEngine, "_drop_or_lose", drop)  # once
+        monkeypatch.setattr(_PgEngine, "_drop_or_lose", drop)  # once
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(postgres._PgEngine, "_lock", granted_then_interrupted)
-    monkeypatch.setattr(postgres._PgEngine, "_drop_or_lose", interrupted)
+    monkeypatch.setattr(_PgEngine, "_lock", granted_then_interrupted)
+    monkeypatch.setattr(_PgEngine, "_drop_or_lose", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.acquire_many(["k", "j"])
     assert not locks.owned("k") and not locks.owned("j") and len(locks) == 0
@@ -1121,7 +1126,7 @@ def test_ctrl_c_at_a_releases_count_down_leaves_no_level_without_its_lock(
     next call finishes the count-down."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    given = postgres._Session.given
+    given = _Session.given
     fired: list[bool] = []
 
     def interrupted_at_entry(session: Any, items: Any) -> Any:
@@ -1131,7 +1136,7 @@ def test_ctrl_c_at_a_releases_count_down_leaves_no_level_without_its_lock(
         return given(session, items)
 
     locks.acquire_many(["k", "j"])
-    monkeypatch.setattr(postgres._Session, "given", interrupted_at_entry)
+    monkeypatch.setattr(_Session, "given", interrupted_at_entry)
     with pytest.raises(KeyboardInterrupt):
         locks.release_many(["k", "j"])
     monkeypatch.undo()
@@ -1160,11 +1165,11 @@ def test_a_poll_that_returned_with_a_handlers_exception_set_raises_that_exceptio
                           " an exception set")
     wrapped.__cause__ = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt) as raised:
-        postgres._poll(Poller(wrapped), 0)
+        _poll(Poller(wrapped), 0)
     assert raised.value.__cause__ is None and raised.value.__context__ is None
     other = SystemError("something else")
     with pytest.raises(SystemError) as kept:
-        postgres._poll(Poller(other), 0)
+        _poll(Poller(other), 0)
     assert kept.value is other
 
 
@@ -1180,8 +1185,8 @@ def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     fired: set[str] = set()
-    round_trip, undo_take = postgres._Link._round_trip, postgres._Session.undo_take
-    granted = postgres._Session.granted
+    round_trip, undo_take = _Link._round_trip, _Session.undo_take
+    granted = _Session.granted
 
     def interrupted_after_the_grant(link: Any, deadline: Any, send: Any, *args: Any) -> Any:
         results = round_trip(link, deadline, send, *args)
@@ -1208,10 +1213,10 @@ def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
             "try": lambda: locks.acquire("k", timeout=0),
             "many": lambda: locks.acquire_many(["k", "j"], timeout=PATIENCE)}[call]
     if first == "read":
-        monkeypatch.setattr(postgres._Link, "_round_trip", interrupted_after_the_grant)
+        monkeypatch.setattr(_Link, "_round_trip", interrupted_after_the_grant)
     else:
-        monkeypatch.setattr(postgres._Session, "granted", interrupted_once_counted)
-    monkeypatch.setattr(postgres._Session, "undo_take", interrupted_at_entry)
+        monkeypatch.setattr(_Session, "granted", interrupted_once_counted)
+    monkeypatch.setattr(_Session, "undo_take", interrupted_at_entry)
     with pytest.raises(KeyboardInterrupt):
         take()
     assert fired == {"grant", "undo"}
@@ -1257,13 +1262,13 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
     locks.acquire("k")
     locks.acquire("j")
     terminate_holder(dsn, locks, "k")
-    real_lose_levels = postgres._Session.lose_levels
+    real_lose_levels = _Session.lose_levels
 
-    def interrupted(session: postgres._Session) -> None:
-        monkeypatch.setattr(postgres._Session, "lose_levels", real_lose_levels)
+    def interrupted(session: _Session) -> None:
+        monkeypatch.setattr(_Session, "lose_levels", real_lose_levels)
         raise KeyboardInterrupt  # where a signal handler's may land
 
-    monkeypatch.setattr(postgres._Session, "lose_levels", interrupted)
+    monkeypatch.setattr(_Session, "lose_levels", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.release("k")  # finds the connection dead
     assert not locks.owned("k") and locks.owned("j") is False  # j: its connection is gone
@@ -1303,7 +1308,7 @@ def test_a_loss_is_told_at_every_release_and_never_again(engine, dsn, namespace)
     locks.acquire("a")
     locks.acquire("a")
     with psycopg.connect(dsn, autocommit=True) as admin:
-        pid = admin.execute(f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s",
+        pid = admin.execute(f"SELECT pid FROM {_GRANTED_ADVISORY} %s",
                             (locks.advisory_key("a"),)).fetchone()[0]
     terminate_holder(dsn, locks, "a")
     with pytest.raises(LockLost):  # the inner release notices (no lost_keys() asked first)
