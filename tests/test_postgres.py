@@ -676,11 +676,12 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
     free-threaded build, where psycopg2-binary and tooz cannot be installed, the answer is
     "needs lockmgr[compare]"."""
     from lockmgr import bench
+    from lockmgr.bench import _cli
 
     out = tmp_path / "distributed.json"
     argv = ["--quick", "--scenario", "distributed", "--pg-dsn", dsn, "--redis", "start",
             "--threads", "2", "--json", str(out)]
-    if any(importlib.util.find_spec(module) is None for module in bench.COMPARE_MODULES):
+    if any(importlib.util.find_spec(module) is None for module in _cli.COMPARE_MODULES):
         assert bench.main(argv) == 2
         assert "needs lockmgr[compare]" in capsys.readouterr().err
         assert not out.exists()
