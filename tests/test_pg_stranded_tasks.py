@@ -258,7 +258,7 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
 
 BOTH_END_IT = """
 import asyncio, os, sys, threading, warnings
-from lockmgr import _common, postgres
+from lockmgr import _owners, postgres
 locks = postgres.PgLockManager(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
 g_has_lost, s_warns, g_done = threading.Event(), threading.Event(), threading.Event()
 sweeper = threading.get_ident()
@@ -275,7 +275,7 @@ def post(self):  # Waker.post as it is, with a pause where the GIL may pass to a
         if lost is not None:
             lost()
         g_done.set()
-_common.Waker.post = post
+_owners.Waker.post = post
 
 def showwarning(message, *args, **kwargs):  # AbandonedLockWarning's handlers run Python code
     print("warned:", message, flush=True)

@@ -75,7 +75,7 @@ except ImportError as exc:  # tested in a subprocess without psycopg
         "lockmgr.postgres needs psycopg 3: pip install 'lockmgr[postgres]'"
     ) from exc
 
-from .._common import LockLost
+from .._errors import LockLost
 from ._fences import DEFAULT_FENCE_TABLE, Lease
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager

@@ -37,7 +37,8 @@ import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from .._common import READ, WRITE, hold_seconds, many_items, rw_items, timed_out, wait_seconds
+from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
+from .._errors import timed_out
 from ._session import _same
 from ._sql import _MODE_NAMES
 from ._tasks import _PgBlockRecord, _enter_record, _exit_block

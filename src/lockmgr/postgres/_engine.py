@@ -16,16 +16,9 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
-from .._common import (
-    READ,
-    WRITE,
-    DeadlockError,
-    LockError,
-    LockStats,
-    hold_seconds,
-    not_owned,
-    timed_out,
-)
+from .._args import READ, WRITE, hold_seconds
+from .._errors import DeadlockError, LockError, not_owned, timed_out
+from .._views import LockStats
 from .._observe import KeyState, LockMetrics
 from ._fences import (
     DEFAULT_FENCE_TABLE,

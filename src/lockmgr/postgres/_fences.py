@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import errors as pg_errors
 
-from .._common import WRITE, LockError
+from .._args import WRITE
+from .._errors import LockError
 
 if TYPE_CHECKING:
     from ._link import _Link

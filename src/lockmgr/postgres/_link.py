@@ -13,7 +13,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 
-from .._common import MAIN_THREAD_SLICE
+from .._tuning import MAIN_THREAD_SLICE
 from ._server import _CHECK_UNSUPPORTED, _refusal, _setup_sql
 
 

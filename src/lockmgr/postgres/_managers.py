@@ -8,17 +8,9 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from .. import LockManager, RWLockManager
-from .._common import (
-    READ,
-    WRITE,
-    hold_seconds,
-    many_items,
-    not_owned,
-    restored_count,
-    rw_items,
-    synchronized,
-    wait_seconds,
-)
+from .._args import READ, WRITE, hold_seconds, many_items, restored_count, rw_items, wait_seconds
+from .._errors import not_owned
+from .._views import synchronized
 from ._engine import _PgEngine
 from ._fences import DEFAULT_FENCE_TABLE
 from ._session import _Held, _same

@@ -7,7 +7,7 @@ from typing import Any
 
 from psycopg import errors as pg_errors
 
-from .._common import LockError
+from .._errors import LockError
 
 # Run first on every connection, one message: what the session is (``_refusal`` reads
 # the first row), then every setting correctness depends on, pinned for the session

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .._common import LockLost, not_owned, timed_out
+from .._errors import LockLost, not_owned, timed_out
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine

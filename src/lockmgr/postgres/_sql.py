@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._common import READ, WRITE
+from .._args import READ, WRITE
 from ._fences import _fenced
 from ._keys import advisory_key
 

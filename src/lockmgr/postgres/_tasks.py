@@ -14,17 +14,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors as pg_errors
 
-from .._common import (
-    READ,
-    WRITE,
-    DeadlockError,
-    block_in_use,
-    current_task_or_none,
-    current_task_or_raise,
-    not_entered,
-    not_owned,
-    not_owned_block,
-)
+from .._args import READ, WRITE
+from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_owned_block
+from .._owners import current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _make_fence_table, _retrieve
 from ._fences import Lease, _fences_from, _no_fencing, _read_has_no_fence
 from ._keys import advisory_key
