@@ -23,6 +23,9 @@ import pytest
 
 from lockmgr import AbandonedLockWarning
 
+#: The PostgreSQL tests' fixtures (their modules opt in to the per-test checks).
+pytest_plugins = ["pg_fixtures"]
+
 IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
 
 #: Upper bound for anything a test waits on; generous for a noisy 2-core machine.

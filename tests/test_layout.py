@@ -41,15 +41,15 @@ def test_import_contracts_hold() -> None:
     assert "0 broken" in done.stdout and " kept" in done.stdout
 
 
-@pytest.mark.parametrize("engine", [pytest.param("lockmgr._core", marks=pytest.mark.compiled),
+@pytest.mark.parametrize("module", [pytest.param("lockmgr._core", marks=pytest.mark.compiled),
                                     "lockmgr._pure"])
-def test_an_engine_loads_no_backend_nor_benchmark(engine: str) -> None:
+def test_an_engine_loads_no_backend_nor_benchmark(module: str) -> None:
     """Importing an engine (the compiled core too, whose imports import-linter cannot read)
     loads nothing of the PostgreSQL backend, the benchmark or otel."""
     code = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
             "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
             "(['lockmgr', 'postgres'], ['lockmgr', 'bench'], ['lockmgr', 'otel'])))")
-    done = subprocess.run([sys.executable, "-c", code, engine], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import gc
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -27,27 +26,17 @@ from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout,
 from lockmgr.postgres._aio_link import _AsyncLink
 from lockmgr.postgres._session import _Session
 from lockmgr.postgres._sql import _GRANTED_ADVISORY
-from test_postgres import (  # noqa: F401  (fixtures: pytest finds them by name here)
-    _waiting_on_server,
-    children_reaped,
-    child,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
+from pg_support import (
+    HOLDER, child, expect, finish, held_on_server, own_sessions_locks, quietly_collect, run,
+    strand_a_holder, terminate_holder, until, _waiting_on_server,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 @pytest.fixture
-def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # noqa: F811
-    manager: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    yield manager
-    manager.close()
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 @pytest.fixture
@@ -55,27 +44,6 @@ def rwlocks(engine, dsn, namespace) -> Iterator[postgres.PgRWLockManager[Any]]: 
     manager: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
     yield manager
     manager.close()
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Let the loop run until ``condition`` (a real state) holds."""
-    deadline = time.monotonic() + PATIENCE
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.002)
-
-
-def run(main: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(main(), PATIENCE * 3))
-
-
-HOLDER = """
-locks.acquire("k")
-say(held=True)
-sys.stdin.readline()
-locks.release("k")
-"""
 
 
 def test_a_task_acquires_reentrantly_and_only_the_owner_releases(locks, dsn) -> None:
@@ -540,46 +508,6 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
 # stranded on a closed loop), the exit releases nothing and raises nothing. One object holds
 # one task at a time: another task entering it while a task is inside is refused
 # (RuntimeError), with nothing taken.
-
-
-def quietly_collect() -> list[str]:
-    """Collect the garbage (stranded tasks whose last reference the caller dropped); what
-    their coroutines' finalization raised (sys.unraisablehook) is returned, not printed."""
-    raised: list[str] = []
-    previous = sys.unraisablehook
-    sys.unraisablehook = lambda info: raised.append(repr(info.exc_value))
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = previous
-    return raised
-
-
-def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
-                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
-                    ) -> asyncio.Task[None]:
-    """A task holding ``key`` (in process and on the server) whose loop is closed while it
-    is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
-    It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
-    ``locks.aio[key]``: one object, which other tasks may use too)."""
-    loop = asyncio.new_event_loop()
-
-    async def until_held() -> asyncio.Task[None]:
-        started = asyncio.Event()
-
-        async def holds() -> None:
-            async with locks.aio.hold(key) if lock is None else lock:
-                started.set()
-                await asyncio.sleep(3600)
-
-        task = asyncio.create_task(holds())
-        await started.wait()
-        return task
-
-    try:
-        return loop.run_until_complete(asyncio.wait_for(until_held(), PATIENCE))
-    finally:
-        loop.close()
 
 
 def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:

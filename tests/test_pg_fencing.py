@@ -27,20 +27,13 @@ from lockmgr import LockError, LockLost, LockTimeout, NotOwnedError
 import psycopg
 from lockmgr import postgres
 from lockmgr.postgres._link import _Link
-from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
+from pg_support import (
+    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
     _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
 
 Manager = postgres.PgLockManager[Any]
 

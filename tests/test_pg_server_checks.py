@@ -28,15 +28,9 @@ from lockmgr.postgres import _link
 from lockmgr.postgres._link import _Link
 from lockmgr.postgres._sql import _GRANTED_ADVISORY
 from lockmgr.postgres._aio_link import _AsyncLink
-from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
-    _waiting_on_server,
-    children_reaped,
-    dsn,
-    engine,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-)
+from pg_support import held_on_server, run, _waiting_on_server
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 def admin(dsn: str, *statements: str) -> None:

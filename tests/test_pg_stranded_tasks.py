@@ -20,20 +20,17 @@ import pytest
 
 from conftest import PATIENCE, wait_until
 from lockmgr import postgres
-from test_pg_aio import HOLDER, locks, quietly_collect, strand_a_holder, until  # noqa: F401
-from test_pg_aio_failures import slow_abort
-from test_postgres import (  # noqa: F401
-    _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
+from pg_support import (
+    HOLDER, ScriptedWorker, child, expect, finish, quietly_collect, slow_abort, strand_a_holder,
+    until, _waiting_on_server,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
+
+@pytest.fixture
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 # -- 1. the sweep runs only after the in-process acquisition: the stranded key blocks forever --
@@ -243,7 +240,6 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
     doing), the waiter's poll found it only just after. No correct lock ever shows it; a
     Redis lock whose waiter polls does, and its row now reads "no overlap"."""
     from lockmgr.bench import _distributed
-    from test_pg_robustness import ScriptedWorker
 
     monkeypatch.setattr(_distributed, "PAUSE", 0.05)
     log: dict[str, Any] = {}

@@ -11,7 +11,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
@@ -26,79 +25,16 @@ from lockmgr import DeadlockError, LockError, LockLost, LockTimeout, NotOwnedErr
 
 import psycopg  # part of the [test] extra: missing, the suite fails rather than skips
 from lockmgr import postgres
-from lockmgr.postgres import _managers
 from lockmgr.postgres._engine import _PgEngine
 from lockmgr.postgres._link import _Link, _poll
 from lockmgr.postgres._session import _Session
 from lockmgr.postgres._sql import _GRANTED_ADVISORY
+from pg_support import (
+    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
+    _waiting_on_server,
+)
 
-
-@pytest.fixture(scope="module")
-def dsn() -> Iterator[str]:
-    with pgserver.running_server() as running:
-        yield running
-
-
-def own_sessions_locks(dsn: str) -> int:
-    """Advisory locks held by the server sessions of this process's own connections (found
-    by their client ports: this process's sockets connected to the server's port)."""
-    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    ports = []
-    with open("/proc/self/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if fields[9] in inodes and int(fields[2].split(":")[1], 16) == server_port:
-                ports.append(int(fields[1].split(":")[1], 16))
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT count(*) FROM pg_locks JOIN pg_stat_activity USING (pid)"
-                            " WHERE locktype = 'advisory' AND client_port = ANY(%s)",
-                            (ports,)).fetchone()
-    return int(row[0]) if row else 0
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_held(dsn: str) -> Iterator[None]:
-    """After every test, no session of this process holds an advisory lock."""
-    yield
-    assert own_sessions_locks(dsn) == 0
-
-
-_children: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def children_reaped() -> Iterator[None]:
-    """After every test, each child process it started is ended and reaped and its pipes are
-    closed, however the test ended (a failed or expected-to-fail test left to the garbage
-    collector would make a later test report "subprocess is still running")."""
-    yield
-    while _children:
-        process = _children.pop()
-        if process.poll() is None:
-            process.kill()
-        process.communicate(timeout=PATIENCE)
-
-
-@pytest.fixture
-def engine(impl, monkeypatch):  # type: ignore[no-untyped-def]
-    """Run the backend over the in-process engine under test."""
-    monkeypatch.setattr(_managers, "LockManager", impl.LockManager)
-    monkeypatch.setattr(_managers, "RWLockManager", impl.RWLockManager)
-    return impl
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"test-{uuid.uuid4()}"
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 @pytest.fixture
@@ -107,68 +43,6 @@ def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # t
     yield manager
     manager.release_all()
     manager.close()
-
-
-def held_on_server(dsn: str, manager: Any, key: object) -> bool:
-    """Whether any session holds ``key``, asked on a connection of the test's own."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} %s)",
-                           (manager.advisory_key(key),)).fetchone()
-    return bool(row and row[0])
-
-
-CHILD = """
-import json, os, signal, sys, threading, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
-from lockmgr import postgres, LockLost, DeadlockError
-locks = postgres.{cls}(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
-def say(**what):
-    print(json.dumps(what), flush=True)
-{body}
-"""
-
-
-def child(dsn: str, namespace: str, body: str, cls: str = "PgLockManager",
-          pure: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "DSN": dsn, "NAMESPACE": namespace,
-           "LOCKMGR_NO_EXTENSIONS": "1" if pure else "", **(env or {})}
-    code = CHILD.format(cls=cls, body=textwrap.dedent(body))
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env)
-    _children.append(process)
-    return process
-
-
-def expect(process: subprocess.Popen[str], **what: object) -> dict[str, Any]:
-    """The child's next JSON line, which must contain ``what``. A child that says nothing
-    within PATIENCE * 3 seconds is killed and reaped (a hung child must fail its own test,
-    not leave a pipe for a later test's garbage collection to complain about)."""
-    assert process.stdout is not None
-    stdout = process.stdout
-    said: list[str] = []
-    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(PATIENCE * 3)
-    if reader.is_alive():
-        process.kill()
-        reader.join(PATIENCE)  # the kill closed its end: the reader sees the end of file
-        _, err = process.communicate(timeout=PATIENCE)  # reaps it and closes every pipe
-        raise AssertionError(f"the child said nothing within {PATIENCE * 3:g} s; "
-                             f"stderr: {err[-4000:]}")
-    line = said[0]
-    assert line, process.stderr.read() if process.stderr else "no output"
-    said: dict[str, Any] = json.loads(line)
-    assert {key: said.get(key) for key in what} == what, said
-    return said
-
-
-def finish(process: subprocess.Popen[str]) -> None:
-    try:
-        out, err = process.communicate("go\n", timeout=PATIENCE)
-    finally:
-        process.kill()
-    assert process.returncode == 0, err
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -410,13 +284,6 @@ def test_deadlock_between_processes_is_reported_and_undone(locks, dsn, namespace
     assert deadlocked_here != theirs["deadlock"], theirs  # exactly one side was refused
     finish(other)
     assert len(locks) == 0 and not held_on_server(dsn, locks, "A")
-
-
-def _waiting_on_server(dsn: str) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                           " AND NOT granted").fetchone()
-    return int(row[0]) if row else 0
 
 
 def test_shared_exclusive_and_upgrade_across_processes(engine, dsn, namespace) -> None:
@@ -718,16 +585,6 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
 
 
 # -- issue 12: every promise kept under timeouts, forks, dead connections, cancels, Ctrl-C ------
-
-
-def terminate_holder(dsn: str, manager: Any, key: object) -> None:
-    """End the server session holding ``key`` (as an administrator or a failover would)."""
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        pids = [row[0] for row in admin.execute(
-            f"SELECT pid FROM {_GRANTED_ADVISORY} %s", (manager.advisory_key(key),))]
-        assert pids, f"no session holds {key!r}"
-        for pid in pids:
-            admin.execute("SELECT pg_terminate_backend(%s, %s)", (pid, int(PATIENCE * 1000)))
 
 
 def test_timeouts_racing_grants_never_leave_a_lock_held(locks, dsn, namespace) -> None:
