@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from .._args import READ, WRITE
 from ._fences import _fenced
-from ._keys import advisory_key
 
 if TYPE_CHECKING:
     from ._fences import _FenceTable

@@ -19,7 +19,6 @@ from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_o
 from .._owners import current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _make_fence_table, _retrieve
 from ._fences import Lease, _fences_from, _no_fencing, _read_has_no_fence
-from ._keys import advisory_key
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
