@@ -1,5 +1,5 @@
 """Prints the ``[test]`` extra as a requirements file that installs on a free-threaded CPython
-(3.13t, 3.14t), where six of its packages cannot be installed as the extra names them:
+(3.13t, 3.14t), where seven of its packages cannot be installed as the extra names them:
 
 - ``psycopg[binary]``: psycopg-binary ships no free-threaded wheels (and no sdist), so the
   extra cannot resolve; plain ``psycopg`` (pure Python over the system's libpq, which the
@@ -15,6 +15,10 @@
   build needs libpq's headers and a compiler, and the module turns the GIL back on when
   imported; tooz's PostgreSQL driver runs on it. Both are left out, and the test of
   ``lockmgr-bench --scenario distributed`` checks its "needs lockmgr[compare]" answer there.
+- ``import-linter``: its import graph (grimp) is a Rust extension with no free-threaded
+  wheel, and its source build fetches crates: left out. The layout is the source's, not the
+  interpreter's: tests/test_layout.py checks it on the GIL builds and, on a free-threaded
+  one, that this is where it is missing.
 
 Used by .ci/run, scripts/tsan.sh and scripts/check-wheels.sh; pyproject.toml's cibuildwheel
 override for free-threaded builds lists the same requirements (check-wheels.sh compares them).
@@ -36,7 +40,7 @@ except ModuleNotFoundError:  # Python 3.10: pip vendors a TOML reader
 #: requirement as the extra spells it -> as a free-threaded interpreter can install it
 REPLACED = {"psycopg[binary]": "psycopg"}
 #: packages left out on free-threaded interpreters (reasons in the docstring)
-DROPPED = {"matplotlib", "psycopg2-binary", "tooz"}
+DROPPED = {"import-linter", "matplotlib", "psycopg2-binary", "tooz"}
 #: package -> upper bound added on free-threaded interpreters (reasons in the docstring)
 CAPPED = {"hypothesis": "<6.156", "mypy": "<1.19"}
 

@@ -23,6 +23,9 @@ import pytest
 
 from lockmgr import AbandonedLockWarning
 
+#: The PostgreSQL tests' fixtures (their modules opt in to the per-test checks).
+pytest_plugins = ["pg_fixtures"]
+
 IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
 
 #: Upper bound for anything a test waits on; generous for a noisy 2-core machine.
@@ -123,7 +126,7 @@ def block_records() -> int:
     from lockmgr import _pure
 
     kinds: tuple[type, ...] = (_pure._BlockRecord,)
-    pg_aio = sys.modules.get("lockmgr._pg_aio")
+    pg_aio = sys.modules.get("lockmgr.postgres._tasks")
     if pg_aio is not None:
         kinds += (pg_aio._PgBlockRecord,)
     core = sys.modules.get("lockmgr._core")

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from lockmgr.bench import sigterm_interrupts
+from lockmgr._signals import sigterm_interrupts
 
 
 def missing_server(binary: str, package: str) -> NoReturn:

@@ -60,17 +60,9 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from ._common import (
-    AWAIT_POST,
-    PICKLE_ERROR,
-    READ,
-    WRITE,
-    LockStats,
-    hold_seconds,
-    many_items,
-    rw_items,
-    wait_seconds,
-)
+from ._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
+from ._owners import AWAIT_POST
+from ._views import PICKLE_ERROR, LockStats
 
 if TYPE_CHECKING:
     from types import TracebackType

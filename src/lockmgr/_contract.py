@@ -22,13 +22,13 @@ module and classes to these types; the views, typed by them, are made by the twi
 managers; ``make typecheck``); the compiled core by ``tests/test_contract.py``, which
 compares every member's name, kind (method or attribute) and parameters (names, kinds,
 defaults) with these protocols, for both engines. The core's methods carry their
-signatures (``embedsignature`` in ``lockmgr_core.pyx``); a core built without it fails
+signatures (``embedsignature`` in ``_core.pyx``); a core built without it fails
 that test ("no signature to compare").
 
 Keys are ``K`` in the public operations, as the managers are generic in it, and
 ``Hashable`` in the task operations (the views check nothing about keys: the engine does).
-``Items`` is a list of distinct ``(key, mode)`` pairs (``_common.many_items``/``rw_items``);
-``mode`` is ``_common.READ`` or ``_common.WRITE``.
+``Items`` is a list of distinct ``(key, mode)`` pairs (``_args.many_items``/``rw_items``);
+``mode`` is ``_args.READ`` or ``_args.WRITE``.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
     from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _AsyncEngineView
-    from ._common import LockStats, Waker
     from ._observe import KeyState, LockMetrics
+    from ._owners import Waker
+    from ._views import LockStats
 
     #: An ``async with`` object of ``_task_hold``/``_task_hold_many``: what ``aio.hold()``,
     #: ``read()``, ``write()`` and ``hold_many()`` answer.

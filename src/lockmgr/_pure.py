@@ -121,41 +121,40 @@ from ._observe import (
     log_wait_end,
     log_waits_after_seconds,
 )
-from ._common import (
-    HANDOFF_AFTER,
-    LOOP_THREAD,
-    MAIN_THREAD_SLICE,
+from ._args import (
     MAX_COUNT,
-    PICKLE_ERROR,
     READ,
     WRITE,
-    LockStats,
-    count_overflow,
-    deadlock,
+    Stripe,
     hold_seconds,
-    key_lock_repr,
-    manager_repr,
     many_items,
-    nested_wait,
-    not_in_task,
-    not_owned,
-    block_in_use,
-    not_entered,
-    pinned,
     restored_count,
     rw_items,
-    Stripe,
     stripe_count,
     stripe_index,
-    synchronized,
-    timed_out,
     wait_seconds,
+)
+from ._errors import (
+    block_in_use,
+    count_overflow,
+    deadlock,
+    nested_wait,
+    not_entered,
+    not_owned,
+    pinned,
+    timed_out,
     warn_abandoned,
+)
+from ._owners import (
+    LOOP_THREAD,
     Waker,
     current_task_or_none,
     current_task_or_raise,
+    not_in_task,
     running_loop,
 )
+from ._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE
+from ._views import PICKLE_ERROR, LockStats, key_lock_repr, manager_repr, synchronized
 
 __all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stranded_task"]
 
