@@ -2,10 +2,10 @@
 
 An *engine* is ``lockmgr._core`` (compiled) or ``lockmgr._pure`` (its twin). The layers
 above it — the selector in ``__init__``, the asyncio views in ``_aio``, the PostgreSQL
-managers in ``postgres``/``_pg_aio``, ``otel`` — use only what these protocols name:
+managers in ``postgres``, ``otel`` — use only what these protocols name:
 
 - ``EngineModule``: the module's names (the four public classes the selector imports, and
-  ``end_stranded_task``, which ``_pg_aio`` calls when a task's PostgreSQL session ends);
+  ``end_stranded_task``, which ``postgres._tasks`` calls when a task's PostgreSQL session ends);
 - ``Engine``: what both managers share, the table-wide operations (``stats()``,
   ``snapshot()``, ``metrics()``, ``release_all()``, the wait observers ``otel`` adds) and
   the *task operations* ``_task_*`` that ``_aio`` calls (its docstring states their

@@ -43,7 +43,7 @@ class PgLockManager(_PgEngine[K]):
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
-        """This manager with the current asyncio task as owner (see ``lockmgr._pg_aio``):
+        """This manager with the current asyncio task as owner (see ``lockmgr.postgres._aio``):
         tasks and threads of this process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
