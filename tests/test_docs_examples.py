@@ -113,9 +113,9 @@ def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleTy
     """The public names, and lockmgr.postgres's in-process engine, are ``impl``'s."""
     for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
-    postgres = importlib.import_module("lockmgr.postgres")
-    monkeypatch.setattr(postgres, "LockManager", impl.LockManager)
-    monkeypatch.setattr(postgres, "RWLockManager", impl.RWLockManager)
+    managers = importlib.import_module("lockmgr.postgres._managers")
+    monkeypatch.setattr(managers, "LockManager", impl.LockManager)
+    monkeypatch.setattr(managers, "RWLockManager", impl.RWLockManager)
     return impl
 
 
