@@ -17,7 +17,7 @@
   ``lockmgr-bench --scenario distributed`` checks its "needs lockmgr[compare]" answer there.
 - ``import-linter``: its import graph (grimp) is a Rust extension with no free-threaded
   wheel, and its source build fetches crates: left out. The layout is the source's, not the
-  interpreter's: tests/test_layout.py checks it on the GIL builds and, on a free-threaded
+  interpreter's: tests/project/test_layout.py checks it on the GIL builds and, on a free-threaded
   one, that this is where it is missing.
 
 Used by .ci/run, scripts/tsan.sh and scripts/check-wheels.sh; pyproject.toml's cibuildwheel

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ThreadSanitizer run of the stress mix (tests/test_stress.py, with the concurrency, multi-key,
+# ThreadSanitizer run of the stress mix (tests/stress/test_stress.py, with the concurrency, multi-key,
 # reader-writer, shard, asyncio and snapshot/metrics tests) on the compiled core, with the GIL off: a free-threaded CPython 3.13 configured --with-thread-sanitizer
 # (scripts/free-threaded-python.sh --tsan, cached outside the work tree), the core compiled
 # and linked with -fsanitize=thread, and the stress test run under it. Fails on any TSAN
@@ -77,8 +77,9 @@ status=0
 (cd "$work" && cp -r "$root/tests" "$root/pyproject.toml" . &&
   env -u PYTHON_GIL LOCKMGR_REQUIRE_NO_GIL=1 TSAN_OPTIONS="$TSAN_OPTIONS log_path=$out/tsan exitcode=0 halt_on_error=0 second_deadlock_stack=1" \
     nice -n 10 "$venv_python" -m pytest -q -p no:cacheprovider --only-c-extensions \
-    tests/test_stress.py tests/test_concurrency.py tests/test_many.py tests/test_rwlock.py \
-    tests/test_shards.py tests/test_aio.py tests/test_observe.py) || status=$?
+    tests/stress/test_stress.py tests/engine/test_concurrency.py tests/engine/test_many.py \
+    tests/engine/test_rwlock.py tests/engine/test_shards.py tests/aio/test_aio.py \
+    tests/observe/test_observe.py) || status=$?
 
 "$venv_python" - "$out" "$status" <<'PY'
 import glob

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import gc
 import importlib
+import os
 import sys
 import threading
 import time
@@ -29,6 +30,10 @@ pytest_plugins = ["pg_fixtures"]
 IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
 
 #: Upper bound for anything a test waits on; generous for a noisy 2-core machine.
+#: The tests' root folder: what a child process puts on sys.path to import conftest, pgserver
+#: and the other support modules (pyproject's ``pythonpath`` does that for the tests).
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 PATIENCE = 20.0
 
 

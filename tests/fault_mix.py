@@ -16,7 +16,7 @@ Meanwhile code runs *inside* their lock calls and waits and calls the managers a
 Every critical section records who is inside (mutual exclusion, reads vs writes) and the
 mix's write sections do a read-yield-write increment (lost updates). Every acquisition,
 timeout and DeadlockError is counted where it happens. At the end (all threads joined) it
-prints one JSON report; the caller checks it (``tests/test_fault_injection.py``), and the
+prints one JSON report; the caller checks it (``tests/stress/test_fault_injection.py``), and the
 exit status is 0 unless the script itself broke.
 """
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, wait_until
+from conftest import PATIENCE, TESTS, wait_until
 from lockmgr import postgres
 from pg_support import (
     HOLDER, ScriptedWorker, child, expect, finish, quietly_collect, slow_abort, strand_a_holder,
@@ -198,7 +198,7 @@ def test_a_terminated_pytest_run_stops_at_once_and_stops_its_server(tmp_path) ->
 
     started, second = tmp_path / "started", tmp_path / "second-test-ran"
     test_file = tmp_path / "test_terminated.py"
-    test_file.write_text(TERMINATED_RUN.format(tests=os.path.dirname(__file__),
+    test_file.write_text(TERMINATED_RUN.format(tests=TESTS,
                                                started=str(started), second=str(second)))
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     process = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

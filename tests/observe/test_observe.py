@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, held_by_another_task, wait_until
+from conftest import PATIENCE, TESTS, held_by_another_task, wait_until
 from lockmgr import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
 from lockmgr._observe import HISTOGRAM_BOUNDS, HOT_KEY_SLOTS, HOT_KEYS_SHOWN, bucket_of
 
@@ -613,7 +613,7 @@ def test_observing_in_a_subprocess_under_gc_pressure(impl) -> None:
     and its callbacks use the manager: the process ends cleanly, with nothing held."""
     script = f"""
 import gc, logging, sys, threading
-sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+sys.path.insert(0, {TESTS!r})
 import importlib
 impl = importlib.import_module({impl.__name__!r})
 locks = impl.LockManager(log_waits_after=0)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import psycopg
-from conftest import PATIENCE, wait_until
+from conftest import PATIENCE, TESTS, wait_until
 import pgserver
 from lockmgr import AbandonedLockWarning, LockLost, postgres
 from pg_support import (
@@ -387,7 +387,7 @@ def test_a_terminated_test_run_leaves_no_server_running(tmp_path) -> None:
     import signal
 
     pgserver.require_postgres()
-    process = subprocess.Popen([sys.executable, "-c", SERVER_USER, os.path.dirname(__file__)],
+    process = subprocess.Popen([sys.executable, "-c", SERVER_USER, TESTS],
                                stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     started = json.loads(process.stdout.readline())

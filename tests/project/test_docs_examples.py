@@ -31,10 +31,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import TESTS
 
 import lockmgr
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(TESTS).parent
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*example:\s*(?P<what>.*?)\s*-->\s*$")

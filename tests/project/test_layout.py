@@ -13,11 +13,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import TESTS
 
 import lockmgr
 
 PACKAGE = Path(lockmgr.__file__).resolve().parent  # the tree under test (src/ or a wheel)
-PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+PYPROJECT = Path(TESTS).parent / "pyproject.toml"
 #: The modules allowed past MOST_LINES: the pure-Python engine (the twin of the compiled
 #: core, one engine-wide guard; its split is the engine contract's work).
 LONG_MODULES = {"_pure.py"}

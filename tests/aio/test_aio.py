@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (
     PATIENCE,
+    TESTS,
     abandoned_warnings,
     held_by_another_task,
 )
@@ -706,7 +707,7 @@ for message in sorted(str(w.message) for w in caught):
 def test_ctrl_c_and_a_closed_loop_in_a_subprocess(module) -> None:
     import os
     import subprocess
-    code = CHILD.format(tests=os.path.dirname(__file__), module=module)
+    code = CHILD.format(tests=TESTS, module=module)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=PATIENCE * 3)
     assert done.returncode == 0, done.stderr
@@ -896,7 +897,7 @@ asyncio.run(main())
 @pytest.mark.parametrize("module", ["lockmgr._core", "lockmgr._pure"])
 def test_a_forked_child_finds_its_task_as_asyncio_does(module) -> None:
     import subprocess
-    code = FORK_CHILD.format(tests=os.path.dirname(__file__), module=module)
+    code = FORK_CHILD.format(tests=TESTS, module=module)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=PATIENCE * 3)
     assert done.returncode == 0, done.stderr

@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TESTS
 
-MIX = Path(__file__).with_name("fault_mix.py")
+MIX = Path(TESTS) / "fault_mix.py"
 HANG = 120.0  # the child dumps its stacks and exits after this; generous for a busy 2-core box
 
 
