@@ -16,8 +16,14 @@
   imported; tooz's PostgreSQL driver runs on it. Both are left out, and the test of
   ``lockmgr-bench --scenario distributed`` checks its "needs lockmgr[compare]" answer there.
 
-Used by .ci/run, scripts/tsan.sh and scripts/check-wheels.sh; pyproject.toml's cibuildwheel
-override for free-threaded builds lists the same requirements (check-wheels.sh compares them).
+Used by .ci/run, scripts/tsan.sh, scripts/ci-install.sh and scripts/check-wheels.sh.
+pyproject.toml's cibuildwheel test-requires lists the same requirements (check-wheels.sh
+compares them) for every wheel, free-threaded or not: the wheels' tests (the portable
+selection) then install alike on every interpreter and platform, and no compiled test
+dependency without a wheel there is built from source on a runner (matplotlib has no cp315
+wheel for musllinux aarch64); without matplotlib, psycopg2 and tooz those tests check the
+"needs lockmgr[...]" answers, and plain psycopg without the system's libpq skips the
+PostgreSQL tests naming it, as a missing server does.
 
     python3 scripts/free-threaded-requirements.py > requirements-ft.txt
 """
