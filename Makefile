@@ -7,7 +7,9 @@ test:
 bench:
 	python3 -m pip install . && python3 -m lockmgr.bench --quick
 
-# sdist + a manylinux wheel per local CPython and a cp313t one, each tested as installed
+# cibuildwheel (the pinned 4.x) reads the config; sdist + a manylinux wheel per local CPython and
+# a cp313t one, twine/check-wheel-contents, each tested as installed: the portable selection on
+# the GIL builds, the whole suite on cp313t (GIL off)
 # (scripts/check-wheels.sh)
 wheel:
 	bash scripts/check-wheels.sh
