@@ -59,14 +59,18 @@ for platform in linux macos windows; do
   ! grep -qE '^(pp|cp310|cp313t)' <<<"$identifiers" \
     || { echo "cibuildwheel would build PyPy, CPython 3.10 or 3.13t wheels"; exit 1; }
 done
-# The wheels' test requirements in pyproject.toml are the script's list.
+# The wheels' test requirements in pyproject.toml are the script's lists: --gil-wheels for
+# every wheel, the free-threaded one for the free-threaded wheels' override.
 python3 - <<'PY'
 import subprocess, sys, tomllib
 with open("pyproject.toml", "rb") as file:
-    listed = tomllib.load(file)["tool"]["cibuildwheel"]["test-requires"]
-printed = subprocess.run([sys.executable, "scripts/free-threaded-requirements.py"],
-                         capture_output=True, text=True, check=True).stdout.split()
-assert listed == printed, f"pyproject.toml's cibuildwheel test-requires {listed} != {printed}"
+    cibw = tomllib.load(file)["tool"]["cibuildwheel"]
+def printed(*options: str) -> list[str]:
+    return subprocess.run([sys.executable, "scripts/free-threaded-requirements.py", *options],
+                          capture_output=True, text=True, check=True).stdout.split()
+assert cibw["test-requires"] == printed("--gil-wheels"), ("test-requires", printed("--gil-wheels"))
+free_threaded = [o["test-requires"] for o in cibw["overrides"] if o["select"] == "cp31[4-9]t-*"]
+assert free_threaded == [printed()], ("free-threaded test-requires", free_threaded, printed())
 PY
 took
 

@@ -1,5 +1,5 @@
 """Prints the ``[test]`` extra as a requirements file that installs on a free-threaded CPython
-(3.13t, 3.14t), where six of its packages cannot be installed as the extra names them:
+(3.13t, 3.14t, 3.15t), where six of its packages cannot be installed as the extra names them:
 
 - ``psycopg[binary]``: psycopg-binary ships no free-threaded wheels (and no sdist), so the
   extra cannot resolve; plain ``psycopg`` (pure Python over the system's libpq, which the
@@ -17,15 +17,17 @@
   ``lockmgr-bench --scenario distributed`` checks its "needs lockmgr[compare]" answer there.
 
 Used by .ci/run, scripts/tsan.sh, scripts/ci-install.sh and scripts/check-wheels.sh.
-pyproject.toml's cibuildwheel test-requires lists the same requirements (check-wheels.sh
-compares them) for every wheel, free-threaded or not: the wheels' tests (the portable
-selection) then install alike on every interpreter and platform, and no compiled test
-dependency without a wheel there is built from source on a runner (matplotlib has no cp315
-wheel for musllinux aarch64); without matplotlib, psycopg2 and tooz those tests check the
-"needs lockmgr[...]" answers, and plain psycopg without the system's libpq skips the
-PostgreSQL tests naming it, as a missing server does.
+pyproject.toml's cibuildwheel configuration lists what it prints (check-wheels.sh compares
+them): this list for the free-threaded wheels' tests, and with ``--gil-wheels`` the list for
+the other wheels' tests: the [test] extra with only the DROPPED packages left out, nothing
+replaced or capped. Those have no wheel on every platform (matplotlib has none for cp315 on
+musllinux aarch64; psycopg2-binary and tooz serve only the distributed comparison, which
+needs a PostgreSQL server no wheel runner has), and none should be built from source on a
+runner; without them those tests check the "needs lockmgr[...]" answers. Plain psycopg
+without the system's libpq skips the PostgreSQL tests, naming it, as a missing server does.
 
     python3 scripts/free-threaded-requirements.py > requirements-ft.txt
+    python3 scripts/free-threaded-requirements.py --gil-wheels   # the GIL wheels' tests
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ except ModuleNotFoundError:  # Python 3.10: pip vendors a TOML reader
 
 #: requirement as the extra spells it -> as a free-threaded interpreter can install it
 REPLACED = {"psycopg[binary]": "psycopg"}
-#: packages left out on free-threaded interpreters (reasons in the docstring)
+#: packages left out on free-threaded interpreters and from every wheel's tests (reasons in the
+#: docstring)
 DROPPED = {"matplotlib", "psycopg2-binary", "tooz"}
 #: package -> upper bound added on free-threaded interpreters (reasons in the docstring)
 CAPPED = {"hypothesis": "<6.156", "mypy": "<1.19"}
@@ -56,14 +59,17 @@ def free_threaded(requirement: str) -> str:
     return name + specifier
 
 
-def requirements(pyproject: Path) -> list[str]:
+def requirements(pyproject: Path, gil: bool = False) -> list[str]:
+    """The [test] extra without DROPPED; for a free-threaded interpreter (``gil=False``) also
+    with REPLACED and CAPPED applied."""
     with pyproject.open("rb") as file:
         extra = tomllib.load(file)["project"]["optional-dependencies"]["test"]
-    return [free_threaded(requirement) for requirement in extra
+    kept = [requirement for requirement in extra
             if re.match(r"[A-Za-z0-9._-]+", requirement).group(0) not in DROPPED]
+    return kept if gil else [free_threaded(requirement) for requirement in kept]
 
 
 if __name__ == "__main__":
     root = Path(__file__).resolve().parent.parent
-    print("\n".join(requirements(root / "pyproject.toml")))
+    print("\n".join(requirements(root / "pyproject.toml", gil="--gil-wheels" in sys.argv[1:])))
     sys.exit(0)
