@@ -1,11 +1,16 @@
 # Shortcuts; the README's commands are the reference.
-.PHONY: test bench wheel memcheck free-threaded-python tsan
+.PHONY: test bench docs wheel memcheck free-threaded-python tsan
 
 test:
 	bash scripts/test-servers.sh && python3 -m pip install -e '.[test]' && python3 -m pytest -n auto
 
 bench:
 	python3 -m pip install . && python3 -m lockmgr.bench --quick
+
+# The docs site (docs/, needs lockmgr[docs] installed): every warning is an error, and -n
+# makes every unresolved reference one too.
+docs:
+	python -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 # cibuildwheel (the pinned 4.x) reads the config; sdist + a manylinux wheel per local CPython and
 # a cp313t one, twine/check-wheel-contents, each tested as installed: the portable selection on

@@ -1,4 +1,5 @@
-"""Builds the compiled core ``lockmgr._core`` from ``lockmgr_core.pyx``.
+"""Builds the compiled core ``lockmgr._core`` from ``src/lockmgr/_core.pyx``
+(with ``_core.pxd`` and ``src/lockmgr/_c/``: the included ``.pxi`` files and the C headers).
 
 Set LOCKMGR_NO_EXTENSIONS to a non-empty value to install the pure-Python twin only
 (no compiler needed); PyPy always gets the pure twin.
@@ -17,7 +18,7 @@ def extensions():
         return []
     from Cython.Build import cythonize
 
-    core = Extension("lockmgr._core", ["lockmgr_core.pyx"])
+    core = Extension("lockmgr._core", ["src/lockmgr/_core.pyx"])
     return cythonize([core], compiler_directives={"language_level": "3"})
 
 

@@ -80,9 +80,11 @@ rm -rf dist wheelhouse
 python3 -m build --sdist --outdir dist
 sdist=$(ls "$root"/dist/lockmgr-*.tar.gz)
 tar tzf "$sdist" > "$work/sdist-files"
-grep -q '/lockmgr_core.pyx$' "$work/sdist-files" || { echo "sdist lacks lockmgr_core.pyx"; exit 1; }
+for source in src/lockmgr/_core.pyx src/lockmgr/_core.pxd src/lockmgr/_c/engine.pxi src/lockmgr/_c/lockmgr_locks.h; do
+  grep -q "/$source\$" "$work/sdist-files" || { echo "sdist lacks $source"; exit 1; }
+done
 grep -q '/tests/conftest.py$' "$work/sdist-files" || { echo "sdist lacks the tests"; exit 1; }
-! grep -q '/lockmgr_core.c$' "$work/sdist-files" || { echo "sdist ships generated C"; exit 1; }
+! grep -q '/src/lockmgr/_core.c$' "$work/sdist-files" || { echo "sdist ships generated C"; exit 1; }
 took
 
 pythons=()
@@ -124,7 +126,9 @@ install() {
   else
     "$work/venv-$1/bin/python" -m pip install -q "$wheel[test]"
   fi
-  rm -rf "$work/tests" && cp -r tests "$work/tests" && cp pyproject.toml "$work/"
+  # What cibuildwheel's test-sources copies: the tests, their configuration, and the README
+  # and docs whose examples tests/test_docs_examples.py runs.
+  rm -rf "$work/tests" "$work/docs" && cp -r tests docs "$work/" && cp pyproject.toml README.md "$work/"
   took
 }
 

@@ -54,7 +54,7 @@ def ours(frame):
     source = frame.findtext("file") or ""
     if fn.startswith("__pyx_pymod_exec"):  # the module's import, running Python code
         return False
-    return ("/lockmgr/_core" in obj or source.startswith("lockmgr_core")
+    return ("/lockmgr/_core" in obj or source.startswith(("_core.", "lockmgr_"))
             or fn.startswith("__pyx_"))
 
 

@@ -9,7 +9,7 @@ silently. Each mutant runs in its own temporary copy of the tree:
 
 - pure-twin mutants (``src/lockmgr/_pure.py``, ``src/lockmgr/_common.py``) run the suite with
   ``--no-c-extensions`` and ``PYTHONPATH`` pointing at the copy's ``src`` (fast);
-- compiled-core mutants (``lockmgr_core.pyx``, ``core/*.pxi``) are built in place in the copy
+- compiled-core mutants (``src/lockmgr/_core.pyx``, ``src/lockmgr/_c/*.pxi``) are built in place in the copy
   (``setup.py build_ext --inplace``, needs Cython and setuptools>=77 in the running
   interpreter: ``pip install -e '.[test]' 'Cython>=3.0.10,<3.4' 'setuptools>=77'``), then the
   suite runs on the compiled core.
@@ -44,12 +44,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PURE = "src/lockmgr/_pure.py"
 COMMON = "src/lockmgr/_common.py"
-CORE = "lockmgr_core.pyx"
-STRUCTS = "core/structs.pxi"
-TABLE = "core/table.pxi"
-OPERATIONS = "core/operations.pxi"
-RUNTIME = "core/runtime.pxi"
-ENGINE = "core/engine.pxi"
+CORE = "src/lockmgr/_core.pyx"
+STATE = "src/lockmgr/_c/state.pxi"
+TABLE = "src/lockmgr/_c/table.pxi"
+OPERATIONS = "src/lockmgr/_c/operations.pxi"
+RUNTIME = "src/lockmgr/_c/runtime.pxi"
+ENGINE = "src/lockmgr/_c/engine.pxi"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Mutant:
 
     @property
     def engine(self) -> str:
-        return "core" if self.file == CORE or self.file.startswith("core/") else "pure"
+        return "core" if self.file == CORE or self.file.startswith("src/lockmgr/_c/") else "pure"
 
 
 def m(id: str, file: str, original: str, mutated: str, description: str) -> Mutant:
@@ -207,7 +207,7 @@ MUTANTS: list[Mutant] = [
       "with manager.hold(key_func(*args, **kwargs)):",
       "with manager.hold(key_func(*args)):",
       "synchronized does not pass keyword arguments to key_func"),
-    # -- the compiled core (core/*.pxi, the noexcept nogil sections) ---------------------------
+    # -- the compiled core (_c/*.pxi, the noexcept nogil sections) ---------------------------
     m("core-unfair-never-hands-off", TABLE,
       "        if head.mode == READ or table.fair or entry.owner == head.token \\\n                or lockmgr_monotonic() - head.since >= handoff_after:",
       "        if head.mode == READ or table.fair or entry.owner == head.token:",
@@ -260,7 +260,7 @@ MUTANTS: list[Mutant] = [
       "    if node.mode == WRITE:\n        while hold is not NULL:",
       "    if False:\n        while hold is not NULL:",
       "deadlock search ignores the readers a writer waits for"),
-    m("core-stripe-fold", STRUCTS,
+    m("core-stripe-fold", STATE,
       "    return <size_t>(mixed ^ (mixed >> 32))",
       "    return <size_t>(mixed ^ (mixed >> 31))",
       "keys map onto other stripes than the documented function"),

@@ -55,7 +55,7 @@ process-directed one, such as a terminal's Ctrl-C, while the main thread is in a
 still has its handler run on the main thread at its next check point, inside the section
 (measured: within a millisecond on 3.11-3.13), and where ``pthread_sigmask`` does not exist
 (Windows) nothing is blocked; an exception there stops that section's changes where they
-got to. The README's "When things go wrong" states this.
+got to. The docs' "When things go wrong" (docs/semantics.md) state this.
 
 Lock ordering: there is one mutex, and nothing that blocks is ever called while it is held
 (posting a wakeup lock does not block). A thread that finds it taken yields the GIL and
@@ -2168,7 +2168,7 @@ class LockManager(_Engine, Generic[K]):
 
     @property
     def fair(self) -> bool:
-        """True for strict FIFO hand-off, False for eventual fairness (see the README)."""
+        """True for strict FIFO hand-off, False for eventual fairness (see docs/semantics.md)."""
         return self._fair
 
     @property

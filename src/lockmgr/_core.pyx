@@ -41,7 +41,7 @@ Every operation is written in three steps:
 Exact ``str``, ``bytes``, ``int`` and tuples of them compare inside a section
 (``lockmgr_key_equal``: plain C reads of immutable objects, no Python code, cannot fail).
 
-Who guards what (each field in ``core/structs.pxi`` names its guard): an entry's state, and
+Who guards what (each field in ``_core.pxd`` names its guard): an entry's state, and
 its shard's buckets and counters, by the shard's mutex; queues, requests, the wait-for graph,
 ``Table.waiting`` and the list of live tables by ``engine_mutex``; a token's lists of holds
 by its own thread, which alone writes them, except that a grant made while it waits (when
@@ -81,11 +81,15 @@ operations of a ``PyMutex`` pair, which the uncontended path pays for). Rules:
 
 Files
 -----
-This file is the module's root: these rules, the imports and the C shim. The rest is
-included from ``core/``: ``structs.pxi`` (every structure, each field with who writes it under
-which guard), ``table.pxi`` and ``operations.pxi`` (the sections), ``runtime.pxi`` (the mutex,
-finish, lookups, tokens, thread exit, fork), ``engine.pxi`` (prepare/section/finish for every
-operation, and the engine class) and ``managers.pxi`` (the public classes).
+This file is the module's root: these rules and the imports. ``_core.pxd`` declares every
+structure (each field with who writes it under which guard) and the C shim, whose code is in
+real headers in ``_c/``: ``lockmgr_platform.h`` (versions, builds, the clock),
+``lockmgr_locks.h`` (the two kinds of mutex) and ``lockmgr_keys.h`` (hashing, and comparing
+keys without Python code). The rest is included from ``_c/``: ``state.pxi`` (the module
+state), ``table.pxi`` and ``operations.pxi`` (the sections), ``runtime.pxi`` (the mutex,
+finish, lookups, tokens, thread exit, fork), ``tasks.pxi`` (asyncio tasks' tokens and waits),
+``engine.pxi`` (prepare/section/finish for every operation, and the engine class) and
+``managers.pxi`` (the public classes).
 
 Waiting
 -------
@@ -98,7 +102,7 @@ changed before it saw the post waits for the post, which is at most a finish awa
 waiter re-reads its state in a section after every wake-up and runs signal handlers (and,
 on 3.12+, the garbage collector) only while it is still waiting. Code that runs there may
 use any manager, with one rule: it may not start a second wait (NestedWaitError); see the
-README's "When things go wrong".
+docs' "When things go wrong" (docs/semantics.md).
 
 Seeing contention
 -----------------
@@ -110,11 +114,11 @@ the table grew); a hot key evicted in a section is dropped by its finish; record
 and logging run in ``lockmgr._observe`` after the section. Wait observers (lockmgr.otel) are
 read and replaced under ``engine_mutex`` (a reference taken, nothing else). The hot-key
 slots are C references the manager types' ``tp_traverse``/``tp_clear`` show to the garbage
-collector (``core/managers.pxi``), which runs while no section can be under way.
+collector (``_c/managers.pxi``), which runs while no section can be under way.
 
 Tasks
 -----
-An asyncio task that uses an ``aio`` view gets a token of its own (``core/tasks.pxi``): its
+An asyncio task that uses an ``aio`` view gets a token of its own (``_c/tasks.pxi``): its
 "thread" is the one running its loop, where it always runs, so the rules above hold for it
 unchanged. Its request lives in a ``_TaskWait`` object instead of a C stack frame, and its
 wake-up is a ``Waker`` (``lockmgr._common``) rather than a lock: a waking section takes a
@@ -222,198 +226,12 @@ cdef extern from "Python.h":
         traverseproc tp_traverse
         inquiry tp_clear
 
-cdef extern from *:
-    """
-    #if PY_VERSION_HEX >= 0x030D0000
-    #  define lockmgr_is_finalizing() Py_IsFinalizing()
-    #else
-    #  define lockmgr_is_finalizing() _Py_IsFinalizing()
-    #endif
-
-    #if defined(_WIN32)
-    #  ifndef WIN32_LEAN_AND_MEAN
-    #    define WIN32_LEAN_AND_MEAN
-    #  endif
-    #  include <windows.h>
-    #endif
-
-    /* A shard's mutex: a one-byte lock, taken by an atomic exchange and given back by a
-       plain release store (half the atomic read-modify-writes of a PyMutex pair, which
-       is what the uncontended path pays for). Its holders run a few hundred instructions
-       and never block, detach or need the GIL, so a waiter spins, yielding its core when
-       the holder was preempted; with a GIL it is never contended (no section releases it). */
-    typedef struct { char locked; } lockmgr_spinlock;
-    #if defined(_MSC_VER)
-    #  include <intrin.h>
-    #  define LOCKMGR_SPIN_XCHG(p) _InterlockedExchange8((p), 1)
-    #  define LOCKMGR_SPIN_PEEK(p) (*(volatile char *)(p))
-    #  define LOCKMGR_SPIN_PAUSE() YieldProcessor()
-    #  define LOCKMGR_SPIN_YIELD() SwitchToThread()
-    #  define lockmgr_spin_unlock(m) ((void)_InterlockedExchange8(&(m)->locked, 0))
-    #else
-    #  include <sched.h>
-    #  define LOCKMGR_SPIN_XCHG(p) __atomic_exchange_n((p), 1, __ATOMIC_ACQUIRE)
-    #  define LOCKMGR_SPIN_PEEK(p) __atomic_load_n((p), __ATOMIC_RELAXED)
-    #  if defined(__x86_64__) || defined(__i386__)
-    #    define LOCKMGR_SPIN_PAUSE() __builtin_ia32_pause()
-    #  elif defined(__aarch64__)
-    #    define LOCKMGR_SPIN_PAUSE() __asm__ __volatile__("yield")
-    #  else
-    #    define LOCKMGR_SPIN_PAUSE() ((void)0)
-    #  endif
-    #  define LOCKMGR_SPIN_YIELD() sched_yield()
-    #  define lockmgr_spin_unlock(m) __atomic_store_n(&(m)->locked, 0, __ATOMIC_RELEASE)
-    #endif
-    static void lockmgr_spin_wait(lockmgr_spinlock *m) {
-        int spins;
-        do {
-            for (spins = 0; spins < 100 && LOCKMGR_SPIN_PEEK(&m->locked); spins++)
-                LOCKMGR_SPIN_PAUSE();
-            if (LOCKMGR_SPIN_PEEK(&m->locked))
-                LOCKMGR_SPIN_YIELD();
-        } while (LOCKMGR_SPIN_XCHG(&m->locked));
-    }
-    static inline void lockmgr_spin_lock(lockmgr_spinlock *m) {
-        if (LOCKMGR_SPIN_XCHG(&m->locked))
-            lockmgr_spin_wait(m);
-    }
-    #define lockmgr_spin_forget(m) ((m)->locked = 0)
-
-    /* The engine mutex: PyMutex where CPython has it (3.13+, and every free-threaded
-       build), else the lock above, whose waiters release the GIL while they wait (rule 2).
-       Taken only with the GIL held (attached thread state). */
-    #if PY_VERSION_HEX >= 0x030D0000
-    typedef PyMutex lockmgr_mutex;
-    #  define lockmgr_mutex_lock(m) PyMutex_Lock(m)
-    #  define lockmgr_mutex_unlock(m) PyMutex_Unlock(m)
-    #else
-    typedef lockmgr_spinlock lockmgr_mutex;
-    static void lockmgr_mutex_lock(lockmgr_mutex *m) {
-        if (!LOCKMGR_SPIN_XCHG(&m->locked)) return;
-        Py_BEGIN_ALLOW_THREADS
-        lockmgr_spin_wait(m);
-        Py_END_ALLOW_THREADS
-    }
-    #  define lockmgr_mutex_unlock(m) lockmgr_spin_unlock(m)
-    #endif
-    #define lockmgr_mutex_forget(m) memset((m), 0, sizeof(lockmgr_mutex))
-
-    /* hash(key), reading a str's cached hash without a call (the common key). */
-    static inline Py_hash_t lockmgr_hash(PyObject *key) {
-        Py_hash_t cached;
-        if (PyUnicode_CheckExact(key)) {
-    #if PY_VERSION_HEX >= 0x030D0000
-            cached = _Py_atomic_load_ssize_relaxed(&((PyASCIIObject *)key)->hash);
-    #else
-            cached = ((PyASCIIObject *)key)->hash;
-    #endif
-            if (cached != -1) return cached;
-        }
-        return PyObject_Hash(key);
-    }
-
-    /* A word read by a thread that may not take the mutex while another writes it. */
-    #if PY_VERSION_HEX >= 0x030D0000
-    #  define lockmgr_load_ssize(p) _Py_atomic_load_ssize_relaxed(p)
-    #  define lockmgr_store_ssize(p, v) _Py_atomic_store_ssize_relaxed((p), (v))
-    #else  /* a GIL orders every access */
-    #  define lockmgr_load_ssize(p) (*(p))
-    #  define lockmgr_store_ssize(p, v) (*(p) = (v))
-    #endif
-    #ifdef Py_GIL_DISABLED
-    #  define LOCKMGR_FREE_THREADED 1
-    #else
-    #  define LOCKMGR_FREE_THREADED 0
-    #endif
-
-    /* The platform shim: a monotonic clock in seconds (time.monotonic()'s clock). */
-    #if defined(_WIN32)
-    static double lockmgr_monotonic(void) {
-        LARGE_INTEGER frequency, now;  /* the frequency is fixed at boot */
-        QueryPerformanceFrequency(&frequency);
-        QueryPerformanceCounter(&now);
-        return (double)now.QuadPart / (double)frequency.QuadPart;
-    }
-    #else
-    #  include <time.h>
-    static double lockmgr_monotonic(void) {
-        struct timespec now;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
-    }
-    #endif
-
-    /* Key equality without Python code: 1 equal, 0 unequal, -1 unknown (a type whose
-       comparison is Python code, an int too big for a long long, nesting too deep).
-       Exact str, bytes, int and tuples of them are immutable and compare by plain reads. */
-    static int lockmgr_exact(PyTypeObject *t) {
-        return t == &PyUnicode_Type || t == &PyBytes_Type || t == &PyLong_Type
-            || t == &PyTuple_Type;
-    }
-    static int lockmgr_key_equal_at(PyObject *a, PyObject *b, int depth) {
-        PyTypeObject *type = Py_TYPE(a);
-        Py_ssize_t i, n;
-        int overflow_a, overflow_b, item, unknown = 0;
-        long long value_a, value_b;
-        if (a == b) return 1;
-        if (type != Py_TYPE(b)) return lockmgr_exact(type) && lockmgr_exact(Py_TYPE(b)) ? 0 : -1;
-        if (type == &PyUnicode_Type) {
-    #if PY_VERSION_HEX < 0x030C0000
-            if (!PyUnicode_IS_READY(a) || !PyUnicode_IS_READY(b)) return -1;
-    #endif
-            n = PyUnicode_GET_LENGTH(a);
-            if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) return 0;
-            return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
-        }
-        if (type == &PyBytes_Type) {
-            n = PyBytes_GET_SIZE(a);
-            return n == PyBytes_GET_SIZE(b)
-                && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
-        }
-        if (type == &PyLong_Type) {  /* never fails for an exact int: overflow is reported */
-            value_a = PyLong_AsLongLongAndOverflow(a, &overflow_a);
-            value_b = PyLong_AsLongLongAndOverflow(b, &overflow_b);
-            if (overflow_a || overflow_b) return -1;
-            return value_a == value_b;
-        }
-        if (type == &PyTuple_Type && depth < 16) {
-            n = PyTuple_GET_SIZE(a);
-            if (n != PyTuple_GET_SIZE(b)) return 0;
-            for (i = 0; i < n; i++) {
-                item = lockmgr_key_equal_at(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i), depth + 1);
-                if (item == 0) return unknown ? -1 : 0;  /* Python compares in order */
-                if (item < 0) unknown = 1;
-            }
-            return unknown ? -1 : 1;
-        }
-        return -1;
-    }
-    #define lockmgr_key_equal(a, b) lockmgr_key_equal_at((a), (b), 0)
-    """
-    ctypedef struct lockmgr_mutex:
-        pass
-    # nogil: sections take shard mutexes (``touch``); see rule 1 for why they may
-    void lockmgr_mutex_lock(lockmgr_mutex *m) nogil
-    void lockmgr_mutex_unlock(lockmgr_mutex *m) nogil
-    void lockmgr_mutex_forget(lockmgr_mutex *m) nogil
-    Py_hash_t lockmgr_hash(object key) except? -1
-    ctypedef struct lockmgr_spinlock:
-        pass
-    void lockmgr_spin_lock(lockmgr_spinlock *m) nogil
-    void lockmgr_spin_unlock(lockmgr_spinlock *m) nogil
-    void lockmgr_spin_forget(lockmgr_spinlock *m) nogil
-    Py_ssize_t lockmgr_load_ssize(Py_ssize_t *p) nogil
-    void lockmgr_store_ssize(Py_ssize_t *p, Py_ssize_t value) nogil
-    int lockmgr_is_finalizing()
-    const bint LOCKMGR_FREE_THREADED
-    double lockmgr_monotonic() nogil
-    int lockmgr_key_equal(PyObject *a, PyObject *b) nogil
 
 
-include "core/structs.pxi"
-include "core/table.pxi"
-include "core/operations.pxi"
-include "core/runtime.pxi"
-include "core/tasks.pxi"
-include "core/engine.pxi"
-include "core/managers.pxi"
+include "_c/state.pxi"
+include "_c/table.pxi"
+include "_c/operations.pxi"
+include "_c/runtime.pxi"
+include "_c/tasks.pxi"
+include "_c/engine.pxi"
+include "_c/managers.pxi"

@@ -1,5 +1,37 @@
-# lockmgr._core: the C structures, each field with its writer and guard, and the module state.
-# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
+# lockmgr._core's declarations: the C shim it calls (the .h files in _c/) and the C
+# structures, each field with its writer and guard. The rules these follow are in _core.pyx's
+# docstring; the module state and the code are in _c/*.pxi, included by _core.pyx.
+
+from cpython.object cimport PyObject
+from cpython.pythread cimport PyThread_type_lock
+
+
+cdef extern from "_c/lockmgr_platform.h":
+    int lockmgr_is_finalizing()
+    const bint LOCKMGR_FREE_THREADED
+    double lockmgr_monotonic() nogil
+    Py_ssize_t lockmgr_load_ssize(Py_ssize_t *p) nogil
+    void lockmgr_store_ssize(Py_ssize_t *p, Py_ssize_t value) nogil
+
+
+cdef extern from "_c/lockmgr_locks.h":
+    ctypedef struct lockmgr_spinlock:
+        pass
+    void lockmgr_spin_lock(lockmgr_spinlock *m) nogil
+    void lockmgr_spin_unlock(lockmgr_spinlock *m) nogil
+    void lockmgr_spin_forget(lockmgr_spinlock *m) nogil
+    ctypedef struct lockmgr_mutex:
+        pass
+    # nogil: sections take shard mutexes (``touch``); see rule 1 for why they may
+    void lockmgr_mutex_lock(lockmgr_mutex *m) nogil
+    void lockmgr_mutex_unlock(lockmgr_mutex *m) nogil
+    void lockmgr_mutex_forget(lockmgr_mutex *m) nogil
+
+
+cdef extern from "_c/lockmgr_keys.h":
+    Py_hash_t lockmgr_hash(object key) except? -1
+    int lockmgr_key_equal(PyObject *a, PyObject *b) nogil
+
 
 cdef enum RequestState:
     WAITING = 0  # queued, asleep or about to sleep
@@ -240,53 +272,3 @@ cdef enum:
     MIN_BUCKETS = 8   # a shard never shrinks below this
     SHARD_BYTES = 128 # a shard's stride: two cache lines (adjacent-line prefetch)
 
-cdef double handoff_after = HANDOFF_AFTER
-cdef double wait_slice = MAIN_THREAD_SLICE
-cdef object FOREVER = -1  # the default timeout object, so the fast path can test identity
-
-cdef lockmgr_mutex engine_mutex           # see the module docstring
-cdef Py_tss_t token_key                   # per thread: its Token*, or NULL before first use
-cdef unsigned long long searches = 0      # engine: numbers deadlock searches (Token.visit)
-cdef Table *tables = NULL                 # engine: every live table (previous/next_table)
-cdef Shard *touched_shards = NULL         # engine: the shards the engine holder has taken
-cdef PyObject *loop_thread = <PyObject*>LOOP_THREAD  # lockmgr._common keeps it alive
-cdef Token *waiting_threads = NULL        # engine: thread tokens waiting in a synchronous
-                                          # acquire (Token.waiting_next); tasks follow their
-                                          # loop's thread through it in a deadlock search
-cdef size_t shard_count = 1               # shards per new table; set once at import
-cdef Py_ssize_t forking_pid = 0           # atomic: between os.fork()'s hooks, the parent's pid
-cdef long process_pid = os.getpid()       # this process's; a forked child's after-fork hook
-                                          # sets it (GIL or stopped world); tasks.pxi reads it
-cdef double histogram_bounds[HISTOGRAM_BUCKETS - 1]  # lockmgr._observe.HISTOGRAM_BOUNDS
-if len(HISTOGRAM_BOUNDS) != HISTOGRAM_BUCKETS - 1 or HOT_KEY_SLOTS_SHARED != HOT_KEY_SLOTS:
-    raise ImportError("lockmgr._core was built for other histogram bounds or hot-key slots")
-for _bucket, _bound in enumerate(HISTOGRAM_BOUNDS):
-    histogram_bounds[_bucket] = _bound
-memset(&engine_mutex, 0, sizeof(engine_mutex))
-if sizeof(Shard) > SHARD_BYTES:
-    raise ImportError("lockmgr._core: a Shard does not fit SHARD_BYTES on this platform")
-shard_count = shards_per_table(os.environ.get("LOCKMGR_SHARDS"), LOCKMGR_FREE_THREADED)
-if PyThread_tss_create(&token_key) != 0:
-    raise MemoryError("cannot create the thread-specific key for lockmgr tokens")
-
-
-cdef inline size_t spread(Py_hash_t h) noexcept nogil:
-    """Mix a hash so its low bits depend on all of it (lockmgr._common.stripe_index)."""
-    cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
-    return <size_t>(mixed ^ (mixed >> 32))
-
-
-cdef inline Shard* shard_for(Table *table, Py_hash_t h) noexcept nogil:
-    """The shard a hash belongs to: the top bits of the mixed hash (buckets use the low)."""
-    cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
-    return <Shard*>(<char*>table.shards + ((mixed >> 48) & table.shard_mask) * SHARD_BYTES)
-
-
-cdef struct Peek:
-    bint found           # the key has an entry
-    unsigned long owner  # the write holder's ident (0: none)
-    Py_ssize_t count     # the write holder's level
-    bint mine            # the caller is the write holder
-    bint task            # the write holder is a task (``owner`` is its id())
-    Py_ssize_t readers   # read holds
-    Py_ssize_t my_reads  # the caller's read level
