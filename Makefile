@@ -1,8 +1,13 @@
 # Shortcuts; the README's commands are the reference.
-.PHONY: test bench docs wheel memcheck free-threaded-python tsan
+.PHONY: test typecheck bench docs wheel memcheck free-threaded-python tsan
 
 test:
 	bash scripts/test-servers.sh && python3 -m pip install -e '.[test]' && python3 -m pytest -n auto
+
+# mypy --strict on the package, as pyproject's [tool.mypy] sets it (src/lockmgr): the pure
+# twin against the engine contract (lockmgr._contract) included. One run, a few seconds.
+typecheck:
+	python3 -m pip install -e '.[test]' && python3 -m mypy --no-incremental
 
 bench:
 	python3 -m pip install . && python3 -m lockmgr.bench --quick

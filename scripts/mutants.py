@@ -7,8 +7,9 @@ occur exactly once in the file; a mutant whose snippet is missing (the engine wa
 or ambiguous is reported as such and counts against the run (exit status 1), never skipped
 silently. Each mutant runs in its own temporary copy of the tree:
 
-- pure-twin mutants (``src/lockmgr/_pure.py``, ``src/lockmgr/_common.py``) run the suite with
-  ``--no-c-extensions`` and ``PYTHONPATH`` pointing at the copy's ``src`` (fast);
+- pure-twin mutants (``src/lockmgr/_pure.py``, ``src/lockmgr/_args.py``,
+  ``src/lockmgr/_views.py``) run the suite with ``--no-c-extensions`` and ``PYTHONPATH``
+  pointing at the copy's ``src`` (fast);
 - compiled-core mutants (``src/lockmgr/_core.pyx``, ``src/lockmgr/_c/*.pxi``) are built in place in the copy
   (``setup.py build_ext --inplace``, needs Cython and setuptools>=77 in the running
   interpreter: ``pip install -e '.[test]' 'Cython>=3.0.10,<3.4' 'setuptools>=77'``), then the
@@ -43,7 +44,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PURE = "src/lockmgr/_pure.py"
-COMMON = "src/lockmgr/_common.py"
+ARGS = "src/lockmgr/_args.py"
+VIEWS = "src/lockmgr/_views.py"
 CORE = "src/lockmgr/_core.pyx"
 STATE = "src/lockmgr/_c/state.pxi"
 TABLE = "src/lockmgr/_c/table.pxi"
@@ -199,11 +201,11 @@ MUTANTS: list[Mutant] = [
       "            remaining = _WAIT_SLICE\n",
       "            remaining = -1.0 if deadline is None else _WAIT_SLICE\n",
       "a waiter with no timeout sleeps without slices: Ctrl-C waits for the key"),
-    m("common-stripe-fold", COMMON,
+    m("common-stripe-fold", ARGS,
       "return (mixed ^ (mixed >> 32)) & (count - 1)",
       "return (mixed ^ (mixed >> 31)) & (count - 1)",
       "stripe_index folds at the wrong bit (keys map to other stripes)"),
-    m("common-synchronized-drops-kwargs", COMMON,
+    m("common-synchronized-drops-kwargs", VIEWS,
       "with manager.hold(key_func(*args, **kwargs)):",
       "with manager.hold(key_func(*args)):",
       "synchronized does not pass keyword arguments to key_func"),

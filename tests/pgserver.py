@@ -48,7 +48,7 @@ def _import_psycopg() -> ModuleType:
 psycopg = _import_psycopg()
 from psycopg.conninfo import conninfo_to_dict  # noqa: E402
 
-from lockmgr.bench import sigterm_interrupts  # noqa: E402
+from lockmgr._signals import sigterm_interrupts  # noqa: E402
 
 
 def missing_server(binary: str, package: str) -> NoReturn:

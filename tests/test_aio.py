@@ -24,7 +24,7 @@ from lockmgr import (
     LockTimeout,
     NotOwnedError,
 )
-from lockmgr._common import LOOP_THREAD
+from lockmgr._owners import LOOP_THREAD
 
 
 def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:

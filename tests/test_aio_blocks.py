@@ -42,7 +42,7 @@ from conftest import (
     held_by_another_task,
 )
 from lockmgr import AsyncRWLockManager, NotOwnedError
-from lockmgr._common import block_in_use, not_entered
+from lockmgr._errors import block_in_use, not_entered
 from test_aio import run, until
 
 #: What the RuntimeError of an entry says when the object is another task's.

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import PATIENCE
 from test_aio import until
-from lockmgr import _aio, _common
+from lockmgr import _aio, _owners
 
 # A thread (the loop's own) holds a key whose __eq__ raises; a task asks for another key
 # of the same hash, so the engine must compare them, and the comparison raises. The task
@@ -93,7 +93,7 @@ def test_a_key_comparison_raising_while_a_task_asks_leaves_no_wait_behind(impl, 
 # -- a grant at every point of a wait ----------------------------------------------------
 
 #: The Python code a waiting task runs (the compiled core's wait runs the same coroutine).
-WAIT_CODE = {_aio._wait_for_grant.__code__, _common.Waker.sleep.__code__}
+WAIT_CODE = {_aio._wait_for_grant.__code__, _owners.Waker.sleep.__code__}
 
 
 class _ReleaseAtStep:

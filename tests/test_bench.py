@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from lockmgr import _pure, bench
+from lockmgr.bench import _asyncio, _measure, _output, _threads
 
 
 @pytest.mark.parametrize(("order", "expected"), [
     ([], 0), ([0, 1, 2, 3], 0), ([1, 0], 1), ([3, 2, 1, 0], 3), ([0, 2, 3, 1, 4], 2),
 ])
 def test_max_overtaken_counts_later_tickets_granted_first(order: list[int], expected: int) -> None:
-    assert bench.max_overtaken(order) == expected
+    assert _threads.max_overtaken(order) == expected
 
 
 @pytest.mark.compiled
@@ -77,8 +78,8 @@ def test_scaling_runs_one_two_and_cores_threads_and_reports_the_gil(
     report = json.loads(out.read_text())
     about = report["machine"]
     assert isinstance(about["gil_enabled"], bool) and isinstance(about["free_threaded_build"], bool)
-    assert about["gil_enabled"] == bench.gil_enabled()
-    counts = bench.scaling_threads()
+    assert about["gil_enabled"] == _measure.gil_enabled()
+    counts = _threads.scaling_threads()
     assert counts[:2] == [1, 2]
     metrics = {(row["impl"], row["metric"]): row for row in report["results"]}
     for impl in ("lockmgr-pure", "threading.RLock"):
@@ -128,13 +129,13 @@ def test_asyncio_scenarios_measure_lockmgr(tmp_path: Path) -> None:
             for row in json.loads(out.read_text())["results"]}
     assert rows["asyncio-hot-key", "lockmgr", "max-overtaken"] == 0
     assert rows["asyncio-many-keys", "lockmgr", "not-exclusive"] == 0
-    metric = f"residue-after-{bench.ASYNC_MEMORY_KEYS}-keys"
+    metric = f"residue-after-{_asyncio.ASYNC_MEMORY_KEYS}-keys"
     assert rows["asyncio-memory", "lockmgr", metric] < 64 * 1024
-    assert rows["asyncio-memory", "dict-of-asyncio-locks", metric] > 100 * bench.ASYNC_MEMORY_KEYS
+    assert rows["asyncio-memory", "dict-of-asyncio-locks", metric] > 100 * _asyncio.ASYNC_MEMORY_KEYS
 
 
-def _results(*rows: tuple[str, str, str, float, str]) -> bench.Results:
-    results = bench.Results()
+def _results(*rows: tuple[str, str, str, float, str]) -> _measure.Results:
+    results = _measure.Results()
     for row in rows:
         results.add(*row)
     return results
@@ -152,13 +153,13 @@ def test_panels_drop_empty_metrics_and_log_scale_wide_ones() -> None:
         ("asyncio-uncontended", "lockmgr", "with-block", 500.0, "ns"),
         ("asyncio-uncontended", "asyncio.Lock", "with-block", 600.0, "ns"),
     )
-    found = bench.panels(results, ["lockmgr", "lockmgr-pure", "threading.Lock", "asyncio.Lock"])
+    found = _output.panels(results, ["lockmgr", "lockmgr-pure", "threading.Lock", "asyncio.Lock"])
     assert [(panel.scenario, panel.log) for panel in found] == [
         ("uncontended", True), ("hot-key", False), ("asyncio-uncontended", False)]
     assert found[0].title == "uncontended: acquire+release (lower is better)"
     assert found[1].title == "hot-key: throughput (higher is better)"
     assert list(found[0].values) == ["lockmgr", "lockmgr-pure", "threading.Lock"]
-    summary = {panel.scenario: ratios for panel, ratios in bench.ratios(found)}
+    summary = {panel.scenario: ratios for panel, ratios in _output.ratios(found)}
     assert summary["uncontended"] == {"lockmgr": 1.6, "lockmgr-pure": 180.0}
     assert summary["hot-key"] == {"lockmgr": 2.0}
     assert summary["asyncio-uncontended"] == {"lockmgr": 500.0 / 600.0}  # to asyncio.Lock
@@ -181,14 +182,14 @@ def test_ratios_and_the_plot_take_zeros_wherever_they_are(tmp_path: Path) -> Non
         ("many-keys", "threading.Lock", "not-exclusive", 0.0, "times"),
     )
     impls = ["lockmgr", "lockmgr-unfair", "lockmgr-pure", "threading.Lock", "asyncio.Lock"]
-    found = bench.panels(results, impls)
+    found = _output.panels(results, impls)
     assert [panel.scenario for panel in found] == ["asyncio-hot-key", "fairness", "uncontended"]
-    summary = {panel.scenario: ratios for panel, ratios in bench.ratios(found)}
+    summary = {panel.scenario: ratios for panel, ratios in _output.ratios(found)}
     assert summary == {"uncontended": {"lockmgr-pure": 180.0}}
     if importlib.util.find_spec("matplotlib") is None:  # free-threaded builds: no wheel
         return
     picture = tmp_path / "zeros.png"
-    bench.plot(results, impls, str(picture))
+    _output.plot(results, impls, str(picture))
     assert picture.stat().st_size > 0
 
 
@@ -207,8 +208,8 @@ def test_contention_report_draws_or_needs_matplotlib(tmp_path: Path,
 
 
 def test_the_contention_runs_measure_waits() -> None:
-    measured = bench.contention_runs(
-        _pure.LockManager, bench.Settings(quick=True, threads=2, keys=20))
+    measured = _output.contention_runs(
+        _pure.LockManager, _measure.Settings(quick=True, threads=2, keys=20))
     hot = measured["hot-key"]
     assert hot.contended > 0 and hot.wait_time.count == hot.contended
     assert hot.hot_keys[0].key == "hot"
@@ -216,16 +217,16 @@ def test_the_contention_runs_measure_waits() -> None:
 
 
 def test_a_contention_report_where_nothing_waited(tmp_path: Path) -> None:
-    measured = bench.contention_runs(_pure.LockManager, bench.Settings(quick=True, threads=1, keys=5))
-    assert list(bench.report_lines(measured)) == [
+    measured = _output.contention_runs(_pure.LockManager, _measure.Settings(quick=True, threads=1, keys=5))
+    assert list(_output.report_lines(measured)) == [
         f"{run}: {metrics.acquisitions:,} acquisitions, none waited"
         for run, metrics in measured.items()]
     picture = tmp_path / "report.png"
     if importlib.util.find_spec("matplotlib") is None:  # free-threaded builds: no wheel
         with pytest.raises(ModuleNotFoundError):
-            bench.contention_report(measured, str(picture))
+            _output.contention_report(measured, str(picture))
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no empty log-scaled panel, no empty legend
-        bench.contention_report(measured, str(picture))
+        _output.contention_report(measured, str(picture))
     assert picture.stat().st_size > 0

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import PATIENCE, abandoned_warnings, wait_until
-from lockmgr._common import HANDOFF_AFTER
+from lockmgr._tuning import HANDOFF_AFTER
 
 
 def run_threads(count: int, target, *args) -> None:  # type: ignore[no-untyped-def]

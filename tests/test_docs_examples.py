@@ -114,14 +114,14 @@ def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleTy
     for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
     try:
-        postgres = importlib.import_module("lockmgr.postgres")
+        managers = importlib.import_module("lockmgr.postgres._managers")
     except ImportError:
         # psycopg cannot load libpq (plain psycopg on a wheel runner): only the examples
         # that need PostgreSQL use lockmgr.postgres, and pg_dsn skips those, naming what is
         # missing (an error where LOCKMGR_REQUIRE_SERVERS=1); the others run.
         return impl
-    monkeypatch.setattr(postgres, "LockManager", impl.LockManager)
-    monkeypatch.setattr(postgres, "RWLockManager", impl.RWLockManager)
+    monkeypatch.setattr(managers, "LockManager", impl.LockManager)
+    monkeypatch.setattr(managers, "RWLockManager", impl.RWLockManager)
     return impl
 
 

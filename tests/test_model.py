@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import Call, Worker, wait_until
 from lockmgr import DeadlockError, NotOwnedError
-from lockmgr._common import READ, WRITE
+from lockmgr._args import READ, WRITE
 
 THREADS = 3
 KEYS = ("a", "b", 3)

@@ -9,7 +9,6 @@ import contextlib
 import functools
 import gc
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -25,28 +24,20 @@ import psycopg
 from conftest import PATIENCE, Delegating, block_records, wait_until
 from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout, NotOwnedError,
                      postgres)
-from lockmgr._pg_aio import _AsyncLink
-from test_postgres import (  # noqa: F401  (fixtures: pytest finds them by name here)
-    _waiting_on_server,
-    children_reaped,
-    child,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
+from lockmgr.postgres._aio_link import _AsyncLink
+from lockmgr.postgres._session import _Session
+from lockmgr.postgres._sql import _GRANTED_ADVISORY
+from pg_support import (
+    HOLDER, child, expect, finish, held_on_server, own_sessions_locks, quietly_collect, run,
+    strand_a_holder, terminate_holder, until, _waiting_on_server,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 @pytest.fixture
-def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # noqa: F811
-    manager: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    yield manager
-    manager.close()
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 @pytest.fixture
@@ -54,27 +45,6 @@ def rwlocks(engine, dsn, namespace) -> Iterator[postgres.PgRWLockManager[Any]]: 
     manager: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
     yield manager
     manager.close()
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Let the loop run until ``condition`` (a real state) holds."""
-    deadline = time.monotonic() + PATIENCE
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.002)
-
-
-def run(main: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(main(), PATIENCE * 3))
-
-
-HOLDER = """
-locks.acquire("k")
-say(held=True)
-sys.stdin.readline()
-locks.release("k")
-"""
 
 
 def test_a_task_acquires_reentrantly_and_only_the_owner_releases(locks, dsn) -> None:
@@ -503,10 +473,10 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
     """As for threads (test_postgres): an exception raised by a signal handler after the
     dead connection was taken from the task's session but before its keys were moved to
     ``lost``: the task's next call finishes the loss."""
-    real_lose_levels = postgres._Session.lose_levels
+    real_lose_levels = _Session.lose_levels
 
-    def interrupted(session: postgres._Session) -> None:
-        monkeypatch.setattr(postgres._Session, "lose_levels", real_lose_levels)
+    def interrupted(session: _Session) -> None:
+        monkeypatch.setattr(_Session, "lose_levels", real_lose_levels)
         raise KeyboardInterrupt  # where a signal handler's may land
 
     async def main() -> None:
@@ -514,7 +484,7 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
         await aio.acquire("k")
         await aio.acquire("j")
         await asyncio.to_thread(terminate_holder, dsn, locks, "k")
-        monkeypatch.setattr(postgres._Session, "lose_levels", interrupted)
+        monkeypatch.setattr(_Session, "lose_levels", interrupted)
         with pytest.raises(KeyboardInterrupt):
             await aio.release("k")  # finds the connection dead
         assert not aio.owned("k") and not aio.owned("j")  # j: its connection is gone
@@ -543,46 +513,6 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
 # (RuntimeError), with nothing taken.
 
 
-def quietly_collect() -> list[str]:
-    """Collect the garbage (stranded tasks whose last reference the caller dropped); what
-    their coroutines' finalization raised (sys.unraisablehook) is returned, not printed."""
-    raised: list[str] = []
-    previous = sys.unraisablehook
-    sys.unraisablehook = lambda info: raised.append(repr(info.exc_value))
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = previous
-    return raised
-
-
-def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
-                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
-                    ) -> asyncio.Task[None]:
-    """A task holding ``key`` (in process and on the server) whose loop is closed while it
-    is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
-    It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
-    ``locks.aio[key]``: one object, which other tasks may use too)."""
-    loop = asyncio.new_event_loop()
-
-    async def until_held() -> asyncio.Task[None]:
-        started = asyncio.Event()
-
-        async def holds() -> None:
-            async with locks.aio.hold(key) if lock is None else lock:
-                started.set()
-                await asyncio.sleep(3600)
-
-        task = asyncio.create_task(holds())
-        await started.wait()
-        return task
-
-    try:
-        return loop.run_until_complete(asyncio.wait_for(until_held(), PATIENCE))
-    finally:
-        loop.close()
-
-
 def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:
     """The manager's next call ends the tasks stranded on closed loops (their connections
     closed, their keys released in process with an AbandonedLockWarning)."""
@@ -593,7 +523,7 @@ def sweep_stranded(locks: postgres.PgLockManager[Any]) -> None:
 def server_holders(dsn: str, manager: Any, key: object) -> int:  # noqa: F811
     """How many server sessions hold ``key`` (a read is held by each reader's session)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT count(*) FROM {postgres._GRANTED_ADVISORY} %s",
+        row = conn.execute(f"SELECT count(*) FROM {_GRANTED_ADVISORY} %s",
                            (manager.advisory_key(key),)).fetchone()
     return int(row[0]) if row else 0
 

@@ -19,34 +19,17 @@ import psycopg
 
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning, LockLost, postgres
-from lockmgr._pg_aio import _AsyncLink
-from test_pg_aio import HOLDER, locks, run, until  # noqa: F401
-from test_postgres import (  # noqa: F401
+from pg_support import (
+    HOLDER, child, expect, finish, held_on_server, run, slow_abort, terminate_holder, until,
     _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
 )
 
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
-def slow_abort(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """A clean-up that takes ``seconds`` longer (as over a slow network): only widens the
-    window in which the other cancellations land, changes nothing else."""
-    original = _AsyncLink.abort
 
-    async def abort(self: _AsyncLink) -> None:
-        await asyncio.sleep(seconds)
-        await original(self)
-
-    monkeypatch.setattr(_AsyncLink, "abort", abort)
+@pytest.fixture
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 def test_release_all_cancelled_during_a_clean_up_leaves_a_server_lock_on_an_idle_link(
@@ -446,7 +429,7 @@ def test_a_loop_closed_with_a_task_waiting_on_the_server_leaves_a_zombie_session
 
 INTERRUPTED = """
 import asyncio
-from lockmgr._pg_aio import _AsyncLink
+from lockmgr.postgres._aio_link import _AsyncLink
 original = _AsyncLink.abort
 async def slow_abort(self):  # a clean-up over a slow network
     await asyncio.sleep(1.0)

@@ -26,20 +26,14 @@ from lockmgr import LockError, LockLost, LockTimeout, NotOwnedError
 
 import psycopg
 from lockmgr import postgres
-from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
+from lockmgr.postgres._link import _Link
+from pg_support import (
+    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
     _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
 
 Manager = postgres.PgLockManager[Any]
 
@@ -152,14 +146,14 @@ def test_one_round_trip_per_first_acquire_and_last_release(
     for call in calls:  # the table made, the statements prepared
         assert call()
         fenced.release_all()
-    round_trip = postgres._Link._round_trip
+    round_trip = _Link._round_trip
     counted: list[object] = []
 
     def counting(link: Any, *args: Any) -> Any:
         counted.append(args[0])
         return round_trip(link, *args)
 
-    monkeypatch.setattr(postgres._Link, "_round_trip", counting)
+    monkeypatch.setattr(_Link, "_round_trip", counting)
     for call in calls:
         counted.clear()
         assert call()
@@ -614,7 +608,7 @@ def test_rw_tasks_fence_writes_only(make_fenced: Callable[..., Any]) -> None:
 
 def test_a_task_takes_one_round_trip_per_first_acquire_and_last_release(
         fenced: Manager, monkeypatch: pytest.MonkeyPatch) -> None:
-    from lockmgr._pg_aio import _AsyncLink
+    from lockmgr.postgres._aio_link import _AsyncLink
 
     aio = fenced.aio
     calls: list[Callable[[], Any]] = [

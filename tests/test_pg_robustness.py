@@ -22,22 +22,17 @@ import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, wait_until
 from lockmgr import AbandonedLockWarning, LockLost, postgres
-from test_pg_aio import HOLDER, locks, run, until  # noqa: F401
-from test_pg_aio_failures import slow_abort
-from test_postgres import (  # noqa: F401
-    _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-    own_sessions_locks,
-    terminate_holder,
+from pg_support import (
+    HOLDER, ScriptedWorker, child, expect, finish, held_on_server, run, slow_abort,
+    terminate_holder, until, _waiting_on_server,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
+
+@pytest.fixture
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 # -- 1. every connection now needs plpgsql ------------------------------------------------------
@@ -349,50 +344,6 @@ def test_a_closed_loops_task_frees_its_keys_in_process_too(locks, dsn) -> None: 
 # -- 5. the distributed bench: a second holder just after the pause is counted half ------------
 
 
-class ScriptedWorker:
-    """A stand-in for ``_distributed_bench.Worker`` answering from a script (no process):
-    the second one gets the key a moment after the pause ended, before the first, just
-    resumed, has written and released — as python-redis-lock's waiter does when its 2-second
-    BLPOP ends 0.5 s before the 2.5-second pause would, on a machine busy enough to make up
-    the difference (the README's own runs measured 0.50 s of margin)."""
-
-    def __init__(self, name: str, log: dict[str, Any]) -> None:
-        self.name = name
-        self.log = log
-        self.answers: list[Any] = []
-
-    def send(self, command: str, *args: Any) -> None:
-        if command == "contend":
-            self.answers.append(time.monotonic())  # its try failed: it is waiting
-
-    def answered_within(self, seconds: float) -> bool:
-        time.sleep(max(0.0, seconds))
-        return False  # it gets in only after the pause
-
-    def receive(self, limit: float = PATIENCE) -> Any:
-        if self.answers:
-            return self.answers.pop(0)
-        return self.log["second acquired"]
-
-    def call(self, command: str, *args: Any, limit: float = PATIENCE) -> Any:
-        now = time.monotonic()
-        if command == "acquire":
-            return now
-        if command == "write":
-            if self.name == "first":  # the second one acquires as the first resumes
-                self.log["second acquired"] = now - 0.001
-            return True, now
-        if command == "release":
-            return now, self.name == "second"  # the first one's lease ran out
-        raise AssertionError(command)
-
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-
 def test_the_paused_holder_rows_agree_when_the_second_holder_gets_in_late(monkeypatch) -> None:
     """paused_holder() counts "a 2nd holder got in" and "its stale write accepted" only when
     the second one answered within the pause, but "overlap" whenever it acquired before the
@@ -401,11 +352,11 @@ def test_the_paused_holder_rows_agree_when_the_second_holder_gets_in_late(monkey
     (test_bench_distributed_beside_redis_locks_and_tooz: every overlapped Redis lock had its
     stale write accepted) then fails on a busy machine, and a full run's medians (3 pauses)
     can mix the two kinds."""
-    from lockmgr import _distributed_bench
+    from lockmgr.bench import _distributed
 
-    monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
+    monkeypatch.setattr(_distributed, "PAUSE", 0.05)
     log: dict[str, Any] = {}
-    pause = _distributed_bench.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
+    pause = _distributed.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
                                              ScriptedWorker("second", log), "k")  # type: ignore[arg-type]
     overlapped = pause.overlap > 0
     assert (overlapped, pause.second_got_in, pause.stale_write_accepted) in (

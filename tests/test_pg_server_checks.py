@@ -24,16 +24,13 @@ from lockmgr import LockLost
 
 import psycopg
 from lockmgr import postgres
-from lockmgr._pg_aio import _AsyncLink
-from test_postgres import (  # noqa: F401  (dsn, engine, namespace and the autouse checks are fixtures)
-    _waiting_on_server,
-    children_reaped,
-    dsn,
-    engine,
-    held_on_server,
-    namespace,
-    nothing_left_held,
-)
+from lockmgr.postgres import _link
+from lockmgr.postgres._link import _Link
+from lockmgr.postgres._sql import _GRANTED_ADVISORY
+from lockmgr.postgres._aio_link import _AsyncLink
+from pg_support import held_on_server, run, _waiting_on_server
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 def admin(dsn: str, *statements: str) -> None:
@@ -236,7 +233,7 @@ def stopped_backend(dsn: str, manager: Any, key: object) -> Iterator[int]:
     """The backend holding ``key`` stopped (SIGSTOP: the kernel still acknowledges its
     packets, so keepalives see nothing) until the block ends; yields its pid."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s",
+        row = conn.execute(f"SELECT pid FROM {_GRANTED_ADVISORY} %s",
                            (manager.advisory_key(key),)).fetchone()
     assert row is not None
     pid = int(row[0])
@@ -311,7 +308,7 @@ def test_a_release_on_a_stopped_backend_ends_with_its_connection(
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
 
     def answer_within_half_a_second() -> None:  # once connected: setting up takes its time
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.5)
+        monkeypatch.setattr(_link, "_ANSWER_WITHIN", 0.5)
 
     async def in_task() -> None:
         await locks.aio.acquire("k")
@@ -480,7 +477,7 @@ def test_a_wait_without_a_timeout_never_returns_without_its_key(
 
     async def in_task() -> None:
         assert await locks.aio.acquire("held", timeout=PATIENCE)  # prepares nothing
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.5)
+        monkeypatch.setattr(_link, "_ANSWER_WITHIN", 0.5)
         with stopped_backend(dsn, locks, "held"):
             async with locks.aio["k"]:
                 entered.append((locks.aio.owned("k"), held_on_server(dsn, locks, "k")))
@@ -489,7 +486,7 @@ def test_a_wait_without_a_timeout_never_returns_without_its_key(
 
     if owner == "thread":
         assert locks.acquire("held", timeout=PATIENCE)
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.5)
+        monkeypatch.setattr(_link, "_ANSWER_WITHIN", 0.5)
         with stopped_backend(dsn, locks, "held"):
             with locks["k"]:
                 entered.append((locks.owned("k"), held_on_server(dsn, locks, "k")))
@@ -615,7 +612,7 @@ def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
 
 def terminate_holder_of(dsn: str, manager: Any, key: object) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f"SELECT pg_terminate_backend(pid) FROM {postgres._GRANTED_ADVISORY} %s",
+        conn.execute(f"SELECT pg_terminate_backend(pid) FROM {_GRANTED_ADVISORY} %s",
                      (manager.advisory_key(key),))
     wait_until(lambda: not held_on_server(dsn, manager, key), "the server ends the session")
 
@@ -670,7 +667,7 @@ def test_a_stale_probe_never_marks_the_connection_its_owner_moved_on_to(
     assert took_a.wait(PATIENCE)
     terminate_holder_of(dsn, locks, "a")
     probed, go = threading.Event(), threading.Event()
-    probe = postgres._Link.idle_unless_busy
+    probe = _Link.idle_unless_busy
 
     def pausing_probe(link: Any) -> bool | None:
         answer = probe(link)
@@ -679,7 +676,7 @@ def test_a_stale_probe_never_marks_the_connection_its_owner_moved_on_to(
             go.wait(PATIENCE)
         return answer
 
-    monkeypatch.setattr(postgres._Link, "idle_unless_busy", pausing_probe)
+    monkeypatch.setattr(_Link, "idle_unless_busy", pausing_probe)
     checking = checker.submit(locks.lost_keys)
     assert probed.wait(PATIENCE), "the checker found the holder's connection dead"
     may_handle.set()  # the holder handles its loss and moves on to a new connection
@@ -732,7 +729,7 @@ def test_a_fenced_wait_without_a_timeout_waits_out_a_migration_of_the_fence_tabl
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
                                                                 fencing=True)
     cancels: list[bool] = []
-    for link_class, name in ((postgres._Link, "_past_deadline"),
+    for link_class, name in ((_Link, "_past_deadline"),
                              (_AsyncLink, "_past_deadline_async")):
         original = getattr(link_class, name)
 
@@ -771,7 +768,7 @@ def test_a_fenced_wait_without_a_timeout_waits_out_a_migration_of_the_fence_tabl
     migration = psycopg.connect(dsn)
     try:
         migration.execute(f"LOCK TABLE {postgres.DEFAULT_FENCE_TABLE} IN ACCESS EXCLUSIVE MODE")
-        monkeypatch.setattr(postgres, "_ANSWER_WITHIN", 0.3)
+        monkeypatch.setattr(_link, "_ANSWER_WITHIN", 0.3)
         migrating.set()
         wait_until(lambda: len(cancels) >= 2, "the prepare is cancelled, and made again")
         assert not call.done()

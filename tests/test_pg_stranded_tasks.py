@@ -21,20 +21,17 @@ import pytest
 from conftest import PATIENCE, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import postgres
-from test_pg_aio import HOLDER, locks, quietly_collect, strand_a_holder, until  # noqa: F401
-from test_pg_aio_failures import slow_abort
-from test_postgres import (  # noqa: F401
-    _waiting_on_server,
-    child,
-    children_reaped,
-    dsn,
-    engine,
-    expect,
-    finish,
-    held_on_server,
-    namespace,
-    nothing_left_held,
+from pg_support import (
+    HOLDER, ScriptedWorker, child, expect, finish, quietly_collect, slow_abort, strand_a_holder,
+    until, _waiting_on_server,
 )
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
+
+@pytest.fixture
+def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
+    return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
 # -- 1. the sweep runs only after the in-process acquisition: the stranded key blocks forever --
@@ -244,12 +241,11 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
     means both held the key at once — the lease ran out during the pause (the pause's
     doing), the waiter's poll found it only just after. No correct lock ever shows it; a
     Redis lock whose waiter polls does, and its row now reads "no overlap"."""
-    from lockmgr import _distributed_bench
-    from test_pg_robustness import ScriptedWorker
+    from lockmgr.bench import _distributed
 
-    monkeypatch.setattr(_distributed_bench, "PAUSE", 0.05)
+    monkeypatch.setattr(_distributed, "PAUSE", 0.05)
     log: dict[str, Any] = {}
-    pause = _distributed_bench.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
+    pause = _distributed.paused_holder(ScriptedWorker("first", log),  # type: ignore[arg-type]
                                              ScriptedWorker("second", log), "k")  # type: ignore[arg-type]
     assert log["second acquired"] < time.monotonic()  # (it held "k" before the first released)
     assert pause.overlap > 0, pause
@@ -260,7 +256,7 @@ def test_a_second_holder_before_the_first_ones_release_is_an_overlap(monkeypatch
 
 BOTH_END_IT = """
 import asyncio, os, sys, threading, warnings
-from lockmgr import _common, postgres
+from lockmgr import _owners, postgres
 locks = postgres.PgLockManager(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
 g_has_lost, s_warns, g_done = threading.Event(), threading.Event(), threading.Event()
 sweeper = threading.get_ident()
@@ -277,7 +273,7 @@ def post(self):  # Waker.post as it is, with a pause where the GIL may pass to a
         if lost is not None:
             lost()
         g_done.set()
-_common.Waker.post = post
+_owners.Waker.post = post
 
 def showwarning(message, *args, **kwargs):  # AbandonedLockWarning's handlers run Python code
     print("warned:", message, flush=True)

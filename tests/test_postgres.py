@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
@@ -27,74 +26,16 @@ from lockmgr import DeadlockError, LockError, LockLost, LockTimeout, NotOwnedErr
 
 import psycopg  # part of the [test] extra: missing, the suite fails rather than skips
 from lockmgr import postgres
+from lockmgr.postgres._engine import _PgEngine
+from lockmgr.postgres._link import _Link, _poll
+from lockmgr.postgres._session import _Session
+from lockmgr.postgres._sql import _GRANTED_ADVISORY
+from pg_support import (
+    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
+    _waiting_on_server,
+)
 
-
-@pytest.fixture(scope="module")
-def dsn() -> Iterator[str]:
-    with pgserver.running_server() as running:
-        yield running
-
-
-def own_sessions_locks(dsn: str) -> int:
-    """Advisory locks held by the server sessions of this process's own connections (found
-    by their client ports: this process's sockets connected to the server's port)."""
-    server_port = int(dsn.rsplit(":", 1)[1].split("/")[0])
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    ports = []
-    with open("/proc/self/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if fields[9] in inodes and int(fields[2].split(":")[1], 16) == server_port:
-                ports.append(int(fields[1].split(":")[1], 16))
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        row = admin.execute("SELECT count(*) FROM pg_locks JOIN pg_stat_activity USING (pid)"
-                            " WHERE locktype = 'advisory' AND client_port = ANY(%s)",
-                            (ports,)).fetchone()
-    return int(row[0]) if row else 0
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_held(dsn: str) -> Iterator[None]:
-    """After every test, no session of this process holds an advisory lock."""
-    yield
-    assert own_sessions_locks(dsn) == 0
-
-
-_children: list[subprocess.Popen[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def children_reaped() -> Iterator[None]:
-    """After every test, each child process it started is ended and reaped and its pipes are
-    closed, however the test ended (a failed or expected-to-fail test left to the garbage
-    collector would make a later test report "subprocess is still running")."""
-    yield
-    while _children:
-        process = _children.pop()
-        if process.poll() is None:
-            process.kill()
-        process.communicate(timeout=PATIENCE)
-
-
-@pytest.fixture
-def engine(impl, monkeypatch):  # type: ignore[no-untyped-def]
-    """Run the backend over the in-process engine under test."""
-    monkeypatch.setattr(postgres, "LockManager", impl.LockManager)
-    monkeypatch.setattr(postgres, "RWLockManager", impl.RWLockManager)
-    return impl
-
-
-@pytest.fixture
-def namespace() -> str:
-    return f"test-{uuid.uuid4()}"
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
 
 @pytest.fixture
@@ -103,68 +44,6 @@ def locks(engine, dsn, namespace) -> Iterator[postgres.PgLockManager[Any]]:  # t
     yield manager
     manager.release_all()
     manager.close()
-
-
-def held_on_server(dsn: str, manager: Any, key: object) -> bool:
-    """Whether any session holds ``key``, asked on a connection of the test's own."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(f"SELECT EXISTS (SELECT 1 FROM {postgres._GRANTED_ADVISORY} %s)",
-                           (manager.advisory_key(key),)).fetchone()
-    return bool(row and row[0])
-
-
-CHILD = """
-import json, os, signal, sys, threading, time
-signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
-from lockmgr import postgres, LockLost, DeadlockError
-locks = postgres.{cls}(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
-def say(**what):
-    print(json.dumps(what), flush=True)
-{body}
-"""
-
-
-def child(dsn: str, namespace: str, body: str, cls: str = "PgLockManager",
-          pure: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "DSN": dsn, "NAMESPACE": namespace,
-           "LOCKMGR_NO_EXTENSIONS": "1" if pure else "", **(env or {})}
-    code = CHILD.format(cls=cls, body=textwrap.dedent(body))
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env)
-    _children.append(process)
-    return process
-
-
-def expect(process: subprocess.Popen[str], **what: object) -> dict[str, Any]:
-    """The child's next JSON line, which must contain ``what``. A child that says nothing
-    within PATIENCE * 3 seconds is killed and reaped (a hung child must fail its own test,
-    not leave a pipe for a later test's garbage collection to complain about)."""
-    assert process.stdout is not None
-    stdout = process.stdout
-    said: list[str] = []
-    reader = threading.Thread(target=lambda: said.append(stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(PATIENCE * 3)
-    if reader.is_alive():
-        process.kill()
-        reader.join(PATIENCE)  # the kill closed its end: the reader sees the end of file
-        _, err = process.communicate(timeout=PATIENCE)  # reaps it and closes every pipe
-        raise AssertionError(f"the child said nothing within {PATIENCE * 3:g} s; "
-                             f"stderr: {err[-4000:]}")
-    line = said[0]
-    assert line, process.stderr.read() if process.stderr else "no output"
-    said: dict[str, Any] = json.loads(line)
-    assert {key: said.get(key) for key in what} == what, said
-    return said
-
-
-def finish(process: subprocess.Popen[str]) -> None:
-    try:
-        out, err = process.communicate("go\n", timeout=PATIENCE)
-    finally:
-        process.kill()
-    assert process.returncode == 0, err
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -408,13 +287,6 @@ def test_deadlock_between_processes_is_reported_and_undone(locks, dsn, namespace
     assert deadlocked_here != theirs["deadlock"], theirs  # exactly one side was refused
     finish(other)
     assert len(locks) == 0 and not held_on_server(dsn, locks, "A")
-
-
-def _waiting_on_server(dsn: str) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                           " AND NOT granted").fetchone()
-    return int(row[0]) if row else 0
 
 
 def test_shared_exclusive_and_upgrade_across_processes(engine, dsn, namespace) -> None:
@@ -677,12 +549,13 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
     free-threaded build, where psycopg2-binary and tooz cannot be installed, the answer is
     "needs lockmgr[compare]"."""
     from lockmgr import bench
+    from lockmgr.bench import _cli
 
     pgserver.require_redis_server()
     out = tmp_path / "distributed.json"
     argv = ["--quick", "--scenario", "distributed", "--pg-dsn", dsn, "--redis", "start",
             "--threads", "2", "--json", str(out)]
-    if any(importlib.util.find_spec(module) is None for module in bench.COMPARE_MODULES):
+    if any(importlib.util.find_spec(module) is None for module in _cli.COMPARE_MODULES):
         assert bench.main(argv) == 2
         assert "needs lockmgr[compare]" in capsys.readouterr().err
         assert not out.exists()
@@ -719,16 +592,6 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
 
 
 # -- issue 12: every promise kept under timeouts, forks, dead connections, cancels, Ctrl-C ------
-
-
-def terminate_holder(dsn: str, manager: Any, key: object) -> None:
-    """End the server session holding ``key`` (as an administrator or a failover would)."""
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        pids = [row[0] for row in admin.execute(
-            f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s", (manager.advisory_key(key),))]
-        assert pids, f"no session holds {key!r}"
-        for pid in pids:
-            admin.execute("SELECT pg_terminate_backend(%s, %s)", (pid, int(PATIENCE * 1000)))
 
 
 @pytest.mark.posix_only
@@ -948,14 +811,14 @@ def test_ctrl_c_before_a_release_reaches_the_server_leaves_nothing_held(locks, d
                                                                          monkeypatch) -> None:
     """Ctrl-C landing at the first check point of a release's round trip (the release is
     counted as done): the key is given back on the server by the thread's next call."""
-    unlock = postgres._PgEngine._unlock
+    unlock = _PgEngine._unlock
 
     def interrupted(*args: Any) -> None:
-        monkeypatch.setattr(postgres._PgEngine, "_unlock", unlock)  # once
+        monkeypatch.setattr(_PgEngine, "_unlock", unlock)  # once
         raise KeyboardInterrupt
 
     locks.acquire("k")
-    monkeypatch.setattr(postgres._PgEngine, "_unlock", interrupted)
+    monkeypatch.setattr(_PgEngine, "_unlock", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.release("k")
     assert not locks.owned("k") and len(locks) == 0
@@ -969,19 +832,19 @@ def test_ctrl_c_before_a_release_reaches_the_server_leaves_nothing_held(locks, d
 def test_ctrl_c_twice_in_a_failed_acquire_leaves_nothing_held(locks, dsn, monkeypatch) -> None:
     """Ctrl-C right after the server granted the key, then again at the first check point of
     the clean-up that gives it back: the thread's next call gives it back."""
-    lock, drop = postgres._PgEngine._lock, postgres._PgEngine._drop_or_lose
+    lock, drop = _PgEngine._lock, _PgEngine._drop_or_lose
 
     def granted_then_interrupted(*args: Any) -> bool:
-        monkeypatch.setattr(postgres._PgEngine, "_lock", lock)  # once
+        monkeypatch.setattr(_PgEngine, "_lock", lock)  # once
         assert lock(*args) is True
         raise KeyboardInterrupt
 
     def interrupted(*args: Any) -> None:
-        monkeypatch.setattr(postgres._PgEngine, "_drop_or_lose", drop)  # once
+        monkeypatch.setattr(_PgEngine, "_drop_or_lose", drop)  # once
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(postgres._PgEngine, "_lock", granted_then_interrupted)
-    monkeypatch.setattr(postgres._PgEngine, "_drop_or_lose", interrupted)
+    monkeypatch.setattr(_PgEngine, "_lock", granted_then_interrupted)
+    monkeypatch.setattr(_PgEngine, "_drop_or_lose", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.acquire_many(["k", "j"])
     assert not locks.owned("k") and not locks.owned("j") and len(locks) == 0
@@ -1131,7 +994,7 @@ def test_ctrl_c_at_a_releases_count_down_leaves_no_level_without_its_lock(
     next call finishes the count-down."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    given = postgres._Session.given
+    given = _Session.given
     fired: list[bool] = []
 
     def interrupted_at_entry(session: Any, items: Any) -> Any:
@@ -1141,7 +1004,7 @@ def test_ctrl_c_at_a_releases_count_down_leaves_no_level_without_its_lock(
         return given(session, items)
 
     locks.acquire_many(["k", "j"])
-    monkeypatch.setattr(postgres._Session, "given", interrupted_at_entry)
+    monkeypatch.setattr(_Session, "given", interrupted_at_entry)
     with pytest.raises(KeyboardInterrupt):
         locks.release_many(["k", "j"])
     monkeypatch.undo()
@@ -1170,11 +1033,11 @@ def test_a_poll_that_returned_with_a_handlers_exception_set_raises_that_exceptio
                           " an exception set")
     wrapped.__cause__ = KeyboardInterrupt()
     with pytest.raises(KeyboardInterrupt) as raised:
-        postgres._poll(Poller(wrapped), 0)
+        _poll(Poller(wrapped), 0)
     assert raised.value.__cause__ is None and raised.value.__context__ is None
     other = SystemError("something else")
     with pytest.raises(SystemError) as kept:
-        postgres._poll(Poller(other), 0)
+        _poll(Poller(other), 0)
     assert kept.value is other
 
 
@@ -1190,8 +1053,8 @@ def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     fired: set[str] = set()
-    round_trip, undo_take = postgres._Link._round_trip, postgres._Session.undo_take
-    granted = postgres._Session.granted
+    round_trip, undo_take = _Link._round_trip, _Session.undo_take
+    granted = _Session.granted
 
     def interrupted_after_the_grant(link: Any, deadline: Any, send: Any, *args: Any) -> Any:
         results = round_trip(link, deadline, send, *args)
@@ -1218,10 +1081,10 @@ def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
             "try": lambda: locks.acquire("k", timeout=0),
             "many": lambda: locks.acquire_many(["k", "j"], timeout=PATIENCE)}[call]
     if first == "read":
-        monkeypatch.setattr(postgres._Link, "_round_trip", interrupted_after_the_grant)
+        monkeypatch.setattr(_Link, "_round_trip", interrupted_after_the_grant)
     else:
-        monkeypatch.setattr(postgres._Session, "granted", interrupted_once_counted)
-    monkeypatch.setattr(postgres._Session, "undo_take", interrupted_at_entry)
+        monkeypatch.setattr(_Session, "granted", interrupted_once_counted)
+    monkeypatch.setattr(_Session, "undo_take", interrupted_at_entry)
     with pytest.raises(KeyboardInterrupt):
         take()
     assert fired == {"grant", "undo"}
@@ -1268,13 +1131,13 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
     locks.acquire("k")
     locks.acquire("j")
     terminate_holder(dsn, locks, "k")
-    real_lose_levels = postgres._Session.lose_levels
+    real_lose_levels = _Session.lose_levels
 
-    def interrupted(session: postgres._Session) -> None:
-        monkeypatch.setattr(postgres._Session, "lose_levels", real_lose_levels)
+    def interrupted(session: _Session) -> None:
+        monkeypatch.setattr(_Session, "lose_levels", real_lose_levels)
         raise KeyboardInterrupt  # where a signal handler's may land
 
-    monkeypatch.setattr(postgres._Session, "lose_levels", interrupted)
+    monkeypatch.setattr(_Session, "lose_levels", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.release("k")  # finds the connection dead
     assert not locks.owned("k") and locks.owned("j") is False  # j: its connection is gone
@@ -1315,7 +1178,7 @@ def test_a_loss_is_told_at_every_release_and_never_again(engine, dsn, namespace)
     locks.acquire("a")
     locks.acquire("a")
     with psycopg.connect(dsn, autocommit=True) as admin:
-        pid = admin.execute(f"SELECT pid FROM {postgres._GRANTED_ADVISORY} %s",
+        pid = admin.execute(f"SELECT pid FROM {_GRANTED_ADVISORY} %s",
                             (locks.advisory_key("a"),)).fetchone()[0]
     terminate_holder(dsn, locks, "a")
     with pytest.raises(LockLost):  # the inner release notices (no lost_keys() asked first)

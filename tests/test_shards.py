@@ -20,7 +20,7 @@ import weakref
 
 import pytest
 
-from lockmgr._common import FREE_THREADED_SHARDS, MAX_SHARDS, shards_per_table
+from lockmgr._tuning import FREE_THREADED_SHARDS, MAX_SHARDS, shards_per_table
 
 from conftest import PATIENCE, end_holding_keys_of_a_freed_manager
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PATIENCE, end_holding_keys_of_a_freed_manager, wait_until
 from lockmgr import NotOwnedError
-from lockmgr._common import stripe_index
+from lockmgr._args import stripe_index
 
 
 def _two_keys_on_one_stripe(locks) -> tuple[str, str]:  # type: ignore[no-untyped-def]

@@ -18,16 +18,16 @@ import os
 from typing import TYPE_CHECKING
 
 from ._aio import AsyncLockManager, AsyncRWLockManager
-from ._common import (
+from ._errors import (
     AbandonedLockWarning,
     DeadlockError,
     LockError,
     LockLost,
-    LockStats,
     LockTimeout,
     NestedWaitError,
     NotOwnedError,
 )
+from ._views import LockStats
 from ._observe import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
 
 __all__ = [

@@ -3,7 +3,8 @@
 An ``aio`` view owns keys by the current asyncio task, in the same table, queues and
 wait-for graph as the manager's threads: a task and a thread exclude each other per key,
 queue FIFO together, and a cycle among them is a DeadlockError. Both engines implement the
-``_task_*`` methods these classes call, with the same semantics:
+``_task_*`` methods these classes call, with the same semantics (``lockmgr._contract``
+types them: ``Engine``, ``LockEngine``, ``RWLockEngine``, ``TaskWait``, ``BlockRecord``):
 
 - ``_task_enter(key, mode, seconds, raises_timeout)`` and
   ``_task_enter_many(items, seconds, raises_timeout)`` acquire for the current task at
@@ -59,25 +60,24 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from ._common import (
-    AWAIT_POST,
-    PICKLE_ERROR,
-    READ,
-    WRITE,
-    LockStats,
-    hold_seconds,
-    many_items,
-    rw_items,
-    wait_seconds,
-)
+from ._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
+from ._owners import AWAIT_POST
+from ._views import PICKLE_ERROR, LockStats
 
 if TYPE_CHECKING:
-    from contextlib import AbstractAsyncContextManager
     from types import TracebackType
 
-    #: What ``hold()``, ``read()``, ``write()`` and ``hold_many()`` answer: an ``async with``
-    #: object (the compiled core's own C type, or ``_AsyncHolding``/``_AsyncHoldingMany``).
-    AsyncBlock = AbstractAsyncContextManager[bool]
+    # AsyncBlock: what hold(), read(), write() and hold_many() answer, an ``async with``
+    # object (the compiled core's own C type, or _AsyncHolding/_AsyncHoldingMany).
+    from ._contract import (
+        AsyncBlock,
+        BlockRecord,
+        Engine,
+        Items,
+        LockEngine,
+        RWLockEngine,
+        TaskWait,
+    )
 
 P = ParamSpec("P")
 K = TypeVar("K", bound=Hashable)
@@ -86,7 +86,7 @@ T = TypeVar("T")
 __all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
 
 
-async def _wait_for_grant(wait: Any) -> bool:
+async def _wait_for_grant(wait: TaskWait) -> bool:
     """Sleep until the queued request of ``wait`` is granted (True) or times out
     (``wait.timed_out()``). Any exception (a cancellation) takes it out of the queues, or
     passes a grant that raced the exception on to the next waiter, before it propagates."""
@@ -117,7 +117,7 @@ async def _wait_for_grant(wait: Any) -> bool:
         raise
 
 
-async def _take(manager: Any, enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+async def _take(manager: Engine, enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
     """The coroutine of an ``acquire``: ``enter(*args)``, then its wait if it queued."""
     try:
         return await enter(*args)
@@ -135,25 +135,34 @@ class _AsyncHolding:
 
     __slots__ = ("_key", "_manager", "_mode", "_record", "_seconds")
 
-    def __init__(self, manager: Any, key: Hashable, seconds: float, mode: int) -> None:
+    _manager: Engine
+    _record: BlockRecord
+
+    def __init__(self, manager: Engine, key: Hashable, seconds: float, mode: int) -> None:
         self._manager = manager
         self._key = key
         self._seconds = seconds
         self._mode = mode
         self._record = manager._task_record()
 
-    def __aenter__(self) -> Awaitable[bool]:
+    def _enter(self) -> Awaitable[bool]:
         manager = self._manager
         try:
-            return manager._task_enter(  # type: ignore[no-any-return]
-                self._key, self._mode, self._seconds, True, self._record)
+            return manager._task_enter(self._key, self._mode, self._seconds, True, self._record)
         except BaseException:
             manager._task_abandon()
             raise
 
-    def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
-        return self._manager._task_exit(  # type: ignore[no-any-return]
-            self._record, self._key, self._mode)
+    def _exit(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit(self._record, self._key, self._mode)
+
+    if TYPE_CHECKING:  # the engine's awaitables, typed as the AsyncBlock they act as
+        async def __aenter__(self) -> bool: ...
+
+        async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                            traceback: TracebackType | None, /) -> None: ...
+    else:
+        __aenter__, __aexit__ = _enter, _exit
 
 
 class _AsyncHoldingMany:
@@ -162,24 +171,33 @@ class _AsyncHoldingMany:
 
     __slots__ = ("_items", "_manager", "_record", "_seconds")
 
-    def __init__(self, manager: Any, items: list[tuple[Hashable, int]], seconds: float) -> None:
+    _manager: Engine
+    _record: BlockRecord
+
+    def __init__(self, manager: Engine, items: Items, seconds: float) -> None:
         self._manager = manager
         self._items = items
         self._seconds = seconds
         self._record = manager._task_record()
 
-    def __aenter__(self) -> Awaitable[bool]:
+    def _enter(self) -> Awaitable[bool]:
         manager = self._manager
         try:
-            return manager._task_enter_many(  # type: ignore[no-any-return]
-                self._items, self._seconds, True, self._record)
+            return manager._task_enter_many(self._items, self._seconds, True, self._record)
         except BaseException:
             manager._task_abandon()
             raise
 
-    def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
-        return self._manager._task_exit_many(  # type: ignore[no-any-return]
-            self._record, self._items)
+    def _exit(self, kind: type[BaseException] | None, *exc_info: object) -> Awaitable[None]:
+        return self._manager._task_exit_many(self._record, self._items)
+
+    if TYPE_CHECKING:  # the engine's awaitables, typed as the AsyncBlock they act as
+        async def __aenter__(self) -> bool: ...
+
+        async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                            traceback: TracebackType | None, /) -> None: ...
+    else:
+        __aenter__, __aexit__ = _enter, _exit
 
 
 class AsyncKeyLock(Generic[K]):
@@ -189,7 +207,10 @@ class AsyncKeyLock(Generic[K]):
 
     __slots__ = ("_key", "_manager", "_record")
 
-    def __init__(self, manager: Any, key: K) -> None:
+    _manager: LockEngine[K]
+    _record: BlockRecord
+
+    def __init__(self, manager: LockEngine[K], key: K) -> None:
         self._manager = manager
         self._key = key
         self._record = manager._task_record()
@@ -214,16 +235,14 @@ class AsyncKeyLock(Generic[K]):
     def __aenter__(self) -> Awaitable[bool]:
         manager = self._manager
         try:
-            return manager._task_enter(  # type: ignore[no-any-return]
-                self._key, WRITE, -1.0, False, self._record)
+            return manager._task_enter(self._key, WRITE, -1.0, False, self._record)
         except BaseException:
             manager._task_abandon()
             raise
 
     def __aexit__(self, kind: type[BaseException] | None,
                   exc: BaseException | None, traceback: TracebackType | None) -> Awaitable[None]:
-        return self._manager._task_exit(  # type: ignore[no-any-return]
-            self._record, self._key, WRITE)
+        return self._manager._task_exit(self._record, self._key, WRITE)
 
     def __reduce__(self) -> Any:
         raise TypeError(PICKLE_ERROR)
@@ -236,8 +255,9 @@ class _AsyncEngineView:
     """What both asyncio views share: the table's state, and the current task's holds."""
 
     __slots__ = ("_manager",)
+    _manager: Engine
 
-    def __init__(self, manager: Any) -> None:
+    def __init__(self, manager: Engine) -> None:
         self._manager = manager
 
     @property
@@ -250,7 +270,7 @@ class _AsyncEngineView:
         return int(self._manager._task_release_all())
 
     def stats(self) -> LockStats:
-        return self._manager.stats()  # type: ignore[no-any-return]
+        return self._manager.stats()
 
     def __len__(self) -> int:
         return len(self._manager)
@@ -282,6 +302,8 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     ``timeout=`` or use ``asyncio.timeout()``.
     """
 
+    _manager: LockEngine[K]
+
     if TYPE_CHECKING:  # what they are; at run time, the engine's methods (below)
         __slots__ = ()
 
@@ -293,17 +315,17 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     else:
         __slots__ = ("acquire", "release")
 
-        def __init__(self, manager: Any) -> None:
+        def __init__(self, manager: LockEngine[K]) -> None:
             super().__init__(manager)
             self.acquire = manager._task_acquire
             self.release = manager._task_release_write
 
     def hold(self, key: K, timeout: float | None = None) -> AsyncBlock:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
-        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)  # type: ignore[no-any-return]
+        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)
 
     def __getitem__(self, key: K) -> AsyncKeyLock[K]:
-        return self._manager._task_key_lock(key)  # type: ignore[no-any-return]
+        return self._manager._task_key_lock(key)
 
     async def acquire_many(self, keys: Iterable[K], blocking: bool = True,
                            timeout: float = -1) -> bool:
@@ -317,7 +339,7 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         self._manager._task_release_many(many_items(keys, self._manager._table_key))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
-        return self._manager._task_hold_many(  # type: ignore[no-any-return]
+        return self._manager._task_hold_many(
             many_items(keys, self._manager._table_key), hold_seconds(timeout))
 
     def locked(self, key: K) -> bool:
@@ -348,6 +370,8 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     (names, arguments and errors of ``RWLockManager``; the acquiring and releasing methods
     are the engine's own, bound here, as for ``AsyncLockManager``)."""
 
+    _manager: RWLockEngine[K]
+
     if TYPE_CHECKING:  # what they are; at run time, the engine's methods (below)
         __slots__ = ()
 
@@ -363,7 +387,7 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     else:
         __slots__ = ("acquire_read", "acquire_write", "release_read", "release_write")
 
-        def __init__(self, manager: Any) -> None:
+        def __init__(self, manager: RWLockEngine[K]) -> None:
             super().__init__(manager)
             self.acquire_read = manager._task_acquire_read
             self.acquire_write = manager._task_acquire
@@ -371,10 +395,10 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
             self.release_write = manager._task_release_write
 
     def read(self, key: K, timeout: float | None = None) -> AsyncBlock:
-        return self._manager._task_hold(key, hold_seconds(timeout), READ)  # type: ignore[no-any-return]
+        return self._manager._task_hold(key, hold_seconds(timeout), READ)
 
     def write(self, key: K, timeout: float | None = None) -> AsyncBlock:
-        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)  # type: ignore[no-any-return]
+        return self._manager._task_hold(key, hold_seconds(timeout), WRITE)
 
     async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                            blocking: bool = True, timeout: float = -1) -> bool:
@@ -388,7 +412,7 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> AsyncBlock:
-        return self._manager._task_hold_many(  # type: ignore[no-any-return]
+        return self._manager._task_hold_many(
             rw_items(reads, writes, self._manager._table_key), hold_seconds(timeout))
 
     def readers(self, key: K) -> int:
@@ -417,7 +441,7 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         return f"<lockmgr.AsyncRWLockManager of {self._manager!r}>"
 
 
-def _synchronized(view: Any, key_func: Callable[..., Hashable]
+def _synchronized(view: _AsyncEngineView, key_func: Callable[..., Hashable]
                   ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                 Callable[P, Coroutine[Any, Any, T]]]:
     if not callable(key_func):

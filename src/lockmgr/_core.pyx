@@ -1,4 +1,4 @@
-# cython: language_level=3, binding=False, freethreading_compatible=True
+# cython: language_level=3, binding=False, freethreading_compatible=True, embedsignature=True, embedsignature.format=clinic
 """The compiled engine of lockmgr, built as ``lockmgr._core``.
 
 It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, holds and tokens, the same
@@ -121,7 +121,7 @@ Tasks
 An asyncio task that uses an ``aio`` view gets a token of its own (``_c/tasks.pxi``): its
 "thread" is the one running its loop, where it always runs, so the rules above hold for it
 unchanged. Its request lives in a ``_TaskWait`` object instead of a C stack frame, and its
-wake-up is a ``Waker`` (``lockmgr._common``) rather than a lock: a waking section takes a
+wake-up is a ``Waker`` (``lockmgr._owners``) rather than a lock: a waking section takes a
 reference to the ``_TaskWait`` (``Request.waiter``) and its finish posts the Waker — from
 the loop's thread directly, from any other through ``call_soon_threadsafe`` — and drops the
 reference, so the request's memory outlives every finish that may still read it. The post
@@ -174,36 +174,29 @@ from lockmgr._observe import (
     log_wait_end,
     log_waits_after_seconds,
 )
-from lockmgr._common import (
-    AWAIT_POST,
-    HANDOFF_AFTER,
-    LOOP_THREAD,
-    MAIN_THREAD_SLICE,
-    PICKLE_ERROR,
-    LockStats,
-    count_overflow,
-    deadlock,
+from lockmgr._args import (
+    Stripe,
     hold_seconds,
-    key_lock_repr,
-    manager_repr,
     many_items,
-    nested_wait,
-    not_owned,
-    block_in_use,
-    not_entered,
-    pinned,
     restored_count,
     rw_items,
-    shards_per_table,
-    Stripe,
     stripe_count,
-    synchronized,
-    timed_out,
     wait_seconds,
-    warn_abandoned,
-    Waker,
-    not_in_task,
 )
+from lockmgr._errors import (
+    block_in_use,
+    count_overflow,
+    deadlock,
+    nested_wait,
+    not_entered,
+    not_owned,
+    pinned,
+    timed_out,
+    warn_abandoned,
+)
+from lockmgr._owners import AWAIT_POST, LOOP_THREAD, Waker, not_in_task
+from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table
+from lockmgr._views import PICKLE_ERROR, LockStats, key_lock_repr, manager_repr, synchronized
 
 cdef object DEFAULT_TIMEOUT = -1  # the acquiring methods' default (a cached int: told by identity)
 

@@ -21,7 +21,9 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._common import READ, LockStats, describe_owner
+from ._args import READ
+from ._errors import describe_owner
+from ._views import LockStats
 
 __all__ = [
     "HISTOGRAM_BOUNDS",

@@ -96,7 +96,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Hashable, Iterable, Sequence
-from typing import Any, Generic, ParamSpec, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, final
 
 from ._aio import (
     AsyncKeyLock,
@@ -107,6 +107,8 @@ from ._aio import (
     _take,
     _wait_for_grant,
 )
+if TYPE_CHECKING:
+    from ._contract import AsyncBlock, BlockRecord, Engine
 from ._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS,
@@ -119,47 +121,47 @@ from ._observe import (
     log_wait_end,
     log_waits_after_seconds,
 )
-from ._common import (
-    HANDOFF_AFTER,
-    LOOP_THREAD,
-    MAIN_THREAD_SLICE,
+from ._args import (
     MAX_COUNT,
-    PICKLE_ERROR,
     READ,
     WRITE,
-    LockStats,
-    count_overflow,
-    deadlock,
+    Stripe,
     hold_seconds,
-    key_lock_repr,
-    manager_repr,
     many_items,
-    nested_wait,
-    not_in_task,
-    not_owned,
-    block_in_use,
-    not_entered,
-    pinned,
     restored_count,
     rw_items,
-    Stripe,
     stripe_count,
     stripe_index,
-    synchronized,
-    timed_out,
     wait_seconds,
+)
+from ._errors import (
+    block_in_use,
+    count_overflow,
+    deadlock,
+    nested_wait,
+    not_entered,
+    not_owned,
+    pinned,
+    timed_out,
     warn_abandoned,
+)
+from ._owners import (
+    LOOP_THREAD,
     Waker,
     current_task_or_none,
     current_task_or_raise,
+    not_in_task,
     running_loop,
 )
+from ._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE
+from ._views import PICKLE_ERROR, LockStats, key_lock_repr, manager_repr, synchronized
 
-__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager"]
+__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stranded_task"]
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
 T = TypeVar("T")  # and its result
+R = TypeVar("R")  # what a section answers
 
 _WAITING = 0  # queued, asleep or about to sleep
 _WOKEN = 1  # fair=False: the key was freed and this request was told to race for it
@@ -221,7 +223,7 @@ def _reentered() -> RuntimeError:
     )
 
 
-def _section(run: Callable[..., Any], *args: Any) -> Any:
+def _section(run: Callable[..., R], *args: Any) -> R:
     """``run(*args)`` under the engine mutex; returns its verdict. On the main thread, with
     the signals that may have Python handlers blocked: see the module docstring."""
     ident = _get_ident()
@@ -241,7 +243,7 @@ def _section(run: Callable[..., Any], *args: Any) -> Any:
         _set_signal_mask(_SIG_SETMASK, mask)
 
 
-def _run_section(ident: int, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def _run_section(ident: int, run: Callable[..., R], args: tuple[Any, ...]) -> R:
     woken = None
     try:
         while _mutex.setdefault(0, ident) != ident:
@@ -389,6 +391,15 @@ class _BlockRecord:
         if state is None or token is None or token.ended:
             return None, 0 if state is None else state[1]
         return token.ident, state[1]
+
+
+def _own_record(record: object) -> _BlockRecord:
+    """``record`` if this engine made it (``_task_record()``): TypeError for any other, as
+    the compiled core's typed parameter raises."""
+    if type(record) is _BlockRecord:
+        return record
+    raise TypeError(f"Argument 'record' has incorrect type (expected {__name__}._BlockRecord, "
+                    f"got {type(record).__name__})")
 
 
 def _in_use(inside: _TaskToken | None) -> RuntimeError:
@@ -881,6 +892,7 @@ def _histogram_copy(histogram: list[Any]) -> tuple[Any, ...]:
     return tuple(histogram[0]), histogram[1], histogram[2], histogram[3]
 
 
+@final
 class _Unsure:
     """A section's verdict: these entries' keys hash like the caller's and must be compared
     with it outside the section. ``first`` was their chain's first entry then: entries join
@@ -1075,7 +1087,7 @@ class _Engine:
     def _describe_wait(self, request: _Request) -> tuple[float, list[Any], list[int]]:
         """For the slow-wait log: the state of every key ``request`` queued on, and how many
         requests are ahead of it in each queue."""
-        return _section(self._describe_wait_section, request)  # type: ignore[no-any-return]
+        return _section(self._describe_wait_section, request)
 
     def _describe_wait_section(self, request: _Request) -> tuple[float, list[Any], list[int]]:
         raw, ahead = [], []
@@ -1119,18 +1131,20 @@ class _Engine:
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) ----------------------------
 
     def _task_enter(self, key: Hashable, mode: int, seconds: float, raises_timeout: bool,
-                    record: _BlockRecord | None = None) -> Awaitable[bool]:
+                    record: BlockRecord | None = None) -> Awaitable[bool]:
+        entering = None if record is None else _own_record(record)
         token = _running_task_token()
         got = self._task_take(token, key, mode, seconds == 0, 1)
         try:  # (here, not in _answer: a signal handler may raise as that call starts)
-            return _answer(got, key, seconds, raises_timeout, record, token)
+            return _answer(got, key, seconds, raises_timeout, entering, token)
         except BaseException:
-            _give_back(got, lambda: self._task_release_as(token, key, mode))
+            _give_back(got, lambda: self._task_release(key, mode, token))
             raise
 
     def _task_enter_many(self, items: list[tuple[Hashable, int]], seconds: float,
                          raises_timeout: bool,
-                         record: _BlockRecord | None = None) -> Awaitable[bool]:
+                         record: BlockRecord | None = None) -> Awaitable[bool]:
+        entering = None if record is None else _own_record(record)
         if not items:  # nothing to take, nor to record: the block's exit gives back nothing
             _task_token(create=False)  # outside a task: RuntimeError all the same
             return _READY_TRUE
@@ -1138,65 +1152,63 @@ class _Engine:
         got = self._task_take_many(items, seconds == 0)
         try:
             keys = tuple(key for key, _ in items) if raises_timeout else None
-            return _answer(got, keys, seconds, raises_timeout, record, token)
+            return _answer(got, keys, seconds, raises_timeout, entering, token)
         except BaseException:
             _give_back(got, lambda: self._release_many(items, token))
             raise
 
-    async def _task_acquire(self, key: Hashable, blocking: bool = True,
+    async def _task_acquire(self: Engine, key: Hashable, blocking: bool = True,
                             timeout: float = -1) -> bool:
         """``aio.acquire`` (and ``acquire_write``), bound by the view as its own."""
         return await _take(self, self._task_enter, key, _WRITE,
                            wait_seconds(blocking, timeout), False)
 
-    async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
+    async def _task_acquire_read(self: Engine, key: Hashable, blocking: bool = True,
                                  timeout: float = -1) -> bool:
         return await _take(self, self._task_enter, key, _READ,
                            wait_seconds(blocking, timeout), False)
 
     def _task_release_write(self, key: Hashable) -> None:
-        self._task_release_as(_task_token(create=False), key, _WRITE)
+        self._task_release(key, _WRITE)
 
     def _task_release_read(self, key: Hashable) -> None:
-        self._task_release_as(_task_token(create=False), key, _READ)
+        self._task_release(key, _READ)
 
     def _task_record(self) -> _BlockRecord:
         return _BlockRecord()
 
-    def _task_hold(self, key: Hashable, seconds: float, mode: int) -> _AsyncHolding:
+    # (``self`` is a manager: these make the views that call back into it)
+    def _task_hold(self: Engine, key: Hashable, seconds: float, mode: int) -> AsyncBlock:
         return _AsyncHolding(self, key, seconds, mode)
 
-    def _task_hold_many(self, items: list[tuple[Hashable, int]],
-                        seconds: float) -> _AsyncHoldingMany:
+    def _task_hold_many(self: Engine, items: list[tuple[Hashable, int]],
+                        seconds: float) -> AsyncBlock:
         return _AsyncHoldingMany(self, items, seconds)
 
-    def _task_key_lock(self, key: Hashable) -> AsyncKeyLock[Any]:
-        hash(key)  # an unhashable key fails here, as it does in the core
-        return AsyncKeyLock(self, key)
-
-    def _task_exit(self, record: _BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
-        token = record.leave()
+    def _task_exit(self, record: BlockRecord, key: Hashable, mode: int) -> Awaitable[None]:
+        token = _own_record(record).leave()
         if token is not None and _releases_here(token, self, key, mode):
-            self._task_release_as(token, key, mode)
+            self._task_release(key, mode, token)
         return _READY_NONE
 
-    def _task_exit_many(self, record: _BlockRecord,
+    def _task_exit_many(self, record: BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
+        own = _own_record(record)
         if not items:  # an empty hold_many entered nothing
             return _READY_NONE
-        token = record.leave()
+        token = own.leave()
         if token is not None and _releases_here(token, self, items, -1):
             self._release_many(items, token)
         return _READY_NONE
 
-    def _task_release_for(self, token: _TaskToken, key: Any, mode: int) -> None:
+    def _task_release_for(self, owner: _TaskToken, key: Any, mode: int) -> None:
         """A block's exit run on another thread than its task's loop, sent there."""
-        if token.ended:
+        if owner.ended:
             return
         if mode < 0:
-            self._release_many(key, token)
+            self._release_many(key, owner)
         else:
-            self._task_release_as(token, key, mode)
+            self._task_release(key, mode, owner)
 
     def _task_take(self, token: _TaskToken, key: Hashable, mode: int, try_only: bool,
                    count: int) -> object:
@@ -1209,7 +1221,7 @@ class _Engine:
         else:
             got = self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
         if type(got) is _TaskWait:
-            got.taken = lambda: self._task_release_as(token, key, mode)
+            got.taken = lambda: self._task_release(key, mode, token)
         return got
 
     def _task_take_many(self, items: list[tuple[Hashable, int]], try_only: bool) -> object:
@@ -1245,10 +1257,9 @@ class _Engine:
         if token is not None:
             _abandon_stranded(token)
 
-    def _task_release(self, key: Hashable, mode: int) -> None:
-        self._task_release_as(_task_token(create=False), key, mode)
-
-    def _task_release_as(self, token: _TaskToken | None, key: Hashable, mode: int) -> None:
+    def _task_release(self, key: Hashable, mode: int, owner: _TaskToken | None = None) -> None:
+        """Give back one level of ``key`` held by ``owner``'s task: the current task's if None."""
+        token = _task_token(create=False) if owner is None else owner
         key = self._table_key(key)
         run = self._release_write_on if mode == _WRITE else self._release_read_on
         verdict = self._run_on_key(run, key, token)
@@ -1267,7 +1278,7 @@ class _Engine:
     def _task_levels(self, key: Hashable) -> tuple[int, int]:
         """The current task's write and read levels of ``key``."""
         token = _task_token(create=False)
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _levels_of, self._table_key(key), token)
 
     # -- finding entries ---------------------------------------------------------------------
@@ -1322,22 +1333,23 @@ class _Engine:
             first.same_hash = entry.same_hash
         _retired.append(entry)
 
-    def _run_on_key(self, run: Callable[..., Any], key: Hashable, *args: Any) -> Any:
+    def _run_on_key(self, run: Callable[..., R], key: Hashable, *args: Any) -> R:
         """``run(entry, *args)`` in a section, with ``key``'s entry (or None) found for it."""
         key_hash = hash(key)
         kind = type(key)
         plain = kind is str or kind is int or kind is bytes or _is_plain(key)
         known = None
+        on_key: Callable[..., R | _Unsure] = self._on_key_section
         while True:
-            verdict = _section(self._on_key_section, run, key, key_hash, plain, known, args)
+            verdict = _section(on_key, run, key, key_hash, plain, known, args)
             if type(verdict) is not _Unsure:
                 return verdict
             known = verdict.settle(key)
 
     def _on_key_section(
-        self, run: Callable[..., Any], key: Hashable, key_hash: int, plain: bool,
+        self, run: Callable[..., R], key: Hashable, key_hash: int, plain: bool,
         known: tuple[_Entry, _Entry | None] | None, args: tuple[Any, ...],
-    ) -> Any:
+    ) -> R | _Unsure:
         entry: _Entry | _Unsure | None = self._table.get(key_hash)
         if entry is not None and entry.key is not key:  # type: ignore[union-attr]
             entry = self._find(key, key_hash, plain, known)  # else: the common cases, at once
@@ -1499,7 +1511,7 @@ class _Engine:
             entry = self._find(key, hashes[index], plains[index], known[index])
             if type(entry) is _Unsure:
                 return index, entry
-            entries.append(entry)  # type: ignore[arg-type]
+            entries.append(entry)
         blocked = None  # the first key that is not free for this set
         for index, ((_, mode), entry) in enumerate(zip(items, entries, strict=True)):
             if entry is None:
@@ -1663,7 +1675,7 @@ class _Engine:
                     self._log_wait_end(request, outcome)
                 if outcome:
                     _section(self._complete_section, request)
-                return outcome  # type: ignore[no-any-return]
+                return outcome
             # In slices, on every thread: on the main thread a slice bounds how late a
             # signal's handler runs; everywhere it bounds how late the waiter sees that its
             # request became grantable without a post (code that ran inside its own wait
@@ -2199,6 +2211,11 @@ class LockManager(_Engine, Generic[K]):
         view._seconds = seconds
         return view
 
+    def _task_key_lock(self, key: K) -> AsyncKeyLock[K]:
+        """``aio[key]`` (the engine's task operations are in ``_Engine``)."""
+        hash(key)  # an unhashable key fails here, as it does in the core
+        return AsyncKeyLock(self, key)
+
     def __getitem__(self, key: K) -> KeyLock[K]:
         """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
         return KeyLock(self, key)
@@ -2232,11 +2249,11 @@ class LockManager(_Engine, Generic[K]):
 
     def locked(self, key: K) -> bool:
         """Whether any thread holds ``key``."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds ``key``."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _written_by, self._table_key(key), _existing_token())
 
     def owner(self, key: K) -> int | None:
@@ -2245,15 +2262,15 @@ class LockManager(_Engine, Generic[K]):
 
     def recursion_count(self, key: K) -> int:
         """How many times the calling thread holds ``key`` (0 if it does not)."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _write_level, self._table_key(key), _existing_token())
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` is currently held (by any thread)."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def _owner_and_count(self, key: K) -> tuple[int | None, int]:
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _owner_and_count, self._table_key(key))
 
     def _release_save(self, key: K) -> tuple[int, int]:
@@ -2343,19 +2360,19 @@ class RWLockManager(_Engine, Generic[K]):
 
     def readers(self, key: K) -> int:
         """How many threads hold ``key`` for reading."""
-        return self._run_on_key(_reader_count, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_reader_count, self._table_key(key))
 
     def write_locked(self, key: K) -> bool:
         """Whether a thread holds ``key`` for writing."""
-        return self._run_on_key(_written, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_written, self._table_key(key))
 
     def __contains__(self, key: object) -> bool:
         """Whether ``key`` has any holder."""
-        return self._run_on_key(_has_holder, self._table_key(key))  # type: ignore[no-any-return]
+        return self._run_on_key(_has_holder, self._table_key(key))
 
     def _read_count(self, key: K) -> int:
         """How many times the calling thread reads ``key``."""
-        return self._run_on_key(  # type: ignore[no-any-return]
+        return self._run_on_key(
             _read_level, self._table_key(key), _existing_token())
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from opentelemetry import metrics as _metrics
@@ -39,6 +39,9 @@ except ImportError as error:  # pragma: no cover - tested in a subprocess withou
 from importlib.metadata import PackageNotFoundError, version
 
 from ._observe import HISTOGRAM_BOUNDS
+
+if TYPE_CHECKING:
+    from ._contract import Engine
 
 __all__ = ["Instrumentation", "instrument"]
 
@@ -114,11 +117,12 @@ class Instrumentation:
         self.attributes = {"lockmgr.manager": name}
         self.manager = weakref.ref(manager)
         # PostgreSQL managers wait in their in-process engine.
-        self._engine = weakref.ref(getattr(manager, "_engine", manager))
+        engine: Engine = getattr(manager, "_engine", manager)
+        self._engine = weakref.ref(engine)
         self._instruments = instruments
         instruments.join(self)
         self._observer = self._record_wait  # one bound method: removed by identity
-        getattr(manager, "_engine", manager)._add_wait_observer(self._observer)
+        engine._add_wait_observer(self._observer)
 
     def _record_wait(self, seconds: float) -> None:
         self._instruments.waits.record(seconds, self.attributes)

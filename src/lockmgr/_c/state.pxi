@@ -10,7 +10,7 @@ cdef Py_tss_t token_key                   # per thread: its Token*, or NULL befo
 cdef unsigned long long searches = 0      # engine: numbers deadlock searches (Token.visit)
 cdef Table *tables = NULL                 # engine: every live table (previous/next_table)
 cdef Shard *touched_shards = NULL         # engine: the shards the engine holder has taken
-cdef PyObject *loop_thread = <PyObject*>LOOP_THREAD  # lockmgr._common keeps it alive
+cdef PyObject *loop_thread = <PyObject*>LOOP_THREAD  # lockmgr._owners keeps it alive
 cdef Token *waiting_threads = NULL        # engine: thread tokens waiting in a synchronous
                                           # acquire (Token.waiting_next); tasks follow their
                                           # loop's thread through it in a deadlock search
@@ -32,7 +32,7 @@ if PyThread_tss_create(&token_key) != 0:
 
 
 cdef inline size_t spread(Py_hash_t h) noexcept nogil:
-    """Mix a hash so its low bits depend on all of it (lockmgr._common.stripe_index)."""
+    """Mix a hash so its low bits depend on all of it (lockmgr._args.stripe_index)."""
     cdef uint64_t mixed = <uint64_t>h * 0x9E3779B97F4A7C15ULL
     return <size_t>(mixed ^ (mixed >> 32))
 

@@ -319,7 +319,7 @@ cdef class _TaskWait:
     cdef Py_ssize_t n           # how many nodes ``request`` has
     cdef _Engine manager        # whose table it waits in (kept alive while it waits)
     cdef _TaskOwner owner       # the task's (keeps the token alive while it waits)
-    cdef readonly object waker  # the task's Waker (see lockmgr._common.Waker)
+    cdef readonly object waker  # the task's Waker (see lockmgr._owners.Waker)
     cdef bint queued            # its request is (or may still be) in the table's queues
     # Set once queued, read by whoever awaits it (lockmgr._aio._wait_for_grant):
     cdef readonly double deadline  # monotonic seconds when it times out; < 0: never

@@ -54,9 +54,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from . import postgres
+from .. import postgres
+from ..postgres._sql import _GRANTED_ADVISORY
 from ._distributed_workers import LEASE, Servers, serve
-from .bench import Results, Settings, percentile, progress
+from ._measure import Results, Settings, percentile, progress
 
 PAUSE = LEASE * 1.25  # how long the paused holder stays stopped: past its lease
 MOST_PAUSES = 3  # paused holders per implementation in a full run (one with --quick)
@@ -69,10 +70,10 @@ NAMES = 100_000  # names counted for their distinct lock keys; bound of the coll
 #: a second holder then gets in, and the fence is what keeps the first one's write out.
 SESSION_ENDED_WHILE_PAUSED = frozenset({"lockmgr fenced"})
 #: What the fork server imports once for every worker it forks: the workers' module (not this
-#: one, which imports the bench's command line: a worker started by ``python -m lockmgr.bench``
-#: runs that module afresh as its ``__mp_main__``) and the peers.
-PRELOADED = ["lockmgr._distributed_workers", "redis", "redis_lock", "pottery", "tooz.coordination",
-             "tooz.drivers.pgsql"]
+#: one, which imports the bench's measuring: a worker started by ``python -m lockmgr.bench``
+#: runs the command line afresh as its ``__mp_main__``) and the peers.
+PRELOADED = ["lockmgr.bench._distributed_workers", "redis", "redis_lock", "pottery",
+             "tooz.coordination", "tooz.drivers.pgsql"]
 
 #: The columns, and the parts each runs beside the pairs and hand-offs that all run:
 #: "lockmgr fenced" (``fencing=True``) shows what its fences cost, and a paused holder whose
@@ -248,7 +249,7 @@ def end_session_holding(servers: Servers, key: str) -> None:
     a network partition (the server's keepalive giving up on the paused host) would."""
     with psycopg.connect(servers.pg_dsn, autocommit=True) as admin:
         ended = admin.execute(
-            f"SELECT pg_terminate_backend(pid) FROM {postgres._GRANTED_ADVISORY} %s",
+            f"SELECT pg_terminate_backend(pid) FROM {_GRANTED_ADVISORY} %s",
             (postgres.advisory_key(key, servers.run),)).fetchall()
     if not ended:
         raise RuntimeError(f"no server session holds {key!r}")

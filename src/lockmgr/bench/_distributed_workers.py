@@ -1,4 +1,4 @@
-"""The worker processes of ``lockmgr-bench --scenario distributed`` (``_distributed_bench``
+"""The worker processes of ``lockmgr-bench --scenario distributed`` (``_distributed``
 drives them): each runs one implementation and answers the parent's commands over a pipe.
 
 This module is what multiprocessing's fork server imports once for every worker it forks, so
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
-from . import LockLost, postgres
+from .. import LockLost, postgres
 
 LEASE = 2.0  # seconds: the Redis locks' lease, as in the issue
 

@@ -1,0 +1,135 @@
+"""The errors (the public exception classes) and the messages both engines raise them with."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+from ._owners import LOOP_THREAD
+from ._views import _short
+
+
+class LockError(Exception):
+    """Base class of every error lockmgr raises."""
+
+
+class LockTimeout(LockError, TimeoutError):
+    """A key could not be acquired within the timeout."""
+
+
+class NotOwnedError(LockError, RuntimeError):
+    """The calling thread released (or asked to give up) a key it does not hold."""
+
+
+class DeadlockError(LockError, RuntimeError):
+    """Waiting for a key would close a cycle of threads waiting for each other.
+
+    ``cycle`` lists the cycle as ``(owner, key it waits for)`` pairs, starting with the
+    refused request; each owner waits for the next one (the last for the first). An owner
+    is a thread's ident or an asyncio task; a task whose event loop's thread is blocked in
+    a synchronous acquire waits for that thread, shown as the key ``LOOP_THREAD``.
+    """
+
+    def __init__(self, message: str, cycle: list[tuple[Any, Hashable]]) -> None:
+        super().__init__(message)
+        self.cycle = cycle
+
+
+class NestedWaitError(LockError, RuntimeError):
+    """A thread that is already waiting for a key tried to wait for another.
+
+    Only code that runs inside a wait can do that: a signal handler, or a finalizer (on
+    3.12+ the garbage collector runs inside the waits of every thread). Such code may take
+    free keys, re-enter held ones, try-lock and release; it may not queue.
+    """
+
+
+class LockLost(LockError):
+    """A key's lock went away under its holder (a database session that was lost)."""
+
+
+class AbandonedLockWarning(RuntimeWarning):
+    """A thread ended while holding a key; the key was released."""
+
+
+def describe_owner(owner: object) -> str:
+    """"thread 1234" for a thread's ident, "task 'name'" for an asyncio task."""
+    if isinstance(owner, int):
+        return f"thread {owner}"
+    get_name = getattr(owner, "get_name", None)
+    return f"task {get_name()!r}" if get_name is not None else f"task {owner!r}"
+
+
+def _cycle_step(owner: object, key: Hashable) -> str:
+    if key is LOOP_THREAD:
+        return f"{describe_owner(owner)} waits for its event loop's thread"
+    return f"{describe_owner(owner)} waits for key {_short.repr(key)}"
+
+
+def deadlock(cycle: list[tuple[Any, Hashable]]) -> DeadlockError:
+    """The error for a wait that would close ``cycle`` (see DeadlockError.cycle)."""
+    steps = "; ".join(_cycle_step(owner, key) for owner, key in cycle)
+    return DeadlockError(
+        f"waiting for key {_short.repr(cycle[0][1])} would deadlock: {steps}, "
+        f"held or queued ahead by the next owner in this list (the last by the first)",
+        cycle,
+    )
+
+
+def warn_abandoned(owner: object, keys: list[Hashable]) -> None:
+    """Report keys released because their owner (a thread's ident, or an asyncio task)
+    ended while holding them."""
+    for key in keys:
+        warnings.warn(
+            f"{describe_owner(owner)} ended holding key {_short.repr(key)}; released it",
+            AbandonedLockWarning,
+            stacklevel=1,
+        )
+
+
+def not_owned(key: object) -> NotOwnedError:
+    return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
+
+
+def block_in_use(task: object, ended: bool) -> RuntimeError:
+    """Entering an ``async with`` object that another task is inside (its record holds one
+    task at a time: see lockmgr._aio)."""
+    whose = "a task that ended inside it (its coroutine is not closed yet)" if ended else (
+        f"another task ({task!r})")
+    return RuntimeError(
+        f"this async with object is already entered by {whose}; enter one object per "
+        "block: async with aio[key] or aio.hold(key) makes a fresh one")
+
+
+def not_owned_block(key: object, task: object) -> NotOwnedError:
+    """A PostgreSQL block's exit run by another task than the live one inside it, whose
+    connection it cannot use."""
+    return NotOwnedError(
+        f"the block holding key {_short.repr(key)} is {task!r}'s, which still runs; its "
+        "exit ran in another task and cannot release for it (the key stays held until that "
+        "task releases it or ends)")
+
+
+def not_entered() -> RuntimeError:
+    return RuntimeError("__aexit__ of an async with object that is not entered")
+
+
+def pinned(key: object) -> NotOwnedError:
+    """Releasing a level that a waiting ``acquire_many`` of the same thread took."""
+    return NotOwnedError(f"key {_short.repr(key)} is held only by a waiting acquire_many of this thread")
+
+
+def nested_wait(key: object) -> NestedWaitError:
+    return NestedWaitError(
+        f"cannot wait for key {_short.repr(key)}: this thread is already waiting for a key "
+        "(a signal handler or finalizer runs inside that wait)"
+    )
+
+
+def count_overflow(key: object) -> OverflowError:
+    return OverflowError(f"recursion count of key {_short.repr(key)} would exceed sys.maxsize")
+
+
+def timed_out(key: object, seconds: float) -> LockTimeout:
+    return LockTimeout(f"key {_short.repr(key)} not acquired within {seconds:g} s")

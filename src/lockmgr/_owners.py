@@ -1,0 +1,127 @@
+"""asyncio tasks as owners: the task of the running code, the event loop thread's token, and
+the ``Waker`` a waiting task sleeps on."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+
+class _LoopThread:
+    """The "key" a task waits for in a deadlock cycle when what it needs is the thread that
+    runs its event loop (blocked in a synchronous acquire)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<its event loop's thread>"
+
+
+LOOP_THREAD: Any = _LoopThread()
+
+
+# -- asyncio tasks as owners -------------------------------------------------------------------
+
+#: What an engine's ``settle`` answers when a wake-up is already on its way to the task: it
+#: must wait for that wake-up (its ``Waker`` post) before its request may change again.
+AWAIT_POST = "await post"
+
+
+def current_task_or_none() -> Any:
+    """The running asyncio task, or None outside one."""
+    try:
+        return sys.modules["asyncio"].current_task()  # imported by whoever runs a loop
+    except (KeyError, RuntimeError):  # no asyncio yet, or no running loop
+        return None
+
+
+def current_task_or_raise() -> Any:
+    """The running asyncio task: the owner of every ``aio`` call (RuntimeError outside one)."""
+    task = current_task_or_none()
+    if task is None:
+        not_in_task()
+    return task
+
+
+def not_in_task() -> NoReturn:
+    raise RuntimeError(
+        "lockmgr's aio methods must be called from an asyncio task (the task owns the "
+        "keys it acquires); threads use the manager's own methods"
+    )
+
+
+def running_loop() -> Any:
+    """The running event loop (the caller runs in a task: asyncio is imported)."""
+    return sys.modules["asyncio"].get_running_loop()
+
+
+class Waker:
+    """How a lock table wakes one waiting task: the task sleeps on a future of its loop; a
+    grant or wake-up *posts* (from any thread, never inside a section); the task takes the
+    post before it looks at its request again. A binary semaphore, like a waiting thread's
+    wakeup lock, whose count is touched on the loop's thread only."""
+
+    __slots__ = ("future", "loop", "lost", "posts", "thread")
+
+    def __init__(self, loop: Any) -> None:
+        self.loop = loop
+        self.thread = threading.get_ident()  # the thread running the task (and its loop)
+        self.posts = 0  # loop thread only
+        self.future: Any = None  # loop thread only: what the task sleeps on
+        # Set by the engine while the task waits: what to do if its loop is closed (the
+        # task can never run again): leave the queues, release what the task holds.
+        self.lost: Callable[[], object] | None = None
+
+    def post(self) -> None:
+        """Wake the task (any thread; it runs in a releasing call's finish)."""
+        try:
+            if self.loop.is_closed():
+                raise RuntimeError("its event loop is closed")
+            if threading.get_ident() == self.thread:
+                self._post_here()
+            else:
+                self.loop.call_soon_threadsafe(self._post_here)
+        except RuntimeError:  # closed (maybe just now): the task never runs again
+            lost, self.lost = self.lost, None
+            if lost is not None:
+                lost()
+
+    def _post_here(self) -> None:
+        self.posts += 1
+        future = self.future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def take_post(self) -> bool:
+        if self.posts:
+            self.posts -= 1
+            return True
+        return False
+
+    async def sleep(self, deadline: float) -> None:
+        """Until a post is there, or the monotonic ``deadline`` (< 0: none) passed. The
+        future is published before ``posts`` is read: a post from code that runs in
+        between (a signal handler's release, a collection's finalizer) is counted before
+        the check, or finds the future to resolve after it."""
+        future = self.future = self.loop.create_future()
+        if self.posts:
+            self.future = None
+            return
+        timer = None
+        if deadline >= 0:
+            timer = self.loop.call_later(max(deadline - time.monotonic(), 0.0), _settle_future,
+                                         future)
+        try:
+            await future
+        finally:
+            self.future = None
+            if timer is not None:
+                timer.cancel()
+
+
+def _settle_future(future: Any) -> None:
+    if not future.done():
+        future.set_result(None)

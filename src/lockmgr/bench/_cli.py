@@ -1,0 +1,192 @@
+"""``lockmgr-bench``: lockmgr against threading.Lock and friends, side by side in one run.
+
+Run ``lockmgr-bench --quick`` (or ``python -m lockmgr.bench --quick``); ``--help`` lists the
+scenarios and options. The table goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import sys
+import threading
+
+from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS, async_implementations
+from ._measure import Results, Settings, progress
+from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
+from ._servers import postgres_processes, redis_server, server_pairs
+from ._threads import (
+    ASKED_FOR_ONLY,
+    BASELINE,
+    PG_SCENARIOS,
+    SCENARIOS,
+    _engine_module,
+    implementations,
+)
+
+
+def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="lockmgr-bench",
+        description="Compare lockmgr with threading.Lock and friends on this machine.",
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in under a minute")
+    parser.add_argument("--scenario", action="append",
+                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "server-pairs", "distributed"],
+                        help="run only this scenario (repeatable; default: all but "
+                             "distributed, which runs only when named: it needs --pg-dsn, "
+                             "--redis and lockmgr[compare])")
+    parser.add_argument("--impl", action="append", choices=impl_names,
+                        help="run only this implementation (repeatable; default: all)")
+    parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4; scaling uses 1, 2 and the CPU count)")
+    parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
+    parser.add_argument("--contention-report", metavar="PATH.png",
+                        help="instead of the scenarios: run hot-key and a skewed many-keys "
+                             "with lockmgr's metrics on and draw the wait-time histograms and "
+                             "the hot keys (needs lockmgr[plot])")
+    parser.add_argument("--pg-dsn", metavar="DSN",
+                        help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
+                             "threads of one process, and one process per thread; and to "
+                             "server-pairs; distributed takes it as a postgresql:// URL (the "
+                             "form tooz reads)")
+    parser.add_argument("--redis", metavar="URL|start",
+                        help="server-pairs beside redis-py's Lock, and distributed beside the "
+                             "Redis locks, on this Redis server ('start': a throwaway "
+                             "redis-server on 127.0.0.1)")
+    return parser.parse_args(argv)
+
+
+#: What ``--scenario distributed`` imports beside lockmgr (module: the package bringing it),
+#: all in ``lockmgr[compare]``.
+COMPARE_MODULES = {"psycopg": "psycopg", "redis": "redis", "redis_lock": "python-redis-lock",
+                   "pottery": "pottery", "tooz": "tooz", "psycopg2": "psycopg2-binary"}
+
+
+def distributed_refusal(pg_dsn: str | None, redis: str | None) -> str | None:
+    """Why ``--scenario distributed`` cannot run with these options here, if it cannot."""
+    if not (pg_dsn and redis):
+        return "distributed needs --pg-dsn and --redis"
+    if not pg_dsn.startswith(("postgresql://", "postgres://")):
+        return "distributed needs --pg-dsn as a postgresql:// URL (the form tooz reads)"
+    missing = [package for module, package in COMPARE_MODULES.items()
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        return (f"distributed needs lockmgr[compare] ({', '.join(missing)} missing here): "
+                "pip install 'lockmgr[compare]'")
+    return None
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """An option's value before argparse runs (it decides which implementations exist)."""
+    for index, argument in enumerate(argv):
+        if argument == name and index + 1 < len(argv):
+            return argv[index + 1]
+        if argument.startswith(name + "="):
+            return argument.split("=", 1)[1]
+    return None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    pg_dsn = _option(argv if argv is not None else sys.argv[1:], "--pg-dsn")
+    available = implementations(pg_dsn)
+    async_available = async_implementations()
+    args = parse_args(argv, list(dict.fromkeys([*available, *async_available])))
+    drawing = args.plot or args.contention_report
+    if drawing and importlib.util.find_spec("matplotlib") is None:
+        option = "--plot" if args.plot else "--contention-report"
+        print(f"lockmgr-bench: {option} needs matplotlib: pip install 'lockmgr[plot]'",
+              file=sys.stderr)
+        return 2
+    if args.redis and importlib.util.find_spec("redis") is None:
+        print("lockmgr-bench: --redis needs redis-py: pip install 'lockmgr[bench]'",
+              file=sys.stderr)
+        return 2
+    impls = args.impl or [name for name in dict.fromkeys([*available, *async_available])
+                           if name not in ASKED_FOR_ONLY]
+    settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
+    if args.contention_report:
+        report = contention_runs(_engine_module().LockManager, settings)
+        print(header(machine()))
+        print("\n".join(report_lines(report)))
+        contention_report(report, args.contention_report)
+        progress(f"wrote {args.contention_report}")
+        return 0
+    results = Results()
+    servers = args.pg_dsn or args.redis
+    for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else []),
+                                      *ASYNC_SCENARIOS]:
+        if scenario == "server-pairs":
+            with contextlib.ExitStack() as stack:
+                named = {"postgres": args.pg_dsn} if args.pg_dsn else {}
+                if args.redis:
+                    named["redis-py"] = stack.enter_context(redis_server(args.redis))
+                if not named:
+                    print("lockmgr-bench: server-pairs needs --pg-dsn or --redis (or both)",
+                          file=sys.stderr)
+                    return 2
+                server_pairs(named, settings, results)
+            continue
+        if scenario == "distributed":
+            refusal = distributed_refusal(args.pg_dsn, args.redis)
+            if refusal:
+                print(f"lockmgr-bench: {refusal}", file=sys.stderr)
+                return 2
+            from ._distributed import distributed
+
+            with redis_server(args.redis) as redis_url:
+                distributed(args.pg_dsn, redis_url, settings, results)
+            continue
+        if scenario in ASYNC_SCENARIOS:
+            for name in impls:
+                if name in async_available:
+                    progress(f"{scenario}: {name}")
+                    ASYNC_SCENARIOS[scenario](name, async_available[name](), settings, results)
+            continue
+        for name in impls:
+            if name not in available:
+                continue
+            subject = available[name]()
+            if subject.scenarios is not None and scenario not in subject.scenarios:
+                continue
+            progress(f"{scenario}: {name}")
+            SCENARIOS[scenario](name, subject, settings, results)
+        if args.pg_dsn and scenario in PG_SCENARIOS:
+            progress(f"{scenario}: postgres-processes")
+            postgres_processes(args.pg_dsn, scenario, settings, results)
+    about = machine()  # after the runs: whether something they imported turned the GIL on
+    print(header(about))
+    # Up to three tables: the thread scenarios (ratios to threading.Lock), the asyncio ones
+    # (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr over
+    # PostgreSQL), each with the implementations it measured as columns.
+    for scenarios, baseline in ((set(SCENARIOS) | {"server-pairs"}, BASELINE),
+                                (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
+                                ({"distributed"}, "lockmgr")):
+        rows = [row for row in results.rows if row["scenario"] in scenarios]
+        if not rows:
+            continue
+        measured = {row["impl"] for row in rows}  # with postgres-processes, redis-py
+        columns = [name for name in dict.fromkeys([*impls, *(row["impl"] for row in rows)])
+                   if name in measured]
+        print()
+        print("\n".join(table(results, columns, baseline, scenarios)))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"machine": about, "results": results.rows}, out, indent=2)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        measured = {row["impl"] for row in results.rows}
+        plot(results, [name for name in dict.fromkeys([*impls, *(row["impl"] for row in results.rows)])
+                       if name in measured], args.plot)
+        progress(f"wrote {args.plot}")
+    return 0

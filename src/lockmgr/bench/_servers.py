@@ -1,0 +1,121 @@
+"""Lock servers in processes of their own: PostgreSQL's scenarios with one worker process per
+thread, acquire+release pairs through each server (``server-pairs``), and the Redis server
+``--redis start`` runs. The workers are the modules ``pg_worker`` and ``server_worker``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from .._signals import sigterm_interrupts
+from ._measure import progress
+
+if TYPE_CHECKING:
+    from ._measure import Results, Settings
+
+
+def postgres_processes(dsn: str, scenario: str, settings: Settings, results: Results) -> None:
+    """The same scenario with one worker process per thread: contention through the server."""
+    seconds = settings.scaled(1.0, 3.0)
+    namespace = f"lockmgr-bench-{os.getpid()}-{time.time()}"
+    workers = [subprocess.Popen([sys.executable, "-m", "lockmgr.bench.pg_worker", dsn, namespace,
+                                 scenario, str(settings.keys), str(index), str(seconds)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for index in range(settings.threads)]
+    time.sleep(0.5)  # let them connect and import before the clock starts
+    for worker in workers:
+        assert worker.stdin is not None
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+    total = sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers)
+    results.add(scenario, "postgres-processes", "throughput", total / seconds, "acq/s")
+
+
+def server_pairs(servers: dict[str, str], settings: Settings, results: Results) -> None:
+    """Acquire+release pairs per second through each lock server, side by side: one
+    process, then ``--threads`` processes each on its own keys; runs alternate between the
+    servers (the median of three, one with ``--quick``) so that both see the same machine."""
+    seconds = settings.scaled(0.5, 2.0)
+    rounds = 1 if settings.quick else 3
+    counts = sorted({1, settings.threads})
+    for count in counts:
+        measured: dict[str, list[float]] = {name: [] for name in servers}
+        for _ in range(rounds):
+            for name, address in servers.items():
+                progress(f"server-pairs: {name}, {count} process(es)")
+                measured[name].append(_pairs_per_second(name, address, count, seconds))
+        metric = f"{count}-process" + ("es" if count > 1 else "")
+        for name, values in measured.items():
+            results.add("server-pairs", name, metric, statistics.median(values), "pairs/s")
+        if "postgres" in measured and "redis-py" in measured:
+            ratio = statistics.median(measured["postgres"]) / statistics.median(measured["redis-py"])
+            results.add("server-pairs", "postgres", f"{metric} vs redis-py", ratio, "x")
+
+
+def _pairs_per_second(backend: str, address: str, count: int, seconds: float) -> float:
+    namespace = f"lockmgr-bench-{os.getpid()}-{time.time()}"
+    workers = [subprocess.Popen([sys.executable, "-m", "lockmgr.bench.server_worker", backend,
+                                 address, namespace, str(index), str(seconds)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+               for index in range(count)]
+    try:
+        for worker in workers:  # all connected and warm before any starts
+            assert worker.stdout is not None
+            if worker.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a {backend} benchmark worker failed to start")
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
+        return sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers) / seconds
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+
+
+@contextlib.contextmanager
+def redis_server(option: str) -> Iterator[str]:
+    """``--redis URL`` takes that server; ``--redis start`` starts Debian's redis-server on
+    127.0.0.1 and a free port (no persistence) for the run and stops it afterwards."""
+    if option != "start":
+        yield option
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("lockmgr-bench: --redis start needs redis-server (Debian: apt-get install redis-server)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with sigterm_interrupts():
+        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                   "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        yield from _running_redis(server, port)
+
+
+def _running_redis(server: subprocess.Popen[bytes], port: int) -> Iterator[str]:
+    """Wait until ``server`` answers, yield its URL, stop it afterwards."""
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as probe:
+                    probe.sendall(b"PING\r\n")
+                    if probe.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

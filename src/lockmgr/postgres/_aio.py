@@ -1,0 +1,359 @@
+"""asyncio tasks on the PostgreSQL managers: ``PgLockManager.aio`` and ``PgRWLockManager.aio``.
+
+A task is an owner as a thread is: reentrant per task, ordered against the process's other
+tasks and threads by the manager's in-process engine (its ``aio`` view, the same table as
+the threads'), and across processes by PostgreSQL. The rules of ``lockmgr.postgres`` hold
+for tasks too, with these for the event loop:
+
+- **Connections**: a task holding keys has a connection of its own (keys are session
+  locks, and a waiting statement occupies its connection). It talks libpq directly, one
+  message and one round trip per first acquire and per last release, and waits for the
+  socket with the loop's readers, so other tasks run meanwhile. A task that ends still
+  holding keys has its connection closed at once (its server locks go with it; the
+  in-process engine releases its keys with an AbandonedLockWarning).
+- **Cancellation** (``task.cancel()``, ``asyncio.timeout``, Ctrl-C under ``asyncio.run``):
+  whatever the cancelled call may have taken on the server is given back by a *clean-up*
+  task — cancel the statement, read it to its end, release what this call may hold
+  (``_Session.unsure``) — that a second cancellation cannot interrupt (the caller waits for
+  it under ``asyncio.shield``; if cancelled again, the task's next call on the manager
+  waits for it first). Where it fails, the connection is closed: its keys are lost, never
+  left held. A cancelled release still releases.
+- **Releasing** talks to the server, so ``release`` is a coroutine here (the in-process
+  ``aio`` views release synchronously).
+- **A coroutine closed unrun** (``GeneratorExit``: the garbage collector finishing a task
+  whose loop was closed) can await nothing: what it may hold on the server goes with its
+  connection, closed at once.
+- **A loop closed with tasks pending** (asyncio.run's shutdown interrupted by another
+  Ctrl-C) leaves sessions nobody can talk on: the manager's next acquisition (from a task
+  or a thread), ``lost_keys()`` or ``close()`` closes their connections and ends their
+  tasks in process (``_Tasks.sweep_closed_loops``); a wait still queued there ends within a
+  second on PostgreSQL 14+ (``client_connection_check_interval``, set by every link).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
+from .._errors import timed_out
+from ._session import _same
+from ._sql import _MODE_NAMES
+from ._tasks import _PgBlockRecord, _enter_record, _exit_block
+
+if TYPE_CHECKING:
+    from ._engine import _PgEngine
+    from ._fences import Lease
+    from ._managers import PgLockManager, PgRWLockManager
+    from ._tasks import _Tasks
+
+K = TypeVar("K", bound=Hashable)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+__all__ = ["PgAsyncKeyLock", "PgAsyncLockManager", "PgAsyncRWLockManager"]
+
+
+class _AsyncHeld:
+    """What the ``aio`` views' ``hold()``, ``read()``, ``write()`` and ``hold_many()`` return:
+    ``async with`` gives the ``Lease``."""
+
+    __slots__ = ("_acquire", "_items", "_record", "_release", "_seconds", "_tasks")
+
+    def __init__(self, tasks: _Tasks, items: list[tuple[Hashable, int]],
+                 acquire: Callable[[], Awaitable[bool]],
+                 release: Callable[[], Awaitable[None]], seconds: float) -> None:
+        self._tasks = tasks
+        self._items = items
+        self._acquire = acquire
+        self._release = release
+        self._seconds = seconds
+        self._record = _PgBlockRecord()
+
+    async def __aenter__(self) -> Lease:
+        if not await self._acquire():
+            keys = [key for key, _ in self._items]
+            raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
+        await _enter_record(self._record, self._tasks, self._release)
+        return self._tasks.lease(self._items)
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
+        await _exit_block(self._record, self._items[0][0], self._release)
+
+
+class _PgAsyncView(Generic[K]):
+    """What both ``aio`` views share."""
+
+    __slots__ = ("_manager", "_tasks")
+
+    def __init__(self, manager: _PgEngine[K], tasks: _Tasks) -> None:
+        self._manager = manager
+        self._tasks = tasks
+
+    @property
+    def manager(self) -> _PgEngine[K]:
+        return self._manager
+
+    async def release_all(self) -> int:
+        """Release every key the current task holds, all levels; how many (LockLost, after
+        releasing everything, if some had been lost)."""
+        return await self._tasks.release_all(self._manager._engine.aio.release_all)
+
+    async def lost_keys(self) -> set[Hashable]:
+        """``PgLockManager.lost_keys()`` from a task: keys lost with their session that
+        their holders (threads and tasks of this process) have not yet released; checks
+        the current task's connection first, and the others' without waiting."""
+        tasks = self._tasks
+        session = tasks.session_or_none()
+        if session is not None:
+            await tasks.settle(session)
+        tasks.check_others(session)
+        return self._manager.lost_keys()
+
+    def fence(self, key: K) -> int:
+        """``PgLockManager.fence`` for the current task: the fence it holds ``key`` under."""
+        return self._tasks.fence(key)
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.{type(self).__name__} of {self._manager!r}>"
+
+
+class PgAsyncLockManager(_PgAsyncView[K]):
+    """``PgLockManager.aio``: the manager with the current asyncio task as owner.
+
+    Names, arguments and errors are those of ``PgLockManager``; acquiring *and releasing*
+    are coroutines (a release talks to the server). A cancelled acquire leaves nothing
+    held, here or on the server."""
+
+    __slots__ = ()
+    _manager: PgLockManager[K]
+
+    async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` for the current task across every process using this database and
+        namespace: True once held, False if ``blocking`` is false or ``timeout`` ran out."""
+        seconds = wait_seconds(blocking, timeout)
+        self._manager.advisory_key(key)  # a key PostgreSQL cannot take fails first
+        local = self._manager._engine.aio
+        return await self._tasks.take([(key, WRITE)], seconds,
+                                      lambda left: local.acquire(key, timeout=left),
+                                      lambda: local.release(key))
+
+    async def release(self, key: K) -> None:
+        """Undo one ``acquire`` (NotOwnedError if the task does not hold ``key``; LockLost,
+        the key then no longer held, if its session was lost)."""
+        local = self._manager._engine.aio
+        await self._tasks.give([(key, WRITE)], lambda: local.release(key))
+
+    def hold(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+        """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
+        seconds = hold_seconds(timeout)
+        return _AsyncHeld(self._tasks, [(key, WRITE)], lambda: self.acquire(key, timeout=seconds),
+                          lambda: self.release(key), seconds)
+
+    def __getitem__(self, key: K) -> PgAsyncKeyLock[K]:
+        return PgAsyncKeyLock(self, key)
+
+    async def acquire_many(self, keys: Iterable[K], blocking: bool = True,
+                           timeout: float = -1) -> bool:
+        """Lock every key of ``keys`` at once, or none."""
+        seconds = wait_seconds(blocking, timeout)
+        return await self._acquire_items(many_items(keys, _same), seconds)
+
+    async def release_many(self, keys: Iterable[K]) -> None:
+        await self._release_items(many_items(keys, _same))
+
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHeld:
+        seconds = hold_seconds(timeout)
+        items = many_items(keys, _same)
+        return _AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
+                          lambda: self._release_items(items), seconds)
+
+    async def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+        keys = [key for key, _ in items]
+        for key in keys:
+            self._manager.advisory_key(key)
+        local = self._manager._engine.aio
+        return await self._tasks.take(items, seconds,
+                                      lambda left: local.acquire_many(keys, timeout=left),
+                                      lambda: local.release_many(keys))
+
+    async def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
+        keys = [key for key, _ in items]
+        local = self._manager._engine.aio
+        await self._tasks.give(items, lambda: local.release_many(keys))
+
+    def owned(self, key: K) -> bool:
+        """Whether the current task holds ``key`` (a lost key is not held)."""
+        return bool(self._manager._engine.aio.owned(key)) and not self._tasks.lost_here(key, WRITE)
+
+    def recursion_count(self, key: K) -> int:
+        count = int(self._manager._engine.aio.recursion_count(key))
+        return 0 if count and self._tasks.lost_here(key, WRITE) else count
+
+    async def locked(self, key: K) -> bool:
+        """Whether any session of any process holds ``key`` (asks the server)."""
+        return await self._tasks.held_on_server(key, None)
+
+    def synchronized(self, key_func: Callable[..., K]
+                     ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
+                                   Callable[P, Coroutine[Any, Any, T]]]:
+        """Decorator for coroutine functions: each call holds ``key_func(*args, **kwargs)``
+        for the current task while it runs."""
+        return _synchronized(self.hold, key_func)
+
+
+class PgAsyncRWLockManager(_PgAsyncView[K]):
+    """``PgRWLockManager.aio``: shared/exclusive keys with the current task as owner (see
+    ``PgAsyncLockManager``)."""
+
+    __slots__ = ()
+    _manager: PgRWLockManager[K]
+
+    async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        return await self._acquire_one(key, READ, wait_seconds(blocking, timeout))
+
+    async def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        return await self._acquire_one(key, WRITE, wait_seconds(blocking, timeout))
+
+    async def _acquire_one(self, key: K, mode: int, seconds: float) -> bool:
+        self._manager.advisory_key(key)
+        local = self._manager._engine.aio
+        acquire = local.acquire_read if mode == READ else local.acquire_write
+        release = local.release_read if mode == READ else local.release_write
+        return await self._tasks.take([(key, mode)], seconds,
+                                      lambda left: acquire(key, timeout=left),
+                                      lambda: release(key))
+
+    async def release_read(self, key: K) -> None:
+        local = self._manager._engine.aio
+        await self._tasks.give([(key, READ)], lambda: local.release_read(key))
+
+    async def release_write(self, key: K) -> None:
+        local = self._manager._engine.aio
+        await self._tasks.give([(key, WRITE)], lambda: local.release_write(key))
+
+    def read(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+        seconds = hold_seconds(timeout)
+        return _AsyncHeld(self._tasks, [(key, READ)],
+                          lambda: self.acquire_read(key, timeout=seconds),
+                          lambda: self.release_read(key), seconds)
+
+    def write(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+        seconds = hold_seconds(timeout)
+        return _AsyncHeld(self._tasks, [(key, WRITE)],
+                          lambda: self.acquire_write(key, timeout=seconds),
+                          lambda: self.release_write(key), seconds)
+
+    async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
+                           blocking: bool = True, timeout: float = -1) -> bool:
+        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written)."""
+        seconds = wait_seconds(blocking, timeout)
+        return await self._acquire_items(rw_items(reads, writes, _same), seconds)
+
+    async def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        await self._release_items(rw_items(reads, writes, _same))
+
+    def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
+                  timeout: float | None = None) -> _AsyncHeld:
+        seconds = hold_seconds(timeout)
+        items = rw_items(reads, writes, _same)
+        return _AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
+                          lambda: self._release_items(items), seconds)
+
+    async def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
+        for key, _ in items:
+            self._manager.advisory_key(key)
+        reading = [key for key, mode in items if mode == READ]
+        writing = [key for key, mode in items if mode == WRITE]
+        local = self._manager._engine.aio
+        return await self._tasks.take(
+            items, seconds, lambda left: local.acquire_many(reading, writing, timeout=left),
+            lambda: local.release_many(reading, writing))
+
+    async def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
+        reading = [key for key, mode in items if mode == READ]
+        writing = [key for key, mode in items if mode == WRITE]
+        local = self._manager._engine.aio
+        await self._tasks.give(items, lambda: local.release_many(reading, writing))
+
+    def owned(self, key: K) -> bool:
+        """Whether the current task reads or writes ``key`` (a lost key is not held)."""
+        write, read = self._manager._engine._task_levels(key)
+        return bool(write and not self._tasks.lost_here(key, WRITE)
+                    or read and not self._tasks.lost_here(key, READ))
+
+    def recursion_count(self, key: K) -> int:
+        """How many times the current task writes ``key`` (0 if it does not)."""
+        count = int(self._manager._engine.aio.recursion_count(key))
+        return 0 if count and self._tasks.lost_here(key, WRITE) else count
+
+    async def write_locked(self, key: K) -> bool:
+        """Whether any session of any process writes ``key`` (asks the server)."""
+        return await self._tasks.held_on_server(key, _MODE_NAMES[WRITE])
+
+    def synchronized(self, key_func: Callable[..., K]
+                     ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
+                                   Callable[P, Coroutine[Any, Any, T]]]:
+        """As ``PgAsyncLockManager.synchronized``, holding the key for writing."""
+        return _synchronized(self.write, key_func)
+
+
+class PgAsyncKeyLock(Generic[K]):
+    """``locks.aio[key]``: one key as an asyncio lock of the current task, across processes
+    (``async with``, or ``await acquire()`` / ``await release()``)."""
+
+    __slots__ = ("_key", "_record", "_view")
+
+    def __init__(self, view: PgAsyncLockManager[K], key: K) -> None:
+        view.manager.advisory_key(key)  # a key PostgreSQL cannot take fails here
+        self._view = view
+        self._key = key
+        self._record = _PgBlockRecord()
+
+    @property
+    def key(self) -> K:
+        return self._key
+
+    async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return await self._view.acquire(self._key, blocking, timeout)
+
+    async def release(self) -> None:
+        await self._view.release(self._key)
+
+    async def locked(self) -> bool:
+        return await self._view.locked(self._key)
+
+    async def __aenter__(self) -> bool:
+        got = await self._view.acquire(self._key)
+        await _enter_record(self._record, self._view._tasks,
+                            lambda: self._view.release(self._key))
+        return got
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
+        await _exit_block(self._record, self._key, lambda: self._view.release(self._key))
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.PgAsyncKeyLock key={self._key!r}>"
+
+
+def _synchronized(hold: Callable[[Any], _AsyncHeld], key_func: Callable[..., Hashable]
+                  ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
+                                Callable[P, Coroutine[Any, Any, T]]]:
+    if not callable(key_func):
+        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+
+    def decorate(func: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(f"aio.synchronized() wraps coroutine functions; "
+                            f"{getattr(func, '__qualname__', func)!r} is not one")
+
+        @functools.wraps(func)
+        async def locked_call(*args: P.args, **kwargs: P.kwargs) -> T:
+            async with hold(key_func(*args, **kwargs)):
+                return await func(*args, **kwargs)
+
+        return locked_call
+
+    return decorate

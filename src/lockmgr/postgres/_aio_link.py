@@ -1,0 +1,243 @@
+"""A task's connection: ``_AsyncLink`` talks libpq with the loop's readers; ``_TaskSession``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from ._fences import _MADE_MEANWHILE
+from ._link import (
+    _ABORT_SECONDS,
+    _CANCEL_GRACE,
+    _FATAL_ERROR,
+    _Link,
+    _Overdue,
+    _Unanswered,
+    _answer_by,
+    _deadline,
+    _poll,
+)
+from ._server import _CHECK_UNSUPPORTED, _refusal, _setup_sql
+from ._session import _Session
+
+if TYPE_CHECKING:
+    from ._fences import _FenceTable
+
+
+class _AsyncLink(_Link):
+    """A ``_Link`` whose round trips await the socket on the running event loop.
+
+    Only its owner task talks on it; ``talking`` keeps other threads' checks off it while
+    it does, as for a thread's link."""
+
+    __slots__ = ()
+
+    @classmethod
+    async def connect_async(cls, dsn: str, connect_kwargs: dict[str, Any],
+                            statements: dict[bytes, bytes]) -> _AsyncLink:
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **connect_kwargs)
+        link = cls(conn, statements)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used
+        try:
+            try:
+                results = await link.run_all_async(_setup_sql(link.pgconn.server_version))
+            except _CHECK_UNSUPPORTED:
+                results = await link.run_all_async(_setup_sql(link.pgconn.server_version, False))
+            refusal = _refusal(results[0], link.pgconn.backend_pid)
+            if refusal is not None:
+                raise refusal
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def _finish(self) -> None:
+        self.pgconn.finish()  # AsyncConnection.close() is a coroutine; this is all it does here
+
+    async def run_async(self, sql: str, deadline: float | None | bool = True) -> Any:
+        return (await self.run_all_async(sql, deadline))[-1]
+
+    async def run_all_async(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
+        return await self._round_trip_async(_deadline(deadline), self.pgconn.send_query,
+                                            sql.encode())
+
+    async def call_async(self, statement: bytes, ident: int,
+                         deadline: float | None | bool = True) -> Any:
+        answer_by = _deadline(deadline)
+        if statement not in self.prepared:
+            try:
+                await self._round_trip_async(_answer_by() if answer_by is None else answer_by,
+                                             self.pgconn.send_prepare, statement,
+                                             self.statements[statement])
+            except pg_errors.DuplicatePreparedStatement:
+                pass  # a clean-up after a cancellation drained the answer we never read
+            self.prepared.add(statement)
+        results = await self._round_trip_async(answer_by, self.pgconn.send_query_prepared,
+                                               statement, [b"%d" % ident])
+        return results[-1]
+
+    async def _round_trip_async(self, deadline: float | None, send: Callable[..., None],
+                                *args: Any) -> list[Any]:
+        """Send, then read every result (past ``deadline``, as ``_Link._round_trip``). A
+        cancellation leaves the statement running, and the connection ``talking`` (other
+        threads' and tasks' checks keep off it): the clean-up task ends the statement on
+        the server (``abort``), then the talk."""
+        pgconn = self.pgconn
+        results: list[Any] = []
+        self.cancelled_late = False
+        with self.guard:
+            previous, self.talking = self.talking, True
+        try:
+            send(*args)
+            while pgconn.flush():
+                while not await self._ready(writing=True, deadline=deadline):
+                    deadline = await self._past_deadline_async()
+            while True:
+                if pgconn.is_busy():
+                    while not await self._ready(writing=False, deadline=deadline):
+                        deadline = await self._past_deadline_async()
+                    pgconn.consume_input()
+                    continue
+                result = pgconn.get_result()
+                if result is None:
+                    break
+                results.append(result)
+        except BaseException:
+            if pgconn.transaction_status != TransactionStatus.ACTIVE:
+                self.talking = previous
+            raise  # else still talking: see above
+        self.talking = previous  # (True within a clean-up)
+        encoding = self.conn.info.encoding
+        for result in results:
+            if result.status == _FATAL_ERROR:
+                error = pg_errors.error_from_result(result, encoding=encoding)
+                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                                   " cancelled") from error
+                raise error
+        return results
+
+    async def _past_deadline_async(self) -> float:
+        """``_Link._past_deadline`` on the event loop."""
+        if self.cancelled_late:
+            self.close()
+            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
+                              " connection was closed")
+        self.cancelled_late = True
+        grace = time.monotonic() + _CANCEL_GRACE
+        conn: psycopg.AsyncConnection[Any] = self.conn  # type: ignore[assignment]
+        try:
+            await conn.cancel_safe(timeout=_CANCEL_GRACE)
+        except psycopg.Error:
+            pass  # no answer to the cancel either: the grace ends with the close
+        return grace
+
+    async def _ready(self, writing: bool, deadline: float | None = None) -> bool:
+        """Until the socket is ready (True) or ``deadline`` passed (False)."""
+        if deadline is not None and deadline <= time.monotonic():  # an answer there counts
+            return False if writing else bool(_poll(self.poller, 0))
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        fd = self.pgconn.socket
+        if writing:
+            loop.add_writer(fd, _set_once, ready)
+        else:
+            loop.add_reader(fd, _set_once, ready)
+        # the loop's clock is time.monotonic (asyncio's default): the timer wakes this
+        # wait at the deadline, and the next call ends the round trip
+        timer = (None if deadline is None
+                 else loop.call_later(deadline - time.monotonic(), _set_late, ready))
+        try:
+            return await ready is not False
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if writing:
+                loop.remove_writer(fd)
+            else:
+                loop.remove_reader(fd)
+
+    async def abort(self) -> None:
+        """A cancelled round trip left a statement running: cancel it on the server and read
+        it to its end, so that the connection is idle again; if that fails, close it."""
+        if self.pgconn.transaction_status != TransactionStatus.ACTIVE:
+            return
+        try:
+            conn: psycopg.AsyncConnection[Any] = self.conn  # type: ignore[assignment]
+            await conn.cancel_safe(timeout=_ABORT_SECONDS)
+            await asyncio.wait_for(self._drain(), _ABORT_SECONDS)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _drain(self) -> None:
+        pgconn = self.pgconn
+        while pgconn.flush():  # a message cut short by the cancellation: the rest first
+            await self._ready(writing=True)
+        while True:
+            if pgconn.is_busy():
+                await self._ready(writing=False)
+                pgconn.consume_input()
+            elif pgconn.get_result() is None:
+                return
+
+
+async def _make_fence_table(link: _AsyncLink, table: _FenceTable,
+                            deadline: float | bool) -> None:
+    """``postgres._make_fence_table`` on a task's connection."""
+    for attempt in range(2):
+        if (await link.run_async(table.exists_sql, deadline)).get_value(0, 0) == b"t":
+            return
+        try:
+            await link.run_async(table.create_sql, deadline)
+            return
+        except _MADE_MEANWHILE:
+            if attempt:
+                raise
+
+
+async def _clean_up_done(cleaning: asyncio.Task[None], deadline: float | bool) -> None:
+    """Wait for a clean-up task without cancelling it: until ``deadline`` if it is a time
+    (then ``_Overdue``, the clean-up going on), else however long it takes."""
+    if deadline is True:
+        await asyncio.shield(cleaning)
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(cleaning), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise _Overdue("an earlier call's clean-up has not ended in time") from None
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _set_late(future: asyncio.Future[bool | None]) -> None:
+    if not future.done():
+        future.set_result(False)
+
+
+class _TaskSession(_Session):
+    """One task's standing with one manager (a ``_Session``, the task as its owner)."""
+
+    __slots__ = ("cleaning", "ended")
+    link: _AsyncLink | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Set once the task's session ended (_Tasks.end): a block's exit releases nothing.
+        self.ended = False
+        # The clean-up task giving back what a cancelled call may hold (set by the owner,
+        # cleared by the clean-up when it ends): the owner's next call waits for it.
+        self.cleaning: asyncio.Task[None] | None = None

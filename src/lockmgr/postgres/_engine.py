@@ -1,0 +1,767 @@
+"""The thread manager: ``_PgEngine``, what ``PgLockManager`` and ``PgRWLockManager`` share."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from .._args import READ, WRITE, hold_seconds
+from .._errors import DeadlockError, LockError, not_owned, timed_out
+from .._views import LockStats
+from .._observe import KeyState, LockMetrics
+from ._fences import (
+    DEFAULT_FENCE_TABLE,
+    _FenceTable,
+    Lease,
+    _fences_from,
+    _make_fence_table,
+    _no_fencing,
+    _read_has_no_fence,
+)
+from ._keys import _REMEMBERED_KEYS, _salt, _salted_key
+from ._link import (
+    _CANCEL_GRACE,
+    _CLIENT_TIMEOUTS,
+    _Link,
+    _Overdue,
+    _Unanswered,
+    _call_deadline,
+    _round_trip_deadline,
+)
+from ._server import _KEEPALIVES
+from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
+from ._sql import (
+    _FENCED_LOCK,
+    _GRANTED_ADVISORY,
+    _LOCK,
+    _MODE_NAMES,
+    _TRY_LOCK,
+    _UNLOCK,
+    _drop_sql,
+    _lock_sql,
+    _milliseconds,
+    _not_released,
+    _unlock_sql,
+)
+
+if TYPE_CHECKING:
+    from .._contract import Engine
+    from ._session import _Session
+    from ._tasks import _Tasks
+
+K = TypeVar("K", bound=Hashable)
+_Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
+
+
+_MANAGERS: weakref.WeakSet[_PgEngine[Any]] = weakref.WeakSet()
+
+
+def _forget_parent_sessions() -> None:
+    for manager in list(_MANAGERS):
+        manager._forget_parent_sessions()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=_forget_parent_sessions)
+
+
+class _PgEngine(Generic[K]):
+    """What both PostgreSQL managers share: sessions, the advisory-lock calls, loss."""
+
+    _engine: Engine  # the in-process manager (lockmgr._contract)
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        namespace: str = "",
+        on_lost: Callable[[list[Hashable]], None] | None = None,
+        connect_kwargs: dict[str, Any] | None = None,
+        fencing: bool = False,
+        fence_table: str = DEFAULT_FENCE_TABLE,
+    ) -> None:
+        self._dsn = dsn
+        self._namespace = namespace
+        self._fencing = fencing
+        self._fence_table = _FenceTable(fence_table)
+        self._fence_table_made = False  # set once this manager has made sure it exists
+        self._salt = _salt(namespace)
+        self._str_idents: dict[str, int] = {}
+        self._on_lost = on_lost
+        self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
+        self._local = threading.local()
+        self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
+        self._idle: list[_Link] = []  # connections holding nothing
+        self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
+        self._tasks: _Tasks | None = None  # the asyncio tasks' sessions, from the first ``aio``
+        _MANAGERS.add(self)
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
+
+    def close(self) -> None:
+        """Close the idle connections (those of threads and tasks holding keys stay theirs)."""
+        with self._guard:
+            idle, self._idle = self._idle, []
+        for link in idle:
+            link.close()
+        if self._tasks is not None:
+            self._tasks.close()
+
+    def __enter__(self: _Manager) -> _Manager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_idle"):  # __init__ may have failed
+            self.close()
+
+    def _task_sessions(self) -> _Tasks:
+        from ._tasks import _Tasks
+
+        with self._guard:
+            if self._tasks is None:
+                self._tasks = _Tasks(self)
+            return self._tasks
+
+    def advisory_key(self, key: Hashable) -> int:
+        """The advisory key ``key`` uses in this manager's namespace."""
+        if type(key) is not str:
+            return _salted_key(key, self._salt)
+        # Each call hashes its keys more than once: recent str keys are remembered, in a
+        # table that is emptied when full (so memory stays bounded).
+        ident = self._str_idents.get(key)
+        if ident is None:
+            if len(self._str_idents) >= _REMEMBERED_KEYS:
+                self._str_idents.clear()
+            ident = self._str_idents[key] = _salted_key(key, self._salt)
+        return ident
+
+    def stats(self) -> LockStats:
+        """The in-process engine's counters (this process's threads)."""
+        stats: LockStats = self._engine.stats()
+        return stats
+
+    @property
+    def log_waits_after(self) -> float | None:
+        """Seconds after which a thread waiting for another thread of this process logs a
+        WARNING (None: never); waits on the server are PostgreSQL's ``log_lock_waits``."""
+        after: float | None = self._engine.log_waits_after
+        return after
+
+    def snapshot(self) -> list[KeyState]:
+        """The in-process engine's keys held or waited on by this process's threads and
+        tasks (other processes' locks are in PostgreSQL's ``pg_locks``)."""
+        states: list[KeyState] = self._engine.snapshot()
+        return states
+
+    def metrics(self) -> LockMetrics:
+        """The in-process engine's metrics (waits between this process's threads)."""
+        metrics: LockMetrics = self._engine.metrics()
+        return metrics
+
+    def __len__(self) -> int:
+        """Keys held by this process's threads and tasks (lost ones are not held)."""
+        held: int = len(self._engine)
+        lost = self._lost_items()
+        # (two reads: a key taken and lost between them must not make it negative)
+        return max(0, held - sum(1 for key in {key for key, _ in lost} if self._only_lost(key, lost)))
+
+    def _only_lost(self, key: Hashable,
+                   lost: collections.Counter[tuple[Hashable, int]]) -> bool:
+        """Whether every holder of ``key`` in process lost it (``lost``: ``_lost_items``)."""
+        return bool(lost[key, WRITE])
+
+    def lost_keys(self) -> set[Hashable]:
+        """Keys whose session was lost and that their holders (living threads of this
+        process) have not yet released.
+
+        Checks first, without waiting, the connection of every thread holding keys."""
+        session = self._session_or_none()
+        if session is not None:
+            self._settle(session)
+        with self._guard:
+            others = [other for other in self._sessions if other is not session]
+        for other in others:
+            link = other.link
+            if link is not None and link.idle_unless_busy() is False:
+                self._report(other, dead_link=link)
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()
+            self._tasks.check_others(None)
+        return {key for key, _ in self._lost_items()}
+
+    def release_all(self) -> int:
+        """Release every key the calling thread holds, all levels; returns how many.
+
+        Raises LockLost, after releasing everything, if some of them had been lost."""
+        session = self._session_or_none()
+        try:
+            if session is not None:
+                self._settle(session)
+                if session.levels:
+                    session.unsure = list(session.levels)
+                    self._unlock(session, session.unsure)
+        finally:  # interrupted or not, the thread holds nothing afterwards
+            lost: list[Hashable] = []
+            if session is not None:
+                lost = sorted({key for key, _ in session.lost}, key=repr)
+                session.forget_levels()
+                session.lost.clear()
+                session.reported.clear()
+                self._return_if_idle(session)
+            released: int = self._engine.release_all()
+        if lost:
+            raise _lost_error(lost)
+        return released
+
+    def fence(self, key: K) -> int:
+        """The fence under which the calling thread holds ``key`` for writing: the one its
+        first acquisition took, kept by reentrant ones (``lease.fence`` of ``hold``).
+
+        LockError without ``fencing=True`` or for a key only read, NotOwnedError if the
+        thread does not hold it, LockLost if its session was lost."""
+        self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything else
+        if not self._fencing:
+            raise _no_fencing()
+        session = self._session_or_none()
+        if session is not None:
+            self._settle(session)  # a connection found dead loses its keys first
+            if session.lost.get((key, WRITE)):
+                raise _lost_error([key])
+            if session.levels.get((key, WRITE)):
+                return session.fences[key, WRITE]
+            if session.levels.get((key, READ)) or session.lost.get((key, READ)):
+                raise _read_has_no_fence(key)
+        raise not_owned(key)
+
+    def _fences_of(self, fresh: list[tuple[Hashable, int]],
+                   fences: dict[int, int]) -> dict[tuple[Hashable, int], int]:
+        """What ``_lock`` answered (fences by advisory key) for the fresh written items."""
+        if not self._fencing:
+            return {}
+        return {(key, mode): fences[self.advisory_key(key)] for key, mode in fresh if mode == WRITE}
+
+    def _lease(self, items: Sequence[tuple[Hashable, int]]) -> Lease:
+        """The calling thread's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self._fencing:
+            return Lease(keys, None)
+        session = self._session()
+        return Lease(keys, {key: session.fences[key, mode] for key, mode in items if mode == WRITE})
+
+    @contextmanager
+    def xact_lock(
+        self, conn: psycopg.Connection[Any], key: K, *, shared: bool = False,
+        timeout: float | None = None,
+    ) -> Iterator[None]:
+        """Lock ``key`` inside ``conn``'s open transaction (``pg_advisory_xact_lock*``).
+
+        The same key and namespace are the same lock as the managers' session-level ones.
+        Leaving the block does **not** release it: the end of the transaction does, so the
+        lock and the transaction's writes commit or roll back together. A timeout raises
+        LockTimeout with nothing held and the caller's transaction intact.
+        """
+        seconds = hold_seconds(timeout)
+        ident = self.advisory_key(key)
+        self._refuse_own_session_lock(key, shared)
+        if conn.info.transaction_status != TransactionStatus.INTRANS:
+            raise LockError("xact_lock needs an open transaction on conn: "
+                            "use it inside `with conn.transaction():`")
+        kind = "_shared" if shared else ""
+        if seconds == 0:
+            row = conn.execute(f"SELECT pg_try_advisory_xact_lock{kind}(%s), now()",
+                               (ident,)).fetchone()
+            if not row or not row[0]:
+                raise timed_out(key, seconds)
+        else:
+            deadline = None if seconds < 0 else time.monotonic() + seconds
+            previous = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+            try:
+                while True:
+                    left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
+                    try:
+                        with conn.transaction():  # a savepoint: a timeout leaves the caller's intact
+                            conn.execute(f"SET LOCAL lock_timeout = {left}")
+                            row = conn.execute(f"SELECT pg_advisory_xact_lock{kind}(%s), now()",
+                                               (ident,)).fetchone()
+                        break
+                    except pg_errors.LockNotAvailable:
+                        # lock_timeout's ceiling (about 24.8 days) is below threading's
+                        if deadline is None or deadline - time.monotonic() <= 0:
+                            raise timed_out(key, seconds) from None
+            except pg_errors.DeadlockDetected as error:
+                raise DeadlockError(f"PostgreSQL: {error}", []) from None
+            finally:
+                if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
+                    conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous[0],))
+        assert row is not None
+        self._note_xact_lock(conn, ident, shared, row[1])
+        yield
+
+    def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
+        """``xact_lock`` runs on the caller's connection, another server session than the
+        calling thread's: a session lock of that thread's on ``key`` in a conflicting mode
+        would make it wait for itself for ever."""
+        session = self._session_or_none()
+        if session is None:
+            return
+        self._settle(session)
+        modes = (WRITE,) if shared else (WRITE, READ)
+        if any(session.levels.get((key, mode)) for mode in modes):
+            raise DeadlockError(
+                f"the calling thread holds {key!r} through this manager: xact_lock on"
+                " another connection would wait for that lock, and so for itself, for ever",
+                [(threading.get_ident(), key)])
+
+    def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
+                        started: datetime.datetime) -> None:
+        """Remember, for the calling thread, an xact_lock taken in ``conn``'s transaction
+        that ``started`` (``_refuse_own_xact_lock``). Records of ended transactions go: the
+        list holds at most the keys of the transactions still open."""
+        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if records is None:
+            records = self._local.xact_locks = []
+        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
+        records[:] = [kept for kept in records if kept.may_hold() and kept != record
+                      and (kept.conn() is not conn or kept.started == started)]
+        records.append(record)
+
+    def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """The other order of ``_refuse_own_session_lock``: the calling thread took ``key``
+        with xact_lock in a transaction still open on another connection, so a session lock
+        of it in a conflicting mode would wait for itself. The server says whether that
+        transaction still holds it (one round trip, only for such a key)."""
+        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if not records:
+            return
+        records[:] = [record for record in records if record.may_hold()]
+        for key, mode in items:
+            ident = self.advisory_key(key)
+            for record in records:
+                if (record.ident == ident and (mode == WRITE or not record.shared)
+                        and self._held_in_transaction(record)):
+                    raise DeadlockError(
+                        f"the calling thread holds {key!r} with xact_lock in a transaction"
+                        " still open: a session lock of it would wait for that transaction,"
+                        " and so for itself, for ever", [(threading.get_ident(), key)])
+
+    # -- taking and giving back ---------------------------------------------------------------
+
+    def _take(self, items: Sequence[tuple[Hashable, int]], seconds: float,
+              local_acquire: Callable[[float], bool],
+              local_release: Callable[[], None]) -> bool:
+        """Take ``items`` ((key, mode) pairs) in-process, then in PostgreSQL, within
+        ``seconds``: all of them, or none."""
+        started = time.monotonic()
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
+        session = self._session()
+        self._settle(session, _call_deadline(started, seconds))
+        session.refuse_lost(items)
+        self._refuse_own_xact_lock(items)
+        before = {item: session.levels.get(item, 0) for item in items}
+        fresh = [item for item, levels in before.items() if not levels]
+        acquired = taken = False
+        try:
+            acquired = local_acquire(seconds)
+            if not acquired:
+                return False
+            session.taking = (before, fresh)
+            left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
+            fences = self._lock(session, fresh, left) if fresh else {}
+            # A connection lost on the way lost the keys this call re-entered too: the
+            # call fails, whatever a fresh connection then gave (the clean-up drops it).
+            session.refuse_lost(items)
+            if fences is not None:
+                session.granted(items, self._fences_of(fresh, fences))
+            # No check point from the last call to the end of the block: answered, counted.
+            session.unsure, session.taking = [], None
+            taken = fences is not None  # last: an interrupt before it finds the counts undone below
+        except BaseException as error:
+            if not acquired:
+                # An interrupt as the in-process acquisition returned (CPython checks for
+                # signals right after a call) finds it done all the same.
+                acquired = self._acquired_in_process(session, items)
+                raise
+            # Wherever the failure or interrupt came, the call failed: nothing it took stays
+            # held (a connection lost on the way already moved what it held to ``lost``).
+            session.undo_take(before, fresh)
+            client_timeout = seconds >= 0 and isinstance(error, _CLIENT_TIMEOUTS)
+            if fresh:
+                self._drop_or_lose(session, fresh, time.monotonic() + _CANCEL_GRACE
+                                   if client_timeout else True)
+            if not client_timeout:
+                raise
+            # A timed call that passed its deadline on the client timed out.
+            session.refuse_lost(items)
+            return False
+        finally:
+            # Timed out, failed or interrupted: the in-process acquisition goes back, from
+            # this one place only (an interrupt right after it must not give it back twice).
+            if acquired and not taken:
+                try:
+                    local_release()
+                finally:
+                    self._return_if_idle(session)
+        return taken
+
+    def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
+        """Whether the in-process engine holds every one of ``items`` for the calling
+        thread one level above what ``session`` records: an acquisition (all or none of
+        them: one call) whose result an interrupt took. Asked only then (a snapshot of
+        every key)."""
+        me = threading.get_ident()
+        counts: collections.Counter[tuple[Hashable, str]] = collections.Counter()
+        for state in self._engine.snapshot():
+            for holder in state.holders:
+                if holder.kind == "thread" and holder.owner == me:
+                    counts[state.key, holder.mode] += holder.count
+        return all(counts[key, "read" if mode == READ else "write"]
+                   > session.levels.get((key, mode), 0) + session.lost.get((key, mode), 0)
+                   for key, mode in items)
+
+    def _give(self, items: Sequence[tuple[Hashable, int]],
+              local_release: Callable[[], None]) -> None:
+        """Undo one ``_take`` of ``items``; LockLost (after undoing it) if any was lost."""
+        session = _holding(self._session_or_none(), items)
+        last = [item for item in items if session.levels.get(item) == 1]
+        # No round trip to the server will tell whether the connection lives, or an earlier
+        # clean-up was interrupted: settle first.
+        if (not last or session.unsure or session.link is None or session.taking is not None
+                or session.giving is not None):
+            self._settle(session)
+            last = [item for item in items if session.levels.get(item) == 1]
+        session.giving = list(items)
+        try:
+            if last:
+                session.unsure = last  # counted down below whatever happens
+                self._unlock(session, last)  # a connection lost on the way moves them to lost
+        finally:
+            # Each step however the one before ended: an interrupt at the count-down's entry
+            # leaves it to the next call (``giving``), never the in-process release undone.
+            try:
+                lost = session.given(items)
+            finally:
+                try:
+                    local_release()
+                finally:
+                    self._return_if_idle(session)
+        if lost:
+            raise _lost_error(sorted(set(lost), key=repr))
+
+    def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
+              seconds: float) -> dict[int, int] | None:
+        """Take PostgreSQL locks for ``items`` in ascending advisory-key order (so that two
+        processes taking overlapping sets never deadlock), all within ``seconds``, and with
+        fencing the written keys' next fences: one message, one round trip. None if not
+        granted in time, else the fences by advisory key."""
+        ordered = sorted(((self.advisory_key(key), mode) for key, mode in items))
+        fencing = self._fencing and any(mode == WRITE for _, mode in ordered)
+        deadline = None if seconds <= 0 else time.monotonic() + seconds
+        retried = False
+        while True:
+            link, fresh_link = (session.link, False) if session.link else self._attach(session)
+            # Unsure before the server can take them (a lost connection clears it): an
+            # interrupt after the grant, then another at the clean-up's first check point
+            # (undo_take's entry), would leave them held on the connection, recorded nowhere.
+            session.unsure = items
+            try:
+                left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
+                trying = seconds == 0 or (deadline is not None and left <= 0)
+                how = "try" if trying else "wait" if deadline is None else "timed"
+                answer_by = _round_trip_deadline(how, deadline)
+                if fencing and not self._fence_table_made:
+                    _make_fence_table(link, self._fence_table, answer_by or True)
+                    self._fence_table_made = True
+                if how != "timed" and len(ordered) == 1:
+                    ident, mode = ordered[0]
+                    statement = (_FENCED_LOCK[how] if fencing
+                                 else _TRY_LOCK[mode] if trying else _LOCK[mode])
+                    results = [link.call(statement, ident, answer_by)]
+                else:
+                    results = link.run_all(_lock_sql(ordered, how, left,
+                                                     self._fence_table if fencing else None),
+                                           answer_by)
+            except pg_errors.LockNotAvailable:
+                # Only timed waits set a lock_timeout, and they wait with transaction locks:
+                # the error rolled the wait back, a grant that raced it and fences included.
+                if deadline is not None and deadline - time.monotonic() > 0:
+                    continue  # lock_timeout's ceiling (about 24.8 days) is below threading's
+                return None
+            except pg_errors.DeadlockDetected as error:
+                raise DeadlockError(f"PostgreSQL: {error}", []) from None
+            except _Overdue:
+                # A step before a wait without a timeout (the prepare, the fence table's
+                # check) was cancelled at its deadline: the server is slow (a migration
+                # holds the fence table), and the wait waits, steps again included. A timed
+                # call times out (the caller drops what it may have taken).
+                if seconds >= 0:
+                    raise
+                continue
+            except psycopg.OperationalError as error:
+                if not link.broken():
+                    raise  # a cancelled statement: the caller drops what it may have taken
+                # The connection died: the keys held on it are lost, and so is this
+                # attempt; a connection that had been idle is replaced once. Unanswered
+                # by a timed call's deadline: the caller times out.
+                self._lose(session)
+                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
+                    raise
+                retried = True
+                continue
+            return _fences_from(results, ordered, how, fencing)
+
+    def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
+        """Release the PostgreSQL locks of ``items``. A lost connection moves every key held
+        on it to ``lost``; an interrupted release still releases."""
+        link = session.link
+        assert link is not None
+        try:
+            if len(items) == 1:
+                key, mode = items[0]
+                result = link.call(_UNLOCK[mode], self.advisory_key(key))
+            else:
+                result = link.run(_unlock_sql(items, self.advisory_key))
+        except psycopg.OperationalError as error:
+            if link.broken():
+                self._lose(session)
+                return
+            self._drop_or_lose(session, items)
+            if isinstance(error, _Overdue):
+                return  # released by the drop (or lost with the connection: LockLost)
+            raise
+        except BaseException:
+            self._drop_or_lose(session, items)
+            raise
+        session.unsure = []
+        gone = _not_released(result, items)
+        if gone:  # the server no longer had it: lost, though the connection lives
+            self._report(session, items=gone)
+
+    def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
+                      deadline: float | None | bool = True) -> None:
+        """After a failed or interrupted call: release on the server whichever of ``items``
+        this call may have taken (the levels it recorded before are not among them), by
+        ``deadline`` (``_Link.run``). If that cannot be done, end the session: its keys
+        are lost, nothing stays held. ``items`` are the session's ``unsure``, cleared once
+        done."""
+        link = session.link
+        if link is None:
+            session.unsure = []
+            return
+        try:
+            if not link.idle():
+                raise psycopg.OperationalError("the connection is not idle after an interrupt")
+            link.run(_drop_sql(items, self.advisory_key), deadline)
+            session.unsure = []
+        except Exception:
+            self._lose(session)  # the original failure is what the caller re-raises
+        except BaseException:
+            self._lose(session)
+            raise
+
+    # -- sessions and loss ----------------------------------------------------------------------
+
+    def _session_or_none(self) -> _Session | None:
+        end: _ThreadEnd | None = getattr(self._local, "end", None)
+        return None if end is None else end.session
+
+    def _session(self) -> _Session:
+        end: _ThreadEnd | None = getattr(self._local, "end", None)
+        if end is None:
+            end = self._local.end = _ThreadEnd(self)
+        return end.session
+
+    def _attach(self, session: _Session) -> tuple[_Link, bool]:
+        """Give the session a connection: an idle one that is still alive, or a new one."""
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()  # their connections may hold what we wait for
+        while True:
+            with self._guard:
+                link = self._idle.pop() if self._idle else None
+            if link is None:
+                link, fresh = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements), True
+                break
+            if link.idle():
+                fresh = False
+                break
+            link.close()
+        session.link = link
+        with self._guard:
+            self._sessions.add(session)
+        return link, fresh
+
+    def _return_if_idle(self, session: _Session) -> None:
+        """A thread that holds nothing gives its connection back."""
+        if session.holds_anything():
+            return
+        link, session.link = session.link, None
+        with self._guard:
+            self._sessions.discard(session)
+            session.reported.clear()
+            if link is not None and not session.dead and not link.broken():
+                self._idle.append(link)  # checked again before its next use
+                link = None
+        session.dead = False
+        if link is not None:
+            link.close()
+
+    def _settle(self, session: _Session, deadline: float | None | bool = True) -> None:
+        """The owner's check at every call: a dead connection loses what it held, and keys
+        an interrupted clean-up left unsure are released now (by ``deadline``)."""
+        if session.taking is not None:  # an interrupt kept a failed acquisition's undo from running
+            session.undo_take(*session.taking)
+        if session.giving is not None:  # ... or a release's count-down
+            session.given(session.giving)
+        link = session.link
+        if link is None:
+            if session.levels or session.unsure:  # a _lose interrupted half-way: finish it
+                self._lose(session)
+            return
+        if session.unsure:
+            self._drop_or_lose(session, session.unsure, deadline)
+            link = session.link
+            if link is None:
+                return
+        if session.dead or not link.idle():
+            self._lose(session)
+
+    def _lose(self, session: _Session) -> None:
+        """The session's connection is gone, and with it every lock it held (owner only)."""
+        link, session.link = session.link, None
+        session.unsure = []
+        with self._guard:
+            session.lose_levels()
+        if link is not None:
+            link.close()
+        self._report(session)
+        if not session.lost:
+            self._return_if_idle(session)
+
+    def _report(self, session: _Session, *, dead_link: _Link | None = None,
+                items: list[tuple[Hashable, int]] | None = None) -> None:
+        """Tell ``on_lost`` once about each key newly lost by ``session``: all it holds
+        (from another thread, which found ``dead_link`` dead), or just ``items`` (the
+        owner)."""
+        with self._guard:
+            if items is not None:
+                for item in items:
+                    session.lost[item] = session.lost.get(item, 0) + session.levels.pop(item)
+                    session.fences.pop(item, None)
+            if dead_link is not None:
+                # Checked under the guard, and probed before it: the owner may have handled
+                # that loss meanwhile and moved on to a new connection, which lives.
+                if session.link is not dead_link:
+                    return
+                session.dead = True
+            held = {key for key, _ in list(session.lost)}
+            if session.dead:
+                held |= {key for key, _ in list(session.levels)}
+            news = sorted(held - session.reported, key=repr)
+            session.reported |= held
+        if news and self._on_lost is not None:
+            self._on_lost(news)
+
+    def _lost_items(self) -> collections.Counter[tuple[Hashable, int]]:
+        """(key, mode) of every living thread's lost, unreleased keys: how many threads."""
+        lost: collections.Counter[tuple[Hashable, int]] = collections.Counter()
+        with self._guard:
+            for session in self._sessions:
+                lost.update(set(session.lost) | (set(session.levels) if session.dead else set()))
+            if self._tasks is not None:
+                lost.update(self._tasks.lost_items())
+        return lost
+
+    def _lost_here(self, key: Hashable, mode: int) -> bool:
+        session = self._session_or_none()
+        if session is None:
+            return False
+        self._settle(session)
+        return bool(session.lost.get((key, mode)))
+
+    def _thread_ended(self, session: _Session) -> None:
+        """A thread ended: its session goes, and with it its locks and lost keys."""
+        with self._guard:
+            self._sessions.discard(session)
+        if session.link is not None:
+            session.link.close()
+
+    def _forget_parent_sessions(self) -> None:
+        """In a forked child: no connection of the parent's is ever used or closed here.
+        Keys the forking thread held belong to the parent: they are lost to the child."""
+        self._guard = threading.Lock()  # another thread of the parent may have held it
+        me = threading.get_ident()
+        links = list(self._idle)
+        self._idle = []
+        for session in list(self._sessions):
+            if session.link is not None:
+                links.append(session.link)
+                session.link = None
+            session.unsure, session.taking, session.giving = [], None, None  # the parent's
+            if session.ident == me:
+                for item, levels in session.levels.items():
+                    session.lost[item] = session.lost.get(item, 0) + levels
+                session.forget_levels()
+                session.reported = {key for key, _ in session.lost}
+            else:
+                self._sessions.discard(session)
+        for link in links:
+            link.close()
+        if self._tasks is not None:
+            self._tasks.forget_parent_sessions()
+
+    def _borrow(self) -> tuple[_Link, bool]:
+        """A connection for a question: the calling thread's, or one from the idle list."""
+        session = self._session_or_none()
+        if session is not None and session.link is not None and session.link.idle():
+            return session.link, False
+        with self._guard:
+            link = self._idle.pop() if self._idle else None
+        if link is None or not link.idle():
+            if link is not None:
+                link.close()
+            link = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements)
+        return link, True
+
+    def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
+        return self._ask(
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {self.advisory_key(key)}"
+            f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+
+    def _held_in_transaction(self, record: _XactLock) -> bool:
+        """Whether the transaction of ``record`` is still open and holds its lock."""
+        pid = int(record.backend_pid)
+        return self._ask(
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
+            f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
+            f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
+            f" '{record.started.isoformat()}'::timestamptz))")
+
+    def _ask(self, question: str) -> bool:
+        """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives."""
+        link, borrowed = self._borrow()
+        try:
+            result = link.run(question)
+        except BaseException:
+            if borrowed:
+                link.close()
+            raise
+        if borrowed:
+            with self._guard:
+                self._idle.append(link)
+        return bool(result.get_value(0, 0) == b"t")

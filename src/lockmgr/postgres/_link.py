@@ -1,0 +1,345 @@
+"""A thread's connection (``_Link``) and its round trips, each with a deadline on the client."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
+
+from .._tuning import MAIN_THREAD_SLICE
+from ._server import _CHECK_UNSUPPORTED, _refusal, _setup_sql
+
+
+_FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
+_SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
+# Every round trip has a client-side deadline, whatever the server does (a stopped backend,
+# a stuck proxy, a half-open network, a table locked by a migration): a round trip that
+# waits for a lock without a timeout waits for ever (None); a timed call's (and a try's)
+# ends _WAIT_MARGIN after the call's deadline; any other's after _ANSWER_WITHIN. At the
+# deadline the statement is cancelled: a server that is only slow ends it and the
+# connection lives (``_Overdue``). A cancel unanswered for _CANCEL_GRACE closes the
+# connection (``_Unanswered``): its session's locks are lost, and nothing is left that
+# could be granted to it later. A timed call so returns by its deadline plus at most
+# _WAIT_MARGIN + _CANCEL_GRACE, and _CANCEL_GRACE for the release of what it may have taken.
+_ANSWER_WITHIN = 10.0
+_WAIT_MARGIN = 0.25
+_CANCEL_GRACE = 0.25
+_ABORT_SECONDS = 5.0  # how long an interrupted round trip waits for its cancelled statement
+_POLLIN = getattr(select, "POLLIN", 1)  # Windows has no poll(), nor its constants
+_POLLOUT = getattr(select, "POLLOUT", 4)
+
+
+def _answer_by() -> float:
+    """The deadline of a round trip that waits for no lock."""
+    return time.monotonic() + _ANSWER_WITHIN
+
+
+class _Unanswered(psycopg.OperationalError):
+    """A round trip passed its deadline, and its cancel went unanswered: the connection was
+    closed."""
+
+
+class _Overdue(psycopg.OperationalError):
+    """A round trip passed its deadline and was cancelled: the statement ended (it may have
+    taken locks before the cancel: the caller drops them); the connection lives."""
+
+
+_CLIENT_TIMEOUTS = (_Unanswered, _Overdue)
+
+
+class _Link:
+    """One server connection. Lock calls drive libpq directly (one message, one round trip,
+    no cursor), waiting in ``poll`` so that Ctrl-C and other signal handlers run.
+
+    Its owner talks on it; another thread may only check it (``idle_unless_busy``), never
+    while the owner talks. ``guard`` is held for short spans that never wait, and only by
+    ``with`` (which cannot be split by a signal handler's exception): the checks, closing,
+    and setting ``talking``. A try-lock would not do: a handler can raise between a
+    successful try-lock and the ``try`` that releases it (CPython checks for signals right
+    after a call returns, and without a GIL the signal can come at any moment), which
+    left the lock taken and the next round trip waiting for it forever; blocking the
+    signals on the main thread does not prevent that (CPython runs the handler on the main
+    thread whichever thread the kernel gave the signal to). ``guard`` is reentrant: a
+    finalizer that closes the link (a thread's end, collected late) may run inside a check
+    of it on the same thread."""
+
+    __slots__ = ("cancelled_late", "conn", "guard", "pgconn", "pid", "poller", "prepared",
+                 "statements", "talking")
+
+    def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
+        self.pid = os.getpid()  # a forked child must never speak on its parent's connection
+        self.guard = threading.RLock()  # see the class docstring
+        self.talking = False  # the owner is in a round trip: checks keep off
+        self.cancelled_late = False  # the owner's round trip passed its deadline: cancelled
+        self.prepared: set[bytes] = set()  # names of the statements prepared on this session
+        self.statements = statements  # what each name prepares: its manager's (_FenceTable)
+        self.conn = conn  # last but two: close() needs what comes before
+        self.pgconn = conn.pgconn
+        self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
+        self.poller.register(self.pgconn.socket, _POLLIN)
+
+    @classmethod
+    def connect(cls, dsn: str, connect_kwargs: dict[str, Any],
+                statements: dict[bytes, bytes]) -> _Link:
+        """A new connection, set up and checked (``_setup_sql``, ``_refusal``): closed
+        again if that fails or it is refused."""
+        link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs), statements)
+        try:
+            try:
+                results = link.run_all(_setup_sql(link.pgconn.server_version))
+            except _CHECK_UNSUPPORTED:
+                results = link.run_all(_setup_sql(link.pgconn.server_version, False))
+            refusal = _refusal(results[0], link.pgconn.backend_pid)
+            if refusal is not None:
+                raise refusal
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def run(self, sql: str, deadline: float | None | bool = True) -> Any:
+        """Send ``sql`` (one or more statements: one implicit transaction) and return the
+        last result; an error result raises its psycopg exception once all are read.
+        ``deadline``: a monotonic time, None (for ever: a wait for a lock) or True (soon:
+        ``_answer_by``); past it, ``_Unanswered``."""
+        return self.run_all(sql, deadline)[-1]
+
+    def run_all(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
+        """``run``, returning the result of each statement."""
+        return self._round_trip(_deadline(deadline), self.pgconn.send_query, sql.encode())
+
+    def call(self, statement: bytes, ident: int, deadline: float | None | bool = True) -> Any:
+        """Run one of the single-key ``statements`` (prepared once per session: no parsing
+        or planning on the server after that) for the advisory key ``ident``."""
+        answer_by = _deadline(deadline)
+        if statement not in self.prepared:
+            try:  # waits for no lock but the fence table's: the call's deadline, or soon
+                self._round_trip(_answer_by() if answer_by is None else answer_by,
+                                 self.pgconn.send_prepare, statement, self.statements[statement])
+            except pg_errors.DuplicatePreparedStatement:
+                pass  # an interrupt came after the server prepared it, before we noted it
+            self.prepared.add(statement)
+        return self._round_trip(answer_by, self.pgconn.send_query_prepared, statement,
+                                [b"%d" % ident])[-1]
+
+    def _round_trip(self, deadline: float | None, send: Callable[..., None],
+                    *args: Any) -> list[Any]:
+        pgconn = self.pgconn
+        results: list[Any] = []
+        self.cancelled_late = False
+        try:  # whatever is interrupted after ``talking`` is set, the finally clears it
+            with self.guard:  # waits out another thread's check
+                self.talking = True
+            try:
+                send(*args)  # inside: a handler raising once the query is sent cancels it
+                while pgconn.flush():
+                    while not self._wait(_POLLOUT, deadline):
+                        deadline = self._past_deadline()
+                while True:
+                    if pgconn.is_busy():
+                        while not self._wait(_POLLIN, deadline):
+                            deadline = self._past_deadline()
+                        pgconn.consume_input()
+                        continue
+                    result = pgconn.get_result()
+                    if result is None:
+                        break
+                    results.append(result)
+            except BaseException:
+                self._abort_query(deadline)
+                raise
+            encoding = self.conn.info.encoding
+        finally:
+            self.talking = False  # no call before it: nothing can skip it
+        for result in results:
+            if result.status == _FATAL_ERROR:
+                error = pg_errors.error_from_result(result, encoding=encoding)
+                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                                   " cancelled") from error
+                raise error
+        return results
+
+    def _past_deadline(self) -> float:
+        """The round trip passed its deadline: cancel its statement, and give the cancel
+        _CANCEL_GRACE (the new deadline); passed again, close the connection."""
+        if self.cancelled_late:
+            self.close()
+            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
+                              " connection was closed")
+        self.cancelled_late = True
+        grace = time.monotonic() + _CANCEL_GRACE
+        try:
+            self.conn.cancel_safe(timeout=_CANCEL_GRACE)
+        except psycopg.Error:
+            pass  # no answer to the cancel either: the grace ends with the close
+        return grace
+
+    def _wait(self, event: int, deadline: float | None) -> bool:
+        """Until the socket is ready for ``event`` (True) or ``deadline`` passed (False), in
+        slices: Python runs signal handlers in the main thread only, and a signal the
+        kernel gave another thread does not end a poll."""
+        if event != _POLLIN:
+            self.poller.modify(self.pgconn.socket, event)
+        try:
+            while True:
+                milliseconds = _SLICE_MS
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:  # an answer already there still counts
+                        return bool(_poll(self.poller, 0)) if event == _POLLIN else False
+                    milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
+                if _poll(self.poller, milliseconds):
+                    return True
+        finally:
+            if event != _POLLIN:
+                self.poller.modify(self.pgconn.socket, _POLLIN)
+
+    def _abort_query(self, deadline: float | None) -> None:
+        """Interrupted mid-query: cancel it on the server and read what is left, so that the
+        connection is idle again, within _ABORT_SECONDS and the round trip's ``deadline``
+        (plus _CANCEL_GRACE); if that fails, close it. The caller re-raises what
+        interrupted it; only a second interrupt here replaces it."""
+        if self.pgconn.transaction_status != TransactionStatus.ACTIVE:
+            return
+        ends = time.monotonic() + _ABORT_SECONDS
+        if deadline is not None:
+            ends = min(ends, max(deadline, time.monotonic()) + _CANCEL_GRACE)
+        try:
+            self.conn.cancel_safe(timeout=max(0.0, ends - time.monotonic()))
+            while True:
+                if self.pgconn.is_busy():
+                    if not self._wait(_POLLIN, ends):
+                        self.close()
+                        return
+                    self.pgconn.consume_input()
+                elif self.pgconn.get_result() is None:
+                    return
+        except Exception:
+            self.close()
+        except BaseException:
+            self.close()
+            raise
+
+    def idle_unless_busy(self) -> bool | None:
+        """``idle()`` from a thread other than the owner: None if the owner is talking on
+        this connection now (it will find out itself)."""
+        if self.pid != os.getpid():  # a parent's thread may have held the guard at the fork
+            return False
+        with self.guard:
+            return None if self.talking else self._idle()
+
+    def idle(self) -> bool:
+        """Alive, ours and between statements: a server that ends a session sends an error
+        and closes the socket, which turns it readable, and reading that breaks it."""
+        if self.pid != os.getpid():
+            return False
+        with self.guard:
+            return self._idle()
+
+    def _idle(self) -> bool:
+        pgconn = self.pgconn
+        if pgconn.status != ConnStatus.OK:
+            return False
+        for _ in range(3):  # the goodbye message first, the end of the stream next
+            if not _poll(self.poller, 0):
+                break
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError:
+                return False
+        return pgconn.status == ConnStatus.OK and pgconn.transaction_status == TransactionStatus.IDLE
+
+    def broken(self) -> bool:
+        return self.pgconn.status != ConnStatus.OK
+
+    def close(self) -> None:
+        """End the session (and so every lock it holds). In a forked child, the socket is
+        the parent's: it is first replaced by /dev/null, so the child's goodbye goes
+        nowhere and the parent's session lives on."""
+        if self.conn.closed:
+            return
+        if self.pid != os.getpid():  # no guard: a thread of the parent's may have held it
+            devnull = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(devnull, self.pgconn.socket)
+            finally:
+                os.close(devnull)
+            self._finish()
+            return
+        with self.guard:  # not while another thread checks it
+            self._finish()
+
+    def _finish(self) -> None:
+        self.conn.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "conn"):
+            self.close()
+
+
+def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:
+    """``poller.poll(milliseconds)``, a signal handler's exception raised as itself. On
+    CPython 3.13t with the GIL off, poll() can come back with its result and the handler's
+    exception both set (SystemError "... returned a result with an exception set", the
+    exception as its cause): re-attaching the thread after the call may wait out another
+    thread's stop-the-world pause, a signal interrupts that wait and leaves errno at EINTR,
+    and poll then runs the handlers as if it had been interrupted itself. The result is
+    gone: it is the handler's interrupt, landing right after poll returned."""
+    try:
+        result: list[tuple[int, int]] = poller.poll(milliseconds)
+    except SystemError as error:
+        interrupt = error.__cause__
+        if interrupt is None or "returned a result with an exception set" not in str(error):
+            raise
+        error.__cause__ = None
+    else:
+        return result
+    raise interrupt  # out of the handler: no chain (nor cycle) keeping frames and links alive
+
+
+def _deadline(deadline: float | None | bool) -> float | None:
+    return _answer_by() if deadline is True else deadline
+
+
+class _SelectPoller:
+    """``select.poll``'s few methods used here, on ``select.select``: for Windows, which has
+    no poll (and whose select has no limit on descriptor numbers)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.event = 0
+
+    def register(self, fd: int, event: int) -> None:
+        self.fd, self.event = fd, event
+
+    def modify(self, fd: int, event: int) -> None:
+        self.fd, self.event = fd, event
+
+    def poll(self, milliseconds: float | None = None) -> list[tuple[int, int]]:
+        reading = [self.fd] if self.event == _POLLIN else []
+        writing = [self.fd] if self.event != _POLLIN else []
+        seconds = None if milliseconds is None else milliseconds / 1000
+        readable, writable, _ = select.select(reading, writing, [], seconds)
+        return [(self.fd, self.event)] if readable or writable else []
+
+
+def _call_deadline(started: float, seconds: float) -> float | bool:
+    """The deadline of the round trips a call starting at ``started`` makes before it
+    waits: a timed call's own, plus _WAIT_MARGIN; for a call without a timeout, soon."""
+    return True if seconds < 0 else started + seconds + _WAIT_MARGIN
+
+
+def _round_trip_deadline(how: str, deadline: float | None) -> float | None:
+    """When a lock call's round trip gives up (``_Link.run``): a wait for ever never, a
+    timed one or a try _WAIT_MARGIN after the call's deadline."""
+    if how == "wait":
+        return None
+    return (time.monotonic() if deadline is None else deadline) + _WAIT_MARGIN

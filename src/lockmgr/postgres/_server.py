@@ -1,0 +1,78 @@
+"""What a new connection checks and sets: the settings locks depend on, and the refusal of
+a standby or a pooler (``UnsafeServerError``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg import errors as pg_errors
+
+from .._errors import LockError
+
+# Run first on every connection, one message: what the session is (``_refusal`` reads
+# the first row), then every setting correctness depends on, pinned for the session
+# whatever the server's, the role's or the database's defaults say:
+# - lock_timeout, statement_timeout: a wait without a timeout waits for ever (timed waits
+#   set a transaction-local lock_timeout of their own);
+# - idle_session_timeout (14+), idle_in_transaction_session_timeout: a session holding
+#   locks sits idle between calls; a server ending it would turn held locks into leases;
+# - default_transaction_isolation: a queued fenced wait reads the fence row after its
+#   wait, which under repeatable read or serializable would use a snapshot from before
+#   the wait and fail; default_transaction_read_only: fences are written;
+# - transaction_timeout (17+): a wait is one statement in one transaction;
+# - standard_conforming_strings: the fence table's name is quoted in a literal.
+# A session-level SET outranks every default, and a later ALTER ROLE or ALTER SYSTEM
+# changes only new sessions (which are set up again).
+_WHO_IS_THIS = "SELECT pg_is_in_recovery(), pg_backend_pid()"
+_PINNED = ("lock_timeout = 0", "statement_timeout = 0", "idle_in_transaction_session_timeout = 0",
+           "default_transaction_isolation = 'read committed'",
+           "default_transaction_read_only = off", "standard_conforming_strings = on")
+# A backend waiting for a lock notices its client has gone (a process killed while it
+# waits, a connection closed under a wait) only when granted, and keeps every lock of the
+# session until then: PostgreSQL 14+ can check the socket while a statement runs, on the
+# systems that can tell (Linux, macOS, the BSDs, illumos; elsewhere setting it is an error
+# and the server keeps its default).
+_CHECKING_CLIENT = "client_connection_check_interval = 1000"
+_CHECK_UNSUPPORTED = (pg_errors.InvalidParameterValue, pg_errors.UndefinedObject)
+
+
+def _setup_sql(server_version: int, check_client: bool = True) -> str:
+    """What sets up a new connection (again with ``check_client`` false if it fails with
+    ``_CHECK_UNSUPPORTED``)."""
+    pinned = list(_PINNED)
+    if server_version >= 170000:
+        pinned.append("transaction_timeout = 0")
+    if server_version >= 140000:
+        pinned.append("idle_session_timeout = 0")
+        if check_client:
+            pinned.append(_CHECKING_CLIENT)
+    return "; ".join([_WHO_IS_THIS, *(f"SET {setting}" for setting in pinned)])
+
+
+class UnsafeServerError(LockError):
+    """The DSN reaches a server on which session locks would not exclude: a standby, or a
+    pooler between this process and the server. Raised by the call that connected; the
+    connection is closed and nothing is held."""
+
+
+def _refusal(first_row: Any, client_pid: int) -> UnsafeServerError | None:
+    """Why a session (``_WHO_IS_THIS``'s answer, and the backend pid libpq was given at
+    connect) cannot hold locks, or None."""
+    in_recovery = first_row.get_value(0, 0) == b"t"
+    backend_pid = int(first_row.get_value(0, 1))
+    if backend_pid != client_pid:
+        return UnsafeServerError(
+            f"the DSN reaches PostgreSQL through a connection pooler (the server's backend is"
+            f" pid {backend_pid}, the connection was told {client_pid}): a pooler may run the"
+            " next statement on another server session, which would not hold this session's"
+            " locks and might hold another client's. Point the DSN at the server itself")
+    if in_recovery:
+        return UnsafeServerError(
+            "the DSN reaches a standby (pg_is_in_recovery() is true): a standby's advisory"
+            " locks are its own, so a process on the primary could hold the same key. Point"
+            " the DSN at the primary (with several hosts: target_session_attrs=read-write)")
+    return None
+
+
+_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+               "keepalives_count": 3, "tcp_user_timeout": 10_000}

@@ -1,0 +1,617 @@
+"""The task sessions of one manager (``_Tasks``): asyncio tasks as owners, their clean-ups,
+and the records of which task is inside an ``async with`` block."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from .._args import READ, WRITE
+from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_owned_block
+from .._owners import current_task_or_none, current_task_or_raise
+from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _make_fence_table, _retrieve
+from ._fences import Lease, _fences_from, _no_fencing, _read_has_no_fence
+from ._link import (
+    _CANCEL_GRACE,
+    _CLIENT_TIMEOUTS,
+    _Overdue,
+    _Unanswered,
+    _call_deadline,
+    _round_trip_deadline,
+)
+from ._session import _holding, _lost_error
+from ._sql import (
+    _FENCED_LOCK,
+    _GRANTED_ADVISORY,
+    _LOCK,
+    _TRY_LOCK,
+    _UNLOCK,
+    _drop_sql,
+    _lock_sql,
+    _not_released,
+    _unlock_sql,
+)
+
+if TYPE_CHECKING:
+    from .._contract import EngineModule
+    from ._engine import _PgEngine
+
+
+class _Tasks:
+    """The sessions of a PostgreSQL manager's tasks, and their calls to the server. Runs
+    on the event loops of the tasks; the lists it shares with other threads (``idle``,
+    ``sessions``) are changed under the manager's ``_guard``."""
+
+    def __init__(self, manager: _PgEngine[Any]) -> None:
+        self.manager = manager
+        # The in-process engine's module (the compiled core or the pure twin): its tasks.
+        self.engine = cast("EngineModule", sys.modules[type(manager._engine).__module__])
+        self.idle: list[_AsyncLink] = []  # connections holding nothing
+        self.sessions: dict[asyncio.Task[Any], _TaskSession] = {}  # running tasks' sessions
+        # The loops those tasks run on (and ran on: a closed one leaves at the next sweep),
+        # so that the sweep before every acquisition costs a look at each loop, not each task.
+        self.loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+
+    # -- taking and giving back ---------------------------------------------------------------
+
+    async def take(self, items: Sequence[tuple[Hashable, int]], seconds: float,
+                   local_acquire: Callable[[float], Awaitable[bool]],
+                   local_release: Callable[[], None]) -> bool:
+        """``_PgEngine._take`` for the current task: in-process first, then on the server,
+        all of ``items`` within ``seconds`` or none."""
+        started = time.monotonic()
+        self.sweep_closed_loops()  # a stranded task may hold one of the keys in process
+        session = self.session()
+        try:
+            await self.settle(session, _call_deadline(started, seconds))
+        except _CLIENT_TIMEOUTS:
+            if seconds < 0:
+                raise
+            return False  # an earlier call's clean-up still runs: timed out
+        session.refuse_lost(items)
+        if not await local_acquire(seconds):
+            return False
+        before = {item: session.levels.get(item, 0) for item in items}
+        fresh = [item for item, levels in before.items() if not levels]
+        taken = unrun = False
+        try:
+            left = seconds if seconds <= 0 else max(0.0, seconds - (time.monotonic() - started))
+            fences = await self.lock(session, fresh, left) if fresh else {}
+            # A connection lost on the way lost the keys this call re-entered too: the
+            # call fails, whatever a fresh connection then gave (the clean-up drops it).
+            session.refuse_lost(items)
+            if fences is not None:
+                session.granted(items, self.manager._fences_of(fresh, fences))
+                taken = True
+        except BaseException as error:
+            session.undo_take(before, fresh)
+            unrun = isinstance(error, GeneratorExit)
+            client_timeout = seconds >= 0 and isinstance(error, _CLIENT_TIMEOUTS)
+            try:
+                if fresh and not unrun:
+                    await self.clean_up(session, time.monotonic() + _CANCEL_GRACE
+                                        if client_timeout else True)
+            except GeneratorExit:  # closed while it cleaned up: unrun all the same
+                unrun = True
+                raise
+            except _CLIENT_TIMEOUTS:
+                pass  # the clean-up goes on; the next call waits for it (settle)
+            finally:
+                if unrun:
+                    _close_link(session)
+            if not client_timeout:
+                raise
+            # A timed call that passed its deadline on the client timed out.
+            session.refuse_lost(items)
+            return False
+        finally:
+            if not taken:
+                try:
+                    if not unrun:
+                        local_release()
+                finally:
+                    self.return_if_idle(session)
+        return taken
+
+    async def give(self, items: Sequence[tuple[Hashable, int]],
+                   local_release: Callable[[], None]) -> None:
+        """``_PgEngine._give`` for the current task."""
+        session = _holding(self.session_or_none(), items)
+        assert isinstance(session, _TaskSession)
+        last = [item for item in items if session.levels.get(item) == 1]
+        unrun = False
+        try:
+            if not last or session.unsure or session.cleaning is not None or session.link is None:
+                await self.settle(session)
+                last = [item for item in items if session.levels.get(item) == 1]
+            if last:
+                session.unsure = last
+                await self.unlock(session, last)  # its failures go to the clean-up
+        except BaseException as error:
+            unrun = isinstance(error, GeneratorExit)
+            try:
+                if not unrun:
+                    await self.hand_over(session, last)  # cancelled before the unlock: released
+            except GeneratorExit:
+                unrun = True
+                raise
+            finally:
+                if unrun:
+                    _close_link(session)
+            raise
+        finally:
+            lost = session.given(items)
+            if not unrun:
+                local_release()
+            self.return_if_idle(session)
+        if lost:
+            raise _lost_error(sorted(set(lost), key=repr))
+
+    async def release_all(self, local_release_all: Callable[[], int]) -> int:
+        session = self.session_or_none()
+        unrun = False
+        try:
+            if session is not None:
+                await self.settle(session)
+                if session.levels:
+                    session.unsure = list(session.levels)
+                    await self.unlock(session, session.unsure)
+        except BaseException as error:
+            unrun = isinstance(error, GeneratorExit)
+            try:
+                if session is not None and not unrun:
+                    await self.hand_over(session, list(session.levels))
+            except GeneratorExit:
+                unrun = True
+                raise
+            finally:
+                if session is not None and unrun:
+                    _close_link(session)
+            raise
+        finally:
+            lost: list[Hashable] = []
+            if session is not None:
+                lost = sorted({key for key, _ in session.lost}, key=repr)
+                session.forget_levels()
+                session.lost.clear()
+                session.reported.clear()
+                self.return_if_idle(session)
+            released = 0 if unrun else local_release_all()
+        if lost:
+            raise _lost_error(lost)
+        return released
+
+    async def lock(self, session: _TaskSession, items: list[tuple[Hashable, int]],
+                   seconds: float) -> dict[int, int] | None:
+        """``_PgEngine._lock`` on the task's connection: the same statements, one message;
+        None if not granted in time, else the fences by advisory key."""
+        manager = self.manager
+        ordered = sorted(((manager.advisory_key(key), mode) for key, mode in items))
+        fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
+        deadline = None if seconds <= 0 else time.monotonic() + seconds
+        retried = False
+        while True:
+            if session.link is not None:
+                link, fresh_link = session.link, False
+            else:
+                link, fresh_link = await self.attach(session)
+            try:
+                left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
+                trying = seconds == 0 or (deadline is not None and left <= 0)
+                how = "try" if trying else "wait" if deadline is None else "timed"
+                answer_by = _round_trip_deadline(how, deadline)
+                if fencing and not manager._fence_table_made:
+                    await _make_fence_table(link, manager._fence_table, answer_by or True)
+                    manager._fence_table_made = True
+                if how != "timed" and len(ordered) == 1:
+                    ident, mode = ordered[0]
+                    statement = (_FENCED_LOCK[how] if fencing
+                                 else _TRY_LOCK[mode] if trying else _LOCK[mode])
+                    results = [await link.call_async(statement, ident, answer_by)]
+                else:
+                    results = await link.run_all_async(
+                        _lock_sql(ordered, how, left, manager._fence_table if fencing else None),
+                        answer_by)
+            except pg_errors.LockNotAvailable:
+                if deadline is not None and deadline - time.monotonic() > 0:
+                    continue
+                return None
+            except pg_errors.DeadlockDetected as error:
+                raise DeadlockError(f"PostgreSQL: {error}", []) from None
+            except _Overdue:  # as in _PgEngine._lock
+                if seconds >= 0:
+                    raise
+                continue
+            except psycopg.OperationalError as error:
+                if not link.broken():
+                    raise
+                self.lose(session)
+                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
+                    raise
+                retried = True
+                continue
+            return _fences_from(results, ordered, how, fencing)
+
+    async def unlock(self, session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
+        """``_PgEngine._unlock`` on the task's connection."""
+        link = session.link
+        assert link is not None
+        advisory_key = self.manager.advisory_key
+        try:
+            if len(items) == 1:
+                key, mode = items[0]
+                result = await link.call_async(_UNLOCK[mode], advisory_key(key))
+            else:
+                result = await link.run_async(_unlock_sql(items, advisory_key))
+        except psycopg.OperationalError as error:
+            if link.broken():
+                self.lose(session)
+                return
+            await self.clean_up(session)
+            if isinstance(error, _Overdue):
+                return  # released by the clean-up (or lost with the connection: LockLost)
+            raise
+        except BaseException as error:
+            if isinstance(error, GeneratorExit):
+                _close_link(session)
+            else:
+                await self.clean_up(session)
+            raise
+        session.unsure = []
+        gone = _not_released(result, items)
+        if gone:
+            self.manager._report(session, items=gone)
+
+    async def clean_up(self, session: _TaskSession, deadline: float | bool = True) -> None:
+        """Give back, in a task of its own that a cancellation cannot stop halfway, what a
+        failed call may hold (``session.unsure``); wait for it unless cancelled again, or
+        until ``deadline`` (True: however long it takes): then ``_Overdue``, and it goes on."""
+        if session.cleaning is None:
+            session.cleaning = asyncio.get_running_loop().create_task(self.drop_or_lose(session))
+            # Whoever still waits for it gets its exception (an on_lost that raised); if
+            # nobody does any more, it must not be reported as never retrieved.
+            session.cleaning.add_done_callback(_retrieve)
+        await _clean_up_done(session.cleaning, deadline)
+
+    async def hand_over(self, session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
+        """A release interrupted before its unlock was sent: the clean-up releases ``items``
+        (still on the connection, if it lives) with whatever it gives back already."""
+        if session.link is None:
+            return
+        session.unsure = [*session.unsure, *(item for item in items if item not in session.unsure)]
+        if session.unsure:
+            await self.clean_up(session)
+
+    async def drop_or_lose(self, session: _TaskSession) -> None:
+        """``_PgEngine._drop_or_lose`` for a task: end a statement still running, release
+        whichever of ``session.unsure`` this session holds (items added meanwhile too);
+        failing that, close the connection (its keys are lost)."""
+        talking = session.link
+        if talking is not None:
+            with talking.guard:
+                talking.talking = True  # others' checks keep off until the end of the clean-up
+        try:
+            try:
+                while session.unsure:
+                    link = session.link
+                    if link is None:
+                        session.unsure = []
+                        return
+                    dropping = list(session.unsure)
+                    await link.abort()
+                    if not link.idle():
+                        raise psycopg.OperationalError("the connection is not idle after a cancel")
+                    await link.run_async(_drop_sql(dropping, self.manager.advisory_key))
+                    session.unsure = [item for item in session.unsure if item not in dropping]
+            except Exception:
+                self.lose(session)  # the caller re-raises what made it clean up
+            except BaseException:
+                self.lose(session)  # cancelled itself: the loop is closing
+                raise
+        finally:
+            if talking is not None:
+                talking.talking = False
+            session.cleaning = None
+            self.return_if_idle(session)
+
+    # -- sessions and loss ----------------------------------------------------------------------
+
+    def session_or_none(self) -> _TaskSession | None:
+        return self.sessions.get(current_task_or_raise())
+
+    def session(self) -> _TaskSession:
+        task = current_task_or_raise()
+        session = self.sessions.get(task)
+        if session is None:
+            with self.manager._guard:
+                session = self.sessions[task] = _TaskSession()
+                self.loops.add(task.get_loop())
+            task.add_done_callback(self.task_done)
+        return session
+
+    def task_done(self, task: asyncio.Task[Any]) -> None:
+        """A task ended: its session goes, and its connection closes (ending its server
+        locks) once a clean-up still running on it is over; the in-process engine releases
+        what the task held with a warning."""
+        session = self.sessions.get(task)
+        if session is not None and session.cleaning is not None:
+            # Until then the session stays listed: a loop closed meanwhile is swept.
+            session.cleaning.add_done_callback(lambda _: self.end(task))
+        else:
+            self.end(task)
+
+    def end(self, task: asyncio.Task[Any]) -> None:
+        with self.manager._guard:
+            session = self.sessions.pop(task, None)
+        if session is not None:
+            session.ended = True
+            _close_link(session)
+
+    async def settle(self, session: _TaskSession, deadline: float | bool = True) -> None:
+        """``_PgEngine._settle`` for the task: first wait for a clean-up still running (by
+        ``deadline``: ``clean_up``)."""
+        if session.cleaning is not None:
+            await _clean_up_done(session.cleaning, deadline)
+        link = session.link
+        if link is None:
+            if session.levels or session.unsure:  # a lose() interrupted half-way: finish it
+                self.lose(session)
+            return
+        if session.unsure:
+            await self.clean_up(session, deadline)
+            link = session.link
+            if link is None:
+                return
+        if session.dead or not link.idle():
+            self.lose(session)
+
+    async def attach(self, session: _TaskSession) -> tuple[_AsyncLink, bool]:
+        """Give the session a connection: an idle one still alive (False), or a new one."""
+        manager = self.manager
+        self.sweep_closed_loops()  # their connections may hold what this one will wait for
+        while True:
+            with manager._guard:
+                link = self.idle.pop() if self.idle else None
+            if link is None:
+                link = await _AsyncLink.connect_async(
+                    manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+                fresh = True
+                break
+            if link.idle():
+                fresh = False
+                break
+            link.close()
+        session.link = link
+        return link, fresh
+
+    def return_if_idle(self, session: _TaskSession) -> None:
+        if session.holds_anything() or session.cleaning is not None:
+            return
+        link, session.link = session.link, None
+        with self.manager._guard:
+            session.reported.clear()
+            if link is not None and not session.dead and not link.broken():
+                self.idle.append(link)
+                link = None
+        session.dead = False
+        if link is not None:
+            link.close()
+
+    def lose(self, session: _TaskSession) -> None:
+        """The session's connection is gone, and with it every lock it held."""
+        link, session.link = session.link, None
+        session.unsure = []
+        with self.manager._guard:
+            session.lose_levels()
+        if link is not None:
+            link.close()
+        self.manager._report(session)
+        if not session.lost:
+            self.return_if_idle(session)
+
+    def check_others(self, mine: _TaskSession | None) -> None:
+        """Mark dead the sessions of other tasks whose connection died (their owners
+        settle them), as ``lost_keys()`` does for threads."""
+        with self.manager._guard:
+            # A session with a clean-up pending is using its connection (or about to).
+            others = [session for session in self.sessions.values() if session is not mine
+                      and session.cleaning is None and not session.unsure]
+        for other in others:
+            link = other.link
+            if link is not None and link.idle_unless_busy() is False:
+                self.manager._report(other, dead_link=link)
+
+    def lease(self, items: Sequence[tuple[Hashable, int]]) -> Lease:
+        """The current task's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self.manager._fencing:
+            return Lease(keys, None)
+        session = self.session()
+        return Lease(keys, {key: session.fences[key, mode] for key, mode in items if mode == WRITE})
+
+    def fence(self, key: Hashable) -> int:
+        manager = self.manager
+        manager.advisory_key(key)  # a key PostgreSQL cannot take fails before anything else
+        if not manager._fencing:
+            raise _no_fencing()
+        session = self.session_or_none()
+        if session is not None:
+            self.check(session)
+            if session.lost.get((key, WRITE)):
+                raise _lost_error([key])
+            if session.levels.get((key, WRITE)):
+                return session.fences[key, WRITE]
+            if session.levels.get((key, READ)) or session.lost.get((key, READ)):
+                raise _read_has_no_fence(key)
+        raise not_owned(key)
+
+    def check(self, session: _TaskSession) -> None:
+        """What ``settle`` can find without waiting: a dead connection loses its keys (and a
+        loss interrupted half-way is finished)."""
+        link = session.link
+        if session.cleaning is not None or session.unsure and link is not None:
+            return
+        if link is None and session.levels or link is not None and (session.dead or not link.idle()):
+            self.lose(session)
+
+    def lost_here(self, key: Hashable, mode: int) -> bool:
+        session = self.session_or_none()
+        if session is None:
+            return False
+        self.check(session)
+        return bool(session.lost.get((key, mode)))
+
+    def lost_items(self) -> list[tuple[Hashable, int]]:
+        """(key, mode) of every running task's lost, unreleased keys (under ``_guard``)."""
+        return [item for session in self.sessions.values()
+                for item in {*session.lost, *(session.levels if session.dead else ())}]
+
+    def sweep_closed_loops(self) -> None:
+        """Sessions of tasks whose event loop was closed with them pending (a shutdown
+        interrupted by another Ctrl-C): nobody can talk on their connections any more,
+        and a wait queued there would be granted to nobody. Close them, and end the tasks
+        in the in-process engine too, one at a time: ending one runs Python code (its
+        AbandonedLockWarning) that may raise, and the others stay listed for the next
+        sweep whatever it raises."""
+        while True:
+            with self.manager._guard:
+                closed = [loop for loop in self.loops if loop.is_closed()]
+                if not closed:
+                    return
+                task = next((task for task in self.sessions if task.get_loop().is_closed()), None)
+                if task is None:  # none left: the closed loops need no more looking at
+                    for loop in closed:
+                        self.loops.discard(loop)
+                    return
+                session = self.sessions[task]
+            session.ended = True  # a block's exit releases nothing from now on
+            try:
+                _close_link(session)
+                self.engine.end_stranded_task(task)  # and in process: what it held goes to others
+            finally:  # ended or not: a task ends once (end_stranded_task is a no-op after)
+                with self.manager._guard:
+                    self.sessions.pop(task, None)
+
+    def close(self) -> None:
+        self.sweep_closed_loops()
+        with self.manager._guard:
+            idle, self.idle = self.idle, []
+        for link in idle:
+            link.close()
+
+    def forget_parent_sessions(self) -> None:
+        """In a forked child: the parent's tasks and connections are not the child's."""
+        links = [*self.idle, *(s.link for s in self.sessions.values() if s.link is not None)]
+        self.idle = []
+        self.sessions = {}
+        self.loops = weakref.WeakSet()
+        for link in links:
+            link.close()
+
+    async def held_on_server(self, key: Hashable, mode: str | None) -> bool:
+        """``_PgEngine._held_on_server`` on an idle connection of the tasks'."""
+        manager = self.manager
+        with manager._guard:
+            link = self.idle.pop() if self.idle else None
+        if link is None or not link.idle():
+            if link is not None:
+                link.close()
+            link = await _AsyncLink.connect_async(
+                manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+        try:
+            result = await link.run_async(
+                f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {manager.advisory_key(key)}"
+                f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+        except BaseException:
+            link.close()
+            raise
+        with manager._guard:
+            self.idle.append(link)
+        return bool(result.get_value(0, 0) == b"t")
+
+
+class _PgBlockRecord:
+    """Which task is inside a PostgreSQL ``async with`` object, and how many times (the
+    rule of lockmgr._aio): written once ``__aenter__`` holds the keys, read back by
+    ``__aexit__``. The task is kept by a weak reference, its session strongly (an ended
+    session keeps no connection). A task that is done counts as ended at once: its
+    session's end (its done-callback) may still be queued behind the task awaiting it.
+    Changed under a lock of its own (the collector may close a coroutine inside a block
+    on another thread); reentrant, as a collection inside may run another exit."""
+
+    __slots__ = ("_depth", "_lock", "_session", "_task")
+
+    def __init__(self) -> None:
+        self._task: weakref.ref[asyncio.Task[Any]] | None = None
+        self._session: _TaskSession | None = None
+        self._depth = 0
+        self._lock = threading.RLock()
+
+    def enter(self, tasks: _Tasks) -> None:
+        """The current task holds the block's keys: it is inside (RuntimeError, and nothing
+        changed, if another task is)."""
+        task = current_task_or_raise()
+        with self._lock:
+            session, inside = self._session, None if self._task is None else self._task()
+            if session is None:
+                self._task, self._session = weakref.ref(task), tasks.sessions[task]
+            if session is None or inside is task:
+                self._depth += 1
+                return
+        raise block_in_use(inside, _ended(session, inside))
+
+    def leave(self) -> asyncio.Task[Any] | None:
+        """One block exits: its task, or None if that task has ended (its end released, or
+        releases, its keys). RuntimeError if no block is inside."""
+        with self._lock:
+            session, task = self._session, None if self._task is None else self._task()
+            if session is None:
+                raise not_entered()
+            self._depth -= 1
+            if not self._depth:
+                self._task = self._session = None
+        return None if _ended(session, task) else task
+
+
+def _ended(session: _TaskSession, task: asyncio.Task[Any] | None) -> bool:
+    return session.ended or task is None or task.done()
+
+
+async def _exit_block(record: _PgBlockRecord, key: Hashable,
+                      release: Callable[[], Awaitable[None]]) -> None:
+    """The exit of a block gives back the hold of the task that entered it, in that task;
+    nothing if that task's session has ended. Run by another task (an async generator
+    asyncio finalizes in a task of its own), it cannot use that task's connection:
+    NotOwnedError, and the key stays held until that task releases it or ends."""
+    task = record.leave()
+    if task is None:
+        return
+    if task is not current_task_or_none():
+        raise not_owned_block(key, task)
+    await release()
+
+
+async def _enter_record(record: _PgBlockRecord, tasks: _Tasks,
+                        release: Callable[[], Awaitable[None]]) -> None:
+    """The block enters ``record`` now that its task holds the keys; if another task
+    entered meanwhile (two readers), they go back first (RuntimeError)."""
+    try:
+        record.enter(tasks)
+    except RuntimeError:
+        await release()
+        raise
+
+
+def _close_link(session: _TaskSession) -> None:
+    link, session.link = session.link, None
+    if link is not None:
+        link.close()
