@@ -17,7 +17,9 @@ bench:
 docs:
 	python -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
-# sdist + a manylinux wheel per local CPython and a cp313t one, each tested as installed
+# cibuildwheel (the pinned 4.x) reads the config; sdist + a manylinux wheel per local CPython and
+# a cp313t one, twine/check-wheel-contents, each tested as installed: the portable selection on
+# the GIL builds, the whole suite on cp313t (GIL off)
 # (scripts/check-wheels.sh)
 wheel:
 	bash scripts/check-wheels.sh

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import pgserver  # noqa: F401  (first: it skips its importer where psycopg cannot load libpq)
 import psycopg
 from conftest import PATIENCE
 from lockmgr import postgres

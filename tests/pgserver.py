@@ -17,13 +17,38 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from types import ModuleType
 from typing import NoReturn
 
-import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict
 
-from lockmgr._signals import sigterm_interrupts
+
+def _import_psycopg() -> ModuleType:
+    """psycopg, which every module of PostgreSQL tests imports through this one (it imports
+    ``pgserver`` before ``psycopg``). Plain psycopg (what the free-threaded interpreters and
+    the wheels' tests install: scripts/free-threaded-requirements.py) loads the system's
+    libpq, and cannot be imported without one (a wheel runner, a machine without PostgreSQL's
+    packages): then such a module is skipped, naming what is missing, or it is an error where
+    ``LOCKMGR_REQUIRE_SERVERS=1``. A psycopg not installed at all is an error: it is part of
+    the [test] extra."""
+    try:
+        import psycopg
+    except ModuleNotFoundError:
+        raise
+    except ImportError as error:  # psycopg's "no pq wrapper available"
+        message = (f"psycopg cannot load libpq ({str(error).splitlines()[0]}): install "
+                   "Debian's libpq5 (its postgresql brings it) or psycopg[binary]")
+        if os.environ.get("LOCKMGR_REQUIRE_SERVERS") == "1":
+            raise RuntimeError(message + "; LOCKMGR_REQUIRE_SERVERS=1 makes that an error") \
+                from error
+        pytest.skip(message, allow_module_level=True)
+    return psycopg
+
+
+psycopg = _import_psycopg()
+from psycopg.conninfo import conninfo_to_dict  # noqa: E402
+
+from lockmgr._signals import sigterm_interrupts  # noqa: E402
 
 
 def missing_server(binary: str, package: str) -> NoReturn:

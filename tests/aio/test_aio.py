@@ -703,6 +703,7 @@ for message in sorted(str(w.message) for w in caught):
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("module", ["lockmgr._core", "lockmgr._pure"])
 def test_ctrl_c_and_a_closed_loop_in_a_subprocess(module) -> None:
     import os
@@ -893,6 +894,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 @pytest.mark.parametrize("module", ["lockmgr._core", "lockmgr._pure"])
 def test_a_forked_child_finds_its_task_as_asyncio_does(module) -> None:

@@ -370,6 +370,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
 def test_signal_handler_that_raises_ends_the_wait_with_nothing_held(locks, workers) -> None:
     holder, signaller = workers("holder"), workers("signaller")
@@ -396,6 +397,7 @@ def test_signal_handler_that_raises_ends_the_wait_with_nothing_held(locks, worke
     assert len(locks) == 0
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
 def test_signal_handler_that_returns_lets_the_wait_go_on(locks, workers) -> None:
     holder, signaller = workers("holder"), workers("signaller")

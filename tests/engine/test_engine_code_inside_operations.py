@@ -126,6 +126,7 @@ sys.exit(reap(children[0]))
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 def test_exception_after_self_grant_does_not_hang(impl) -> None:
     """spec 'Re-entry': an exception after a grant undoes it, never hangs. settle() grants a
@@ -177,6 +178,7 @@ sys.exit(reap(children[0]))
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 def test_child_forked_after_grant_counts_no_waiter(impl) -> None:
     """keep_only() sets table.waiting = 1 for the survivor's request even when that request

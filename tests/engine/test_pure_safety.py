@@ -348,6 +348,7 @@ print(json.dumps({{"seen": seen, "mutex_free": not pure._mutex,
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")
 def test_signals_sent_to_the_main_thread_are_handled_between_sections() -> None:
     """Handlers of signals aimed at the main thread run before or after a section, never

@@ -330,6 +330,7 @@ report(got=got, in_handler=in_handler, owned=[locks.owned(key) for key in keys],
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.parametrize("keys, action, handler_result", [
     (["k"], "locks.release_all()", 1),
@@ -438,6 +439,7 @@ RELEASE_TWICE = {
 }
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.parametrize("kind", [LOCK_SET, RW_SET], ids=["LockManager", "RWLockManager"])
 def test_4_handler_releases_a_key_a_waiting_set_reenters(impl, kind) -> None:
@@ -456,6 +458,7 @@ def test_4_handler_releases_a_key_a_waiting_set_reenters(impl, kind) -> None:
     assert report["state"] == [0, 0]
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_pinned_levels_survive_release_all(impl) -> None:
     """``release_all()`` inside the wait releases every level that is not pinned and counts
@@ -505,6 +508,7 @@ report(got=got, handler_ran=handler_ran, in_handler=in_handler, behind=result(be
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.parametrize("ends, timeout, raise_or_not", [
     ("timeout", 2.0, ""),
@@ -567,6 +571,7 @@ report(hook_saw=hook_saw, waiter=got, owner=locks.owner("k") == waiter.ident,
 """
 
 
+@pytest.mark.posix_only
 @POSIX_FORK
 def test_5_thread_ending_during_fork_in_the_parent(impl) -> None:
     """Item 5: a thread ends between the fork hooks in the parent. Today both engines skip
@@ -639,6 +644,7 @@ def nested_message(key: str) -> str:
             "(a signal handler or finalizer runs inside that wait)")
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_6_nested_waits_are_refused_and_the_outer_wait_stays_visible(impl) -> None:
     """Item 6: a handler inside a wait may take free keys, re-enter, try-lock; an
@@ -698,6 +704,7 @@ report(got=got, in_handler=in_handler, y_got=y_got, released=released, state=sta
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_6_a_nested_wait_is_refused_before_the_deadlock_check(impl) -> None:
     """NestedWaitError comes before the deadlock check: a nested wait that would also
@@ -846,6 +853,7 @@ report(runs=runs, missed=missed, state=state(locks), deadlocks=stats.deadlocks,
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("overtake", [False, True], ids=["still-free", "overtaken"])
 def test_7_unfair_waiter_woken_past_its_deadline(impl, overtake) -> None:
     """Item 7: fair=False, the key is freed within HANDOFF_AFTER of the wait (WOKEN) and
@@ -921,6 +929,7 @@ report(runs=runs, state=state(locks), counts=[stats.timeouts, stats.contended])
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_7_unfair_main_thread_woken_while_a_handler_runs_past_its_deadline(impl) -> None:
     """Item 7 on the path the compiled core gets wrong today: the key is freed while a
@@ -1092,6 +1101,7 @@ report(interrupts=interrupts[0], operations=operations, contended=contended > 0,
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.parametrize("budget", [1, 2], ids=["once", "twice"])
 def test_9_keyboard_interrupt_anywhere_leaves_nothing_behind(impl, budget) -> None:
@@ -1194,6 +1204,7 @@ report(got=got, queued=result(releasing), in_handler=in_handler,
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_a_waiter_whose_handler_took_the_key_is_granted_by_reentry(impl) -> None:
     """A queued request whose thread meanwhile became the key's owner (its handler took

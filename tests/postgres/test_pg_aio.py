@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 import psycopg
 from conftest import PATIENCE, Delegating, block_records, wait_until
 from lockmgr import (AbandonedLockWarning, DeadlockError, LockLost, LockTimeout, NotOwnedError,
@@ -216,6 +217,7 @@ def test_a_grant_that_raced_the_cancellation_is_undone(locks, dsn, monkeypatch, 
     run(main)
 
 
+@pytest.mark.posix_only
 def test_ctrl_c_under_asyncio_run_leaves_nothing_held_or_waiting(locks, dsn, namespace) -> None:
     holder = child(dsn, namespace, HOLDER)
     expect(holder, held=True)
@@ -245,6 +247,7 @@ def test_ctrl_c_under_asyncio_run_leaves_nothing_held_or_waiting(locks, dsn, nam
     finish(holder)
 
 
+@pytest.mark.posix_only
 def test_a_killed_holder_frees_its_keys_for_a_task(locks, dsn, namespace) -> None:
     holder = child(dsn, namespace, """
     import asyncio

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 import psycopg
 
 from conftest import PATIENCE, wait_until
@@ -240,6 +241,7 @@ def test_owned_after_the_loss_was_found_agrees_with_threads(engine, dsn, namespa
         locks.close()
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_fork_from_a_task_holding_a_key(locks, dsn) -> None:  # noqa: F811
     """A child forked by a task holding "k": the parent's session lives on, the child gets
@@ -453,6 +455,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.posix_only
 def test_ctrl_c_during_asyncio_runs_shutdown_leaves_nothing_held_after_the_next_call(
         locks, dsn, namespace) -> None:  # noqa: F811
     """Ctrl-C again while asyncio.run's shutdown cancels the tasks (a second one on 3.10, a

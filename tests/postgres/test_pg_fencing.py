@@ -372,6 +372,7 @@ def test_fences_keep_increasing_across_a_server_restart(make_fenced: Callable[..
         assert lease.fence == fence + 2
 
 
+@pytest.mark.posix_only
 def test_a_forked_child_has_no_fence_of_its_parents(engine, dsn: str, namespace: str,  # type: ignore[no-untyped-def]
                                                     schema: str) -> None:
     parent = fenced_child(dsn, namespace, schema, """

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, TESTS, wait_until
-import pgserver
 from lockmgr import AbandonedLockWarning, LockLost, postgres
 from pg_support import (
     HOLDER, ScriptedWorker, child, expect, finish, held_on_server, run, slow_abort,
@@ -376,6 +376,7 @@ with pgserver.running_server() as dsn:
 """
 
 
+@pytest.mark.posix_only
 def test_a_terminated_test_run_leaves_no_server_running(tmp_path) -> None:
     """pgserver starts PostgreSQL with pg_ctl (a daemon: not a child of the test run) and
     stops it only in a ``finally``: SIGTERM (CI's time limit, ``timeout``, a killed IDE run)
@@ -407,6 +408,7 @@ def test_a_terminated_test_run_leaves_no_server_running(tmp_path) -> None:
     assert not still_running, "the server outlived the terminated run"
 
 
+@pytest.mark.posix_only
 def test_a_terminated_bench_stops_the_redis_server_it_started() -> None:
     """The same for ``lockmgr-bench --redis start``: SIGTERM ends the run, and the
     redis-server it started goes with it."""

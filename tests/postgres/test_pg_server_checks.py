@@ -244,6 +244,7 @@ def stopped_backend(dsn: str, manager: Any, key: object) -> Iterator[int]:
         os.kill(pid, signal.SIGCONT)
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("timeout", [0, 0.3], ids=["try", "timed"])
 @pytest.mark.parametrize("keys", [1, 2], ids=["one", "many"])
 @pytest.mark.parametrize("owner", ["thread", "task"])
@@ -297,6 +298,7 @@ def test_a_timed_call_on_a_stopped_backend_returns_by_its_deadline(
     locks.close()
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("owner", ["thread", "task"])
 def test_a_release_on_a_stopped_backend_ends_with_its_connection(
         engine, dsn, namespace, owner, monkeypatch) -> None:
@@ -463,6 +465,7 @@ def test_a_set_whose_reentered_key_is_lost_while_it_waits_fails_with_lock_lost(
     locks.close()
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("owner", ["thread", "task"])
 def test_a_wait_without_a_timeout_never_returns_without_its_key(
         engine, dsn, namespace, owner, monkeypatch) -> None:
@@ -558,6 +561,7 @@ def test_a_fence_table_name_cannot_escape_its_quotes(engine, dsn, namespace) -> 
         admin(dsn, "DROP TABLE IF EXISTS victim", "DROP SCHEMA s CASCADE")
 
 
+@pytest.mark.posix_only
 def test_a_timed_first_fenced_write_on_a_stopped_backend_returns_by_its_deadline(
         engine, dsn, namespace) -> None:
     """A timed call's round trips before its wait (here the fence table's check, on a
@@ -575,6 +579,7 @@ def test_a_timed_first_fenced_write_on_a_stopped_backend_returns_by_its_deadline
     rw.close()
 
 
+@pytest.mark.posix_only
 def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
         engine, dsn, namespace) -> None:
     """Ctrl-C during a timed call whose backend stopped: the clean-up (a cancel nobody

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from conftest import PATIENCE, TESTS, wait_until
+import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import postgres
 from pg_support import (
     HOLDER, ScriptedWorker, child, expect, finish, quietly_collect, slow_abort, strand_a_holder,
@@ -185,6 +186,7 @@ def test_two(dsn):
 '''
 
 
+@pytest.mark.posix_only
 def test_a_terminated_pytest_run_stops_at_once_and_stops_its_server(tmp_path) -> None:
     """``sigterm_exits`` turns SIGTERM into SystemExit "so that what the block started is
     stopped by its finally". But pgserver's block is a module-scoped pytest fixture, and

@@ -191,6 +191,7 @@ def test_condition_works_on_a_key(locks) -> None:
     assert not locks.owned("k") and len(locks) == 0
 
 
+@pytest.mark.posix_only
 def test_a_killed_holder_frees_its_keys_at_once(locks, dsn, namespace) -> None:
     holder = child(dsn, namespace, """
     locks.acquire("k")
@@ -207,6 +208,7 @@ def test_a_killed_holder_frees_its_keys_at_once(locks, dsn, namespace) -> None:
     locks.release("k")
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("waiter", ["thread", "task"])
 def test_a_process_killed_while_it_waits_frees_what_it_holds(locks, dsn, namespace,
                                                            waiter) -> None:
@@ -314,6 +316,7 @@ def test_shared_exclusive_and_upgrade_across_processes(engine, dsn, namespace) -
     rw.close()
 
 
+@pytest.mark.posix_only
 def test_ctrl_c_cancels_the_server_side_wait(locks, dsn, namespace) -> None:
     locks.acquire("k")
     waiter = child(dsn, namespace, """
@@ -591,6 +594,7 @@ def test_bench_distributed_beside_redis_locks_and_tooz(dsn, tmp_path, capsys) ->
 # -- issue 12: every promise kept under timeouts, forks, dead connections, cancels, Ctrl-C ------
 
 
+@pytest.mark.posix_only
 def test_timeouts_racing_grants_never_leave_a_lock_held(locks, dsn, namespace) -> None:
     """A timeout can fire just as the key is granted (PostgreSQL then reports the timeout
     and grants all the same): whatever the race, a call that says False holds nothing."""
@@ -666,6 +670,7 @@ say(statuses=statuses)
 """
 
 
+@pytest.mark.posix_only
 def test_forked_workers_never_share_a_session_or_a_key(engine, dsn, namespace) -> None:
     table = f"counter_{uuid.uuid4().hex}"
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -682,6 +687,7 @@ def test_forked_workers_never_share_a_session_or_a_key(engine, dsn, namespace) -
         assert conn.execute(f"SELECT n FROM {table}").fetchone()[0] == 75  # no lost update
 
 
+@pytest.mark.posix_only
 def test_a_forked_child_never_frees_its_parents_locks(engine, dsn, namespace) -> None:
     parent = child(dsn, namespace, """
     locks.acquire("k")
@@ -1093,6 +1099,7 @@ def test_ctrl_c_after_the_grant_then_at_the_clean_ups_entry_leaves_nothing_held(
     other.close()
 
 
+@pytest.mark.posix_only
 @pytest.mark.parametrize("repeated", [False, True], ids=["once-per-call", "repeated"])
 def test_ctrl_c_storms_leave_nothing_held(engine, dsn, namespace, repeated) -> None:
     """SIGINT every few milliseconds at a thread acquiring a contended key: every call ends
@@ -1145,6 +1152,7 @@ def test_an_interrupt_halfway_through_losing_a_connection_loses_its_keys_all_the
     locks.release("j")
 
 
+@pytest.mark.posix_only
 def test_more_than_1024_open_files(engine, dsn, namespace) -> None:
     process = child(dsn, namespace, """
     import resource

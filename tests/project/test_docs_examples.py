@@ -114,7 +114,13 @@ def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleTy
     """The public names, and lockmgr.postgres's in-process engine, are ``impl``'s."""
     for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
-    managers = importlib.import_module("lockmgr.postgres._managers")
+    try:
+        managers = importlib.import_module("lockmgr.postgres._managers")
+    except ImportError:
+        # psycopg cannot load libpq (plain psycopg on a wheel runner): only the examples
+        # that need PostgreSQL use lockmgr.postgres, and pg_dsn skips those, naming what is
+        # missing (an error where LOCKMGR_REQUIRE_SERVERS=1); the others run.
+        return impl
     monkeypatch.setattr(managers, "LockManager", impl.LockManager)
     monkeypatch.setattr(managers, "RWLockManager", impl.RWLockManager)
     return impl

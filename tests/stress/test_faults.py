@@ -199,6 +199,7 @@ print(json.dumps({{"outcome": outcome, "delay": caught - sent[0], "waiting": sta
 CTRL_C_BOUND = 2.0
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.parametrize("send", [
     "os.kill(os.getpid(), signal.SIGINT)",  # any thread may take it
@@ -268,6 +269,7 @@ t.join()
 """
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 @pytest.mark.parametrize("before_fork", [
@@ -291,6 +293,7 @@ class Interrupted(Exception):
     pass
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_handler_that_returns_keeps_the_remaining_timeout(locks, workers) -> None:
     holder, signaller = workers("holder"), workers("signaller")
@@ -315,6 +318,7 @@ def test_handler_that_returns_keeps_the_remaining_timeout(locks, workers) -> Non
     holder.run(lambda: locks.release("k"))
 
 
+@pytest.mark.posix_only
 @POSIX_SIGNALS
 def test_hand_off_racing_a_raising_handler_goes_to_the_next_waiter(locks, workers) -> None:
     holder, next_in_line = workers("holder"), workers("next")
@@ -396,6 +400,7 @@ def fork_and_check():
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 @pytest.mark.parametrize("run", [
     "fork_and_check()",
@@ -448,6 +453,7 @@ print("forked")
 """
 
 
+@pytest.mark.posix_only
 @pytest.mark.compiled
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 def test_a_fork_hook_may_join_a_thread_that_used_lockmgr() -> None:
