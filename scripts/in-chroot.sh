@@ -60,16 +60,18 @@ done
 # Name resolution as the host has it (apt, pip).
 cp -L /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
 # The host's network may intercept TLS with a CA of its own (in its system bundle): pip and git
-# inside then trust what the host trusts. The bundle is bind-mounted, the chroot is not changed,
-# and the host's variables naming it are passed in.
+# inside then trust what the host trusts. The host's bundle is bind-mounted beside the chroot's
+# own (which apt's ca-certificates must stay free to rewrite), and the host's variables that
+# name a bundle are passed in, naming it.
 bundle=/etc/ssl/certs/ca-certificates.crt
+inside=/run/lockmgr-host-ca-certificates.crt
 tls_env=()
 if [ -f "$bundle" ]; then
-  mkdir -p "$root/etc/ssl/certs"
-  [ -e "$root$bundle" ] || touch "$root$bundle"
-  mnt "$root$bundle" --bind "$bundle"
+  mkdir -p "$root/run"
+  [ -e "$root$inside" ] || touch "$root$inside"
+  mnt "$root$inside" --bind "$bundle"
   for var in SSL_CERT_FILE PIP_CERT REQUESTS_CA_BUNDLE CURL_CA_BUNDLE GIT_SSL_CAINFO; do
-    [ -n "${!var:-}" ] && tls_env+=("$var=${!var}")
+    [ -n "${!var:-}" ] && tls_env+=("$var=$inside")
   done
 fi
 
