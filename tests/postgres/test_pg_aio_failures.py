@@ -243,6 +243,11 @@ def test_owned_after_the_loss_was_found_agrees_with_threads(engine, dsn, namespa
 
 @pytest.mark.posix_only
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+# CPython 3.12+ warns when fork() is called with other threads alive (whatever earlier tests in
+# this worker left running, asyncio's to_thread workers): this test forks from the test process
+# on purpose, and its child only starts a fresh thread and a fresh loop.
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork\\(\\) may lead to deadlocks:DeprecationWarning")
 def test_fork_from_a_task_holding_a_key(locks, dsn) -> None:  # noqa: F811
     """A child forked by a task holding "k": the parent's session lives on, the child gets
     a session of its own, and "k" (the parent's) is not the child's."""

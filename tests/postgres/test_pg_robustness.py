@@ -439,9 +439,14 @@ def test_a_terminated_bench_stops_the_redis_server_it_started() -> None:
         (server,) = redis_children()
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=PATIENCE) != 0
-        wait_until(lambda: not os.path.exists(f"/proc/{server}")
-                   or open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
-                   "its redis-server stopped")
+        def stopped() -> bool:  # gone, or a zombie its parent has not reaped
+            try:
+                with open(f"/proc/{server}/stat") as stat:
+                    return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except FileNotFoundError:
+                return True
+
+        wait_until(stopped, "its redis-server stopped")
     finally:
         bench.kill()
         bench.wait(timeout=PATIENCE)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from .._signals import sigterm_interrupts
@@ -96,14 +98,29 @@ def redis_server(option: str) -> Iterator[str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with sigterm_interrupts():
-        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
-                                   "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        yield from _running_redis(server, port)
+        yield from _running_redis(
+            lambda: subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save",
+                                      "", "--appendonly", "no"], stdout=subprocess.DEVNULL), port)
 
 
-def _running_redis(server: subprocess.Popen[bytes], port: int) -> Iterator[str]:
-    """Wait until ``server`` answers, yield its URL, stop it afterwards."""
+def _running_redis(start: Callable[[], subprocess.Popen[bytes]], port: int) -> Iterator[str]:
+    """Start the server, wait until it answers, yield its URL, stop it afterwards. A SIGTERM
+    while it starts is held until ``start()`` has returned: raised inside Popen, after the
+    fork and before Popen returns, it would leave the server running with nothing to stop
+    it by."""
+    server = None
+    held: list[int] = []
+    holding = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum)) \
+        if holding else None
     try:
+        try:
+            server = start()
+        finally:
+            if holding:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if held:
+            raise KeyboardInterrupt(f"signal {held[0]}")
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -117,5 +134,6 @@ def _running_redis(server: subprocess.Popen[bytes], port: int) -> Iterator[str]:
                 time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
