@@ -46,7 +46,7 @@ fi
 
 if ! command -v debootstrap >/dev/null; then
   timed "installing debootstrap" \
-    env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
+    sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null'
 fi
 
 if [ ! -f "$root/.lockmgr-debootstrapped" ]; then
