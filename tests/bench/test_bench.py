@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import warnings
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lockmgr import _pure, bench
-from lockmgr.bench import _asyncio, _measure, _output, _threads
+from lockmgr.bench import _asyncio, _cli, _measure, _output, _threads
 
 
 @pytest.mark.parametrize(("order", "expected"), [
@@ -44,6 +45,49 @@ def test_plot_needs_matplotlib_or_draws(tmp_path: Path, capsys: pytest.CaptureFi
         assert not picture.exists()
     else:
         assert code == 0 and picture.stat().st_size > 0
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_is_quiet_elsewhere() -> None:
+    terminal, log = _Terminal(), io.StringIO()
+    for stream in (terminal, log):
+        with _measure.Progress(2, stream) as shown:
+            shown.step("uncontended: lockmgr")
+            shown.step("hot-key: lockmgr")
+    assert log.getvalue() == ""
+    lines = terminal.getvalue().split("\r\x1b[K")
+    assert lines[0] == "" and lines[1].startswith("[lockmgr-bench] 1/2 uncontended: lockmgr (0:0")
+    assert lines[2].startswith("[lockmgr-bench] 2/2 hot-key: lockmgr (0:0")
+    assert lines[2].endswith(")\n")  # the line is ended when the run is
+
+
+def test_a_run_counts_its_steps_and_refuses_bad_options_before_measuring(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    totals: list[int] = []
+    labels: list[str] = []
+
+    class Recorded(_measure.Progress):
+        def __init__(self, total: int) -> None:
+            super().__init__(total, io.StringIO())
+            totals.append(total)
+
+        def step(self, label: str) -> None:
+            labels.append(label)
+            super().step(label)
+
+    monkeypatch.setattr(_cli, "Progress", Recorded)
+    assert bench.main(["--quick", "--scenario", "uncontended", "--scenario", "read-mostly",
+                       "--impl", "threading.Lock", "--impl", "rwlock-pure"]) == 0
+    assert totals == [3] and labels == ["uncontended: threading.Lock",
+                                        "read-mostly: threading.Lock", "read-mostly: rwlock-pure"]
+    # server-pairs without a server: refused at once, before the uncontended step runs
+    assert bench.main(["--quick", "--scenario", "uncontended", "--scenario", "server-pairs",
+                       "--impl", "threading.Lock"]) == 2
+    assert totals == [3] and "server-pairs needs --pg-dsn or --redis" in capsys.readouterr().err
 
 
 def test_bad_options_are_rejected() -> None:

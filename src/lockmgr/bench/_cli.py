@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS, async_implementations
-from ._measure import Results, Settings, progress
+from ._measure import Progress, Results, Settings, progress
 from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
 from ._servers import postgres_processes, redis_server, server_pairs
 from ._threads import (
@@ -97,6 +100,66 @@ def _positive(text: str) -> int:
     return value
 
 
+Step = tuple[str, Callable[[], None]]
+
+
+def _plan(args: argparse.Namespace, impls: list[str], available: dict[str, Any],
+          async_available: dict[str, Any], settings: Settings,
+          results: Results) -> list[Step] | str:
+    """The run's steps, each a label and what measures it; or why the options cannot run,
+    found before anything is measured."""
+    steps: list[Step] = []
+    servers = args.pg_dsn or args.redis
+    for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else []),
+                                      *ASYNC_SCENARIOS]:
+        if scenario == "server-pairs":
+            if not servers:
+                return "server-pairs needs --pg-dsn or --redis (or both)"
+            steps.append((scenario, functools.partial(_server_pairs, args, settings, results)))
+        elif scenario == "distributed":
+            refusal = distributed_refusal(args.pg_dsn, args.redis)
+            if refusal:
+                return refusal
+            steps.append((scenario, functools.partial(_distributed, args, settings, results)))
+        elif scenario in ASYNC_SCENARIOS:
+            steps += [(f"{scenario}: {name}",
+                       functools.partial(_run_async, scenario, name, async_available[name],
+                                         settings, results))
+                      for name in impls if name in async_available]
+        else:
+            for name in impls:
+                if name not in available:
+                    continue
+                subject = available[name]()
+                if subject.scenarios is None or scenario in subject.scenarios:
+                    steps.append((f"{scenario}: {name}", functools.partial(
+                        SCENARIOS[scenario], name, subject, settings, results)))
+            if args.pg_dsn and scenario in PG_SCENARIOS:
+                steps.append((f"{scenario}: postgres-processes", functools.partial(
+                    postgres_processes, args.pg_dsn, scenario, settings, results)))
+    return steps
+
+
+def _server_pairs(args: argparse.Namespace, settings: Settings, results: Results) -> None:
+    with contextlib.ExitStack() as stack:
+        named = {"postgres": args.pg_dsn} if args.pg_dsn else {}
+        if args.redis:
+            named["redis-py"] = stack.enter_context(redis_server(args.redis))
+        server_pairs(named, settings, results)
+
+
+def _distributed(args: argparse.Namespace, settings: Settings, results: Results) -> None:
+    from ._distributed import distributed
+
+    with redis_server(args.redis) as redis_url:
+        distributed(args.pg_dsn, redis_url, settings, results)
+
+
+def _run_async(scenario: str, name: str, make: Callable[[], Any], settings: Settings,
+               results: Results) -> None:
+    ASYNC_SCENARIOS[scenario](name, make(), settings, results)
+
+
 def main(argv: list[str] | None = None) -> int:
     pg_dsn = _option(argv if argv is not None else sys.argv[1:], "--pg-dsn")
     available = implementations(pg_dsn)
@@ -123,47 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"wrote {args.contention_report}")
         return 0
     results = Results()
-    servers = args.pg_dsn or args.redis
-    for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else []),
-                                      *ASYNC_SCENARIOS]:
-        if scenario == "server-pairs":
-            with contextlib.ExitStack() as stack:
-                named = {"postgres": args.pg_dsn} if args.pg_dsn else {}
-                if args.redis:
-                    named["redis-py"] = stack.enter_context(redis_server(args.redis))
-                if not named:
-                    print("lockmgr-bench: server-pairs needs --pg-dsn or --redis (or both)",
-                          file=sys.stderr)
-                    return 2
-                server_pairs(named, settings, results)
-            continue
-        if scenario == "distributed":
-            refusal = distributed_refusal(args.pg_dsn, args.redis)
-            if refusal:
-                print(f"lockmgr-bench: {refusal}", file=sys.stderr)
-                return 2
-            from ._distributed import distributed
-
-            with redis_server(args.redis) as redis_url:
-                distributed(args.pg_dsn, redis_url, settings, results)
-            continue
-        if scenario in ASYNC_SCENARIOS:
-            for name in impls:
-                if name in async_available:
-                    progress(f"{scenario}: {name}")
-                    ASYNC_SCENARIOS[scenario](name, async_available[name](), settings, results)
-            continue
-        for name in impls:
-            if name not in available:
-                continue
-            subject = available[name]()
-            if subject.scenarios is not None and scenario not in subject.scenarios:
-                continue
-            progress(f"{scenario}: {name}")
-            SCENARIOS[scenario](name, subject, settings, results)
-        if args.pg_dsn and scenario in PG_SCENARIOS:
-            progress(f"{scenario}: postgres-processes")
-            postgres_processes(args.pg_dsn, scenario, settings, results)
+    steps = _plan(args, impls, available, async_available, settings, results)
+    if isinstance(steps, str):
+        print(f"lockmgr-bench: {steps}", file=sys.stderr)
+        return 2
+    with Progress(len(steps)) as shown:
+        for label, run in steps:
+            shown.step(label)
+            run()
     about = machine()  # after the runs: whether something they imported turned the GIL on
     print(header(about))
     # Up to three tables: the thread scenarios (ratios to threading.Lock), the asyncio ones

@@ -3,12 +3,13 @@ helpers."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 
 @dataclass
@@ -31,7 +32,53 @@ class Results:
 
 
 def progress(message: str) -> None:
+    """A line on stderr that the run's reader needs (a file written, something missing)."""
+    Progress.clear_line()
     print(f"[lockmgr-bench] {message}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """Which step of how many a run is at, and for how long it has run: one line on stderr,
+    rewritten in place, while stderr is a terminal; nothing otherwise (a log or a pipe gets
+    only what ``progress`` prints)."""
+
+    _shown = False  # a status line is on the terminal, not yet ended
+
+    def __init__(self, total: int, stream: TextIO | None = None) -> None:
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = self.stream.isatty()
+        self.started = time.monotonic()
+        self.done = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.live and Progress._shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            Progress._shown = False
+
+    def step(self, label: str) -> None:
+        """Starting step ``label``, the next of ``total``."""
+        self.done += 1
+        if not self.live:
+            return
+        elapsed = int(time.monotonic() - self.started)
+        line = (f"[lockmgr-bench] {self.done}/{self.total} {label} "
+                f"({elapsed // 60}:{elapsed % 60:02d})")
+        width = shutil.get_terminal_size().columns - 1
+        self.stream.write("\r\x1b[K" + line[:width])
+        self.stream.flush()
+        Progress._shown = True
+
+    @staticmethod
+    def clear_line() -> None:
+        """End a status line on the terminal before a line of its own is printed."""
+        if Progress._shown:
+            sys.stderr.write("\r\x1b[K")
+            Progress._shown = False
 
 
 def run_threads(count: int, body: Callable[[int], None]) -> None:
