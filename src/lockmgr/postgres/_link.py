@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import threading
@@ -70,8 +71,8 @@ class _Link:
     finalizer that closes the link (a thread's end, collected late) may run inside a check
     of it on the same thread."""
 
-    __slots__ = ("cancelled_late", "conn", "guard", "pgconn", "pid", "poller", "prepared",
-                 "statements", "talking")
+    __slots__ = ("cancelled_late", "conn", "ended", "guard", "pgconn", "pid", "poller",
+                 "prepared", "statements", "talking")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
@@ -80,6 +81,11 @@ class _Link:
         self.cancelled_late = False  # the owner's round trip passed its deadline: cancelled
         self.prepared: set[bytes] = set()  # names of the statements prepared on this session
         self.statements = statements  # what each name prepares: its manager's (_FenceTable)
+        # The server's FATAL notices: it sends one as it ends the session, before it gives up
+        # the session's locks and long before the socket closes. (The handler holds this
+        # list, not the link, so the connection keeps no cycle through it.)
+        self.ended: list[str] = []
+        conn.add_notice_handler(functools.partial(_note_ending, self.ended))
         self.conn = conn  # last but two: close() needs what comes before
         self.pgconn = conn.pgconn
         self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
@@ -237,8 +243,10 @@ class _Link:
             return None if self.talking else self._idle()
 
     def idle(self) -> bool:
-        """Alive, ours and between statements: a server that ends a session sends an error
-        and closes the socket, which turns it readable, and reading that breaks it."""
+        """Alive, ours and between statements: a server that ends a session sends a FATAL
+        error, gives up the session's locks, then closes the socket. The error turns the
+        socket readable; reading and parsing it (libpq hands an error between statements
+        to the notice handler) tells the session ended even before the socket closes."""
         if self.pid != os.getpid():
             return False
         with self.guard:
@@ -255,7 +263,9 @@ class _Link:
                 pgconn.consume_input()
             except psycopg.OperationalError:
                 return False
-        return pgconn.status == ConnStatus.OK and pgconn.transaction_status == TransactionStatus.IDLE
+            pgconn.is_busy()  # parses what arrived: a FATAL error goes to _note_ending
+        return (not self.ended and pgconn.status == ConnStatus.OK
+                and pgconn.transaction_status == TransactionStatus.IDLE)
 
     def broken(self) -> bool:
         return self.pgconn.status != ConnStatus.OK
@@ -283,6 +293,12 @@ class _Link:
     def __del__(self) -> None:
         if hasattr(self, "conn"):
             self.close()
+
+
+def _note_ending(ended: list[str], notice: pg_errors.Diagnostic) -> None:
+    """A link's notice handler: keeps the FATAL (or PANIC) errors that end its session."""
+    if notice.severity_nonlocalized in ("FATAL", "PANIC"):
+        ended.append(notice.message_primary or "")
 
 
 def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:
