@@ -25,8 +25,10 @@ root=$("$here/debian-sid-python.sh")
 took "the Debian sid chroot"
 
 printf '=== copying the checkout into the chroot\n'
-work=/build/lockmgr-$python
+# A folder of this run's own: two runs at once (CI and an engineer) must not share one.
+work=/build/lockmgr-$python-$$
 rm -rf --one-file-system "${root:?}$work"
+trap 'rm -rf --one-file-system "${root:?}$work" "${root:?}$work.venv"' EXIT
 mkdir -p "$root$work"
 # What git would see: tracked and untracked files, not the ignored ones (venvs, builds, the
 # host's compiled .so files), and not a tracked file deleted in the work tree.
@@ -36,7 +38,8 @@ git -C "$checkout" ls-files -z --cached --others --exclude-standard \
 took "copying the checkout"
 
 # Inside: phases report their own times the same way.
-exec "$here/in-sid-chroot.sh" env PYTHON="$python" WORK="$work" PIP_DISABLE_PIP_VERSION_CHECK=1 \
+status=0
+"$here/in-sid-chroot.sh" env PYTHON="$python" WORK="$work" PIP_DISABLE_PIP_VERSION_CHECK=1 \
   LOCKMGR_REQUIRE_SERVERS=1 bash -euo pipefail -c '
 phase_started=$SECONDS
 took() { printf "=== %s took %ss\n" "$1" "$((SECONDS - phase_started))"; phase_started=$SECONDS; }
@@ -57,4 +60,5 @@ status=0
 python -m pytest -n 2 -p no:cacheprovider -q -ra "${@:-tests}" || status=$?
 took "the suite"
 exit "$status"
-' bash "$@"
+' bash "$@" || status=$?
+exit "$status"
