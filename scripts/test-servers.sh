@@ -7,7 +7,8 @@ set -euo pipefail
 missing=()
 compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || command -v initdb >/dev/null \
   || missing+=(postgresql)
-command -v pgbouncer >/dev/null || missing+=(pgbouncer)
+# (Debian puts pgbouncer in /usr/sbin, which a user's PATH may lack.)
+command -v pgbouncer >/dev/null || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 command -v redis-server >/dev/null || missing+=(redis-server)
 [ ${#missing[@]} -eq 0 ] && { echo "test servers: all present"; exit 0; }
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then

@@ -74,7 +74,8 @@ def require_redis_server() -> None:
 
 
 def _bindir() -> str:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda path: int(path.split("/")[4]) if path.split("/")[4].isdigit() else 0)
     if found:
         return os.path.dirname(found[-1])
     initdb = shutil.which("initdb")

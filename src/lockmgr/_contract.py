@@ -19,7 +19,7 @@ managers in ``postgres``, ``otel`` — use only what these protocols name:
 
 How each engine is held to it: the pure twin by mypy (the end of this module assigns its
 module and classes to these types; the views, typed by them, are made by the twin's
-managers; ``make typecheck``); the compiled core by ``tests/test_contract.py``, which
+managers; ``make typecheck``); the compiled core by ``tests/engine/test_contract.py``, which
 compares every member's name, kind (method or attribute) and parameters (names, kinds,
 defaults) with these protocols, for both engines. The core's methods carry their
 signatures (``embedsignature`` in ``_core.pyx``); a core built without it fails
@@ -193,7 +193,7 @@ class EngineModule(Protocol):
     def end_stranded_task(self, task: object) -> None: ...
 
 
-#: Which class of an engine module each protocol describes (tests/test_contract.py).
+#: Which class of an engine module each protocol describes (tests/engine/test_contract.py).
 IMPLEMENTED_BY: dict[str, type] = {
     "LockManager": LockEngine,
     "RWLockManager": RWLockEngine,
@@ -204,7 +204,7 @@ IMPLEMENTED_BY: dict[str, type] = {
 
 if TYPE_CHECKING:
     # The pure twin is an engine: mypy --strict holds its module and classes to the contract
-    # here (the compiled core has no annotations: tests/test_contract.py compares it).
+    # here (the compiled core has no annotations: tests/engine/test_contract.py compares it).
     from . import _pure
 
     _TWIN: EngineModule = _pure
