@@ -32,7 +32,9 @@ export TSAN_OPTIONS="suppressions=$suppressions"
 log "virtual environment and pytest for $python"
 "$python" -m venv "$work/venv"
 venv_python=$work/venv/bin/python
-nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout
+# psycopg too: the tests' conftest needs it importable (a missing one fails every run, so
+# that no run can skip the PostgreSQL tests unnoticed); the tests below use no server.
+nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout psycopg
 
 # The core built from a copy of the sources, so that no object file or extension module of
 # another build (the work tree's build/ or src/lockmgr/*.so) can be reused or imported. The
