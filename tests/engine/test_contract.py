@@ -24,6 +24,7 @@ TYPING_MEMBERS = {
     "__module__", "__doc__", "__dict__", "__weakref__", "__parameters__", "__orig_bases__",
     "__init__", "__abstractmethods__", "__annotations__", "__slots__", "__qualname__",
     "__subclasshook__", "__protocol_attrs__", "__non_callable_proto_members__",
+    "__callable_proto_members_only__",  # 3.12's
     "__type_params__", "__firstlineno__", "__static_attributes__", "__class_getitem__",
     "_is_protocol", "_is_runtime_protocol", "_abc_impl", "__annotate__", "__annotate_func__",
     "__annotations_cache__",
@@ -271,6 +272,7 @@ def test_the_comparison_finds_departures() -> None:
                                  _TextSigned("($self, key, owner, mode)")) != []
 
 
+@pytest.mark.compiled  # a record of the other engine is one of the foreign ones
 def test_an_engine_takes_back_only_its_own_records(impl: ModuleType) -> None:
     """A record is opaque to the views: each engine refuses one it did not make (TypeError,
     before anything is taken or given back), as the core's typed parameters do."""
