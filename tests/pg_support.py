@@ -4,16 +4,19 @@ backend, the asyncio tests' loop helpers, and a clean-up made slow."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -53,6 +56,51 @@ def own_sessions_locks(dsn: str) -> int:
 
 
 _children: list[subprocess.Popen[str]] = []
+
+
+def race_timeouts_against_a_holder(
+        hold: Callable[[], AbstractContextManager[Any]],
+        attempt: Callable[[int, float], bool],
+        while_held: Callable[[Any], None] = lambda lease: None,
+        each: int = 10) -> collections.Counter[bool]:
+    """Make timed ``attempt(number, timeout)`` calls (timeouts of 1-4 ms) while another
+    thread loops ``with hold() as lease: while_held(lease)`` for 0-3 ms at a time, until
+    each outcome (True: granted, False: timed out) has come ``each`` times, so that timeouts
+    race grants. Starts once the other thread first holds (its connecting can take longer
+    than the attempts); bounded by PATIENCE. Returns the outcomes' counts."""
+    holding = threading.Event()
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def holder() -> None:
+        rng = random.Random(3)
+        try:
+            while not stop.is_set():
+                with hold() as lease:
+                    while_held(lease)
+                    holding.set()
+                    time.sleep(rng.random() * 0.003)
+        except BaseException as error:  # a leaked lock would starve it: LockTimeout
+            failures.append(error)
+            holding.set()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    outcomes: collections.Counter[bool] = collections.Counter()
+    rng = random.Random(5)
+    try:
+        assert holding.wait(PATIENCE), "the holder never held"
+        deadline = time.monotonic() + PATIENCE
+        number = 0
+        while min(outcomes[True], outcomes[False]) < each and time.monotonic() < deadline:
+            outcomes[attempt(number, rng.choice([0.001, 0.002, 0.003, 0.004]))] += 1
+            number += 1
+    finally:
+        stop.set()
+        thread.join(PATIENCE)
+    assert not thread.is_alive() and not failures, failures
+    assert min(outcomes[True], outcomes[False]) >= each, outcomes
+    return outcomes
 
 
 def held_on_server(dsn: str, manager: Any, key: object) -> bool:

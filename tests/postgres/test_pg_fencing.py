@@ -8,12 +8,9 @@ acquisition makes it."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import random
 import textwrap
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,8 +25,8 @@ import psycopg
 from lockmgr import postgres
 from lockmgr.postgres._link import _Link
 from pg_support import (
-    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
-    _waiting_on_server,
+    child, expect, finish, held_on_server, own_sessions_locks, race_timeouts_against_a_holder,
+    terminate_holder, _waiting_on_server,
 )
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
@@ -183,38 +180,19 @@ def test_timeouts_racing_grants_skip_no_fence(fenced: Manager,
     """Whatever the race between a timeout and a grant, a call that says False took no
     fence: the fences handed out are 1, 2, 3... with no gap, each side's in order."""
     other = make_fenced()
-    stop = threading.Event()
     theirs: list[int] = []
-    failures: list[BaseException] = []
-
-    def hammer() -> None:
-        rng = random.Random(3)
-        try:
-            while not stop.is_set():
-                with other.hold("k", timeout=PATIENCE) as lease:
-                    theirs.append(lease.fence)
-                    time.sleep(rng.random() * 0.003)
-        except BaseException as error:
-            failures.append(error)
-
-    thread = threading.Thread(target=hammer)
-    thread.start()
     ours: list[int] = []
-    outcomes: collections.Counter[bool] = collections.Counter()
-    rng = random.Random(5)
-    try:
-        for attempt in range(200):
-            timeout = rng.choice([0.001, 0.002, 0.003, 0.004])
-            keys = ["k", "j"] if attempt % 2 else ["k"]
-            got = fenced.acquire_many(keys, timeout=timeout)
-            if got:
-                ours.append(fenced.fence("k"))
-                fenced.release_many(keys)
-            outcomes[got] += 1
-    finally:
-        stop.set()
-        thread.join(PATIENCE)
-    assert not failures and outcomes[True] and outcomes[False], (failures, outcomes)
+
+    def attempt(number: int, timeout: float) -> bool:
+        keys = ["k", "j"] if number % 2 else ["k"]
+        got = fenced.acquire_many(keys, timeout=timeout)
+        if got:
+            ours.append(fenced.fence("k"))
+            fenced.release_many(keys)
+        return got
+
+    race_timeouts_against_a_holder(lambda: other.hold("k", timeout=PATIENCE), attempt,
+                                   while_held=lambda lease: theirs.append(lease.fence))
     assert ours == sorted(ours) and theirs == sorted(theirs)
     assert sorted(ours + theirs) == list(range(1, len(ours) + len(theirs) + 1))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import json
 import logging
@@ -31,8 +30,8 @@ from lockmgr.postgres._link import _Link, _poll
 from lockmgr.postgres._session import _Session
 from lockmgr.postgres._sql import _GRANTED_ADVISORY
 from pg_support import (
-    child, expect, finish, held_on_server, own_sessions_locks, terminate_holder,
-    _waiting_on_server,
+    child, expect, finish, held_on_server, own_sessions_locks, race_timeouts_against_a_holder,
+    terminate_holder, _waiting_on_server,
 )
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
@@ -599,38 +598,15 @@ def test_timeouts_racing_grants_never_leave_a_lock_held(locks, dsn, namespace) -
     """A timeout can fire just as the key is granted (PostgreSQL then reports the timeout
     and grants all the same): whatever the race, a call that says False holds nothing."""
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    stop = threading.Event()
-    failures: list[BaseException] = []
 
-    def hammer() -> None:
-        rng = random.Random(3)
-        try:
-            while not stop.is_set():
-                with other.hold("k", timeout=PATIENCE):
-                    time.sleep(rng.random() * 0.003)
-        except BaseException as error:  # a leaked lock would starve it: LockTimeout
-            failures.append(error)
+    def attempt(number: int, timeout: float) -> bool:
+        keys = ["k", "j"] if number % 2 else ["k"]
+        got = locks.acquire_many(keys, timeout=timeout)
+        if got:
+            locks.release_many(keys)
+        return got
 
-    thread = threading.Thread(target=hammer)
-    thread.start()
-    outcomes: collections.Counter[bool] = collections.Counter()
-    rng = random.Random(5)
-    try:
-        for attempt in range(300):
-            timeout = rng.choice([0.001, 0.002, 0.003, 0.004])
-            if attempt % 2:
-                got = locks.acquire_many(["k", "j"], timeout=timeout)
-                if got:
-                    locks.release_many(["k", "j"])
-            else:
-                got = locks.acquire("k", timeout=timeout)
-                if got:
-                    locks.release("k")
-            outcomes[got] += 1
-    finally:
-        stop.set()
-        thread.join(PATIENCE)
-    assert not failures and outcomes[True] and outcomes[False], (failures, outcomes)
+    race_timeouts_against_a_holder(lambda: other.hold("k", timeout=PATIENCE), attempt)
     assert own_sessions_locks(dsn) == 0 and len(locks) == 0
     other.close()
 
