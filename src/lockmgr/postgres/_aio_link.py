@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
-from ._fences import _MADE_MEANWHILE
 from ._link import (
     _ABORT_SECONDS,
     _CANCEL_GRACE,
-    _FATAL_ERROR,
+    _Attach,
     _Link,
     _Overdue,
-    _Unanswered,
-    _answer_by,
-    _deadline,
+    _RoundTrip,
+    _Steps,
+    _T,
+    _call_steps,
+    _checked,
+    _exchange,
     _poll,
+    _POLLOUT,
+    _run_all_steps,
+    _set_up_steps,
 )
-from ._server import _CHECK_UNSUPPORTED, _refusal, _setup_sql
 from ._session import _Session
-
-if TYPE_CHECKING:
-    from ._fences import _FenceTable
 
 
 class _AsyncLink(_Link):
@@ -44,13 +44,7 @@ class _AsyncLink(_Link):
         conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **connect_kwargs)
         link = cls(conn, statements)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used
         try:
-            try:
-                results = await link.run_all_async(_setup_sql(link.pgconn.server_version))
-            except _CHECK_UNSUPPORTED:
-                results = await link.run_all_async(_setup_sql(link.pgconn.server_version, False))
-            refusal = _refusal(results[0], link.pgconn.backend_pid)
-            if refusal is not None:
-                raise refusal
+            await _drive_async(_set_up_steps(link))
         except BaseException:
             link.close()
             raise
@@ -63,23 +57,11 @@ class _AsyncLink(_Link):
         return (await self.run_all_async(sql, deadline))[-1]
 
     async def run_all_async(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
-        return await self._round_trip_async(_deadline(deadline), self.pgconn.send_query,
-                                            sql.encode())
+        return await _drive_async(_run_all_steps(self, sql, deadline))
 
     async def call_async(self, statement: bytes, ident: int,
                          deadline: float | None | bool = True) -> Any:
-        answer_by = _deadline(deadline)
-        if statement not in self.prepared:
-            try:
-                await self._round_trip_async(_answer_by() if answer_by is None else answer_by,
-                                             self.pgconn.send_prepare, statement,
-                                             self.statements[statement])
-            except pg_errors.DuplicatePreparedStatement:
-                pass  # a clean-up after a cancellation drained the answer we never read
-            self.prepared.add(statement)
-        results = await self._round_trip_async(answer_by, self.pgconn.send_query_prepared,
-                                               statement, [b"%d" % ident])
-        return results[-1]
+        return await _drive_async(_call_steps(self, statement, ident, deadline))
 
     async def _round_trip_async(self, deadline: float | None, send: Callable[..., None],
                                 *args: Any) -> list[Any]:
@@ -94,42 +76,19 @@ class _AsyncLink(_Link):
             previous, self.talking = self.talking, True
         try:
             send(*args)
-            while pgconn.flush():
-                while not await self._ready(writing=True, deadline=deadline):
+            for event in _exchange(pgconn, results):
+                while not await self._ready(writing=event == _POLLOUT, deadline=deadline):
                     deadline = await self._past_deadline_async()
-            while True:
-                if pgconn.is_busy():
-                    while not await self._ready(writing=False, deadline=deadline):
-                        deadline = await self._past_deadline_async()
-                    pgconn.consume_input()
-                    continue
-                result = pgconn.get_result()
-                if result is None:
-                    break
-                results.append(result)
         except BaseException:
             if pgconn.transaction_status != TransactionStatus.ACTIVE:
                 self.talking = previous
             raise  # else still talking: see above
         self.talking = previous  # (True within a clean-up)
-        encoding = self.conn.info.encoding
-        for result in results:
-            if result.status == _FATAL_ERROR:
-                error = pg_errors.error_from_result(result, encoding=encoding)
-                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
-                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
-                                   " cancelled") from error
-                raise error
-        return results
+        return _checked(results, self.conn.info.encoding, self.cancelled_late)
 
     async def _past_deadline_async(self) -> float:
         """``_Link._past_deadline`` on the event loop."""
-        if self.cancelled_late:
-            self.close()
-            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
-                              " connection was closed")
-        self.cancelled_late = True
-        grace = time.monotonic() + _CANCEL_GRACE
+        grace = self._cancelling()
         conn: psycopg.AsyncConnection[Any] = self.conn  # type: ignore[assignment]
         try:
             await conn.cancel_safe(timeout=_CANCEL_GRACE)
@@ -187,18 +146,35 @@ class _AsyncLink(_Link):
                 return
 
 
-async def _make_fence_table(link: _AsyncLink, table: _FenceTable,
-                            deadline: float | bool) -> None:
-    """``postgres._make_fence_table`` on a task's connection."""
-    for attempt in range(2):
-        if (await link.run_async(table.exists_sql, deadline)).get_value(0, 0) == b"t":
-            return
-        try:
-            await link.run_async(table.create_sql, deadline)
-            return
-        except _MADE_MEANWHILE:
-            if attempt:
-                raise
+async def _drive_async(steps: _Steps[_T],
+                       attach: Callable[[Any], Awaitable[Any]] | None = None,
+                       lose: Callable[[Any], None] | None = None) -> _T:
+    """``_link._drive`` for a task: each need answered by an awaited round trip (or
+    ``attach``, ``lose``), its exception (a cancellation too) thrown back into the steps."""
+    answer: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                need = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            try:
+                if isinstance(need, _RoundTrip):
+                    link = need.link
+                    assert isinstance(link, _AsyncLink)
+                    answer = await link._round_trip_async(need.deadline, need.send, *need.args)
+                elif isinstance(need, _Attach):
+                    assert attach is not None
+                    answer = await attach(need.session)
+                else:
+                    assert lose is not None
+                    answer = lose(need.session)
+                error = None
+            except BaseException as failure:
+                answer, error = None, failure
+    finally:
+        answer = error = None  # no cycle through a traceback keeps a link alive
 
 
 async def _clean_up_done(cleaning: asyncio.Task[None], deadline: float | bool) -> None:

@@ -24,8 +24,6 @@ from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
     Lease,
-    _fences_from,
-    _make_fence_table,
     _no_fencing,
     _read_has_no_fence,
 )
@@ -35,21 +33,17 @@ from ._link import (
     _CLIENT_TIMEOUTS,
     _Link,
     _Overdue,
-    _Unanswered,
     _call_deadline,
-    _round_trip_deadline,
+    _drive,
 )
+from ._protocol import _lock_steps
 from ._server import _KEEPALIVES
 from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
 from ._sql import (
-    _FENCED_LOCK,
     _GRANTED_ADVISORY,
-    _LOCK,
     _MODE_NAMES,
-    _TRY_LOCK,
     _UNLOCK,
     _drop_sql,
-    _lock_sql,
     _milliseconds,
     _not_released,
     _unlock_sql,
@@ -465,65 +459,8 @@ class _PgEngine(Generic[K]):
 
     def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
               seconds: float) -> dict[int, int] | None:
-        """Take PostgreSQL locks for ``items`` in ascending advisory-key order (so that two
-        processes taking overlapping sets never deadlock), all within ``seconds``, and with
-        fencing the written keys' next fences: one message, one round trip. None if not
-        granted in time, else the fences by advisory key."""
-        ordered = sorted(((self.advisory_key(key), mode) for key, mode in items))
-        fencing = self._fencing and any(mode == WRITE for _, mode in ordered)
-        deadline = None if seconds <= 0 else time.monotonic() + seconds
-        retried = False
-        while True:
-            link, fresh_link = (session.link, False) if session.link else self._attach(session)
-            # Unsure before the server can take them (a lost connection clears it): an
-            # interrupt after the grant, then another at the clean-up's first check point
-            # (undo_take's entry), would leave them held on the connection, recorded nowhere.
-            session.unsure = items
-            try:
-                left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
-                trying = seconds == 0 or (deadline is not None and left <= 0)
-                how = "try" if trying else "wait" if deadline is None else "timed"
-                answer_by = _round_trip_deadline(how, deadline)
-                if fencing and not self._fence_table_made:
-                    _make_fence_table(link, self._fence_table, answer_by or True)
-                    self._fence_table_made = True
-                if how != "timed" and len(ordered) == 1:
-                    ident, mode = ordered[0]
-                    statement = (_FENCED_LOCK[how] if fencing
-                                 else _TRY_LOCK[mode] if trying else _LOCK[mode])
-                    results = [link.call(statement, ident, answer_by)]
-                else:
-                    results = link.run_all(_lock_sql(ordered, how, left,
-                                                     self._fence_table if fencing else None),
-                                           answer_by)
-            except pg_errors.LockNotAvailable:
-                # Only timed waits set a lock_timeout, and they wait with transaction locks:
-                # the error rolled the wait back, a grant that raced it and fences included.
-                if deadline is not None and deadline - time.monotonic() > 0:
-                    continue  # lock_timeout's ceiling (about 24.8 days) is below threading's
-                return None
-            except pg_errors.DeadlockDetected as error:
-                raise DeadlockError(f"PostgreSQL: {error}", []) from None
-            except _Overdue:
-                # A step before a wait without a timeout (the prepare, the fence table's
-                # check) was cancelled at its deadline: the server is slow (a migration
-                # holds the fence table), and the wait waits, steps again included. A timed
-                # call times out (the caller drops what it may have taken).
-                if seconds >= 0:
-                    raise
-                continue
-            except psycopg.OperationalError as error:
-                if not link.broken():
-                    raise  # a cancelled statement: the caller drops what it may have taken
-                # The connection died: the keys held on it are lost, and so is this
-                # attempt; a connection that had been idle is replaced once. Unanswered
-                # by a timed call's deadline: the caller times out.
-                self._lose(session)
-                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
-                    raise
-                retried = True
-                continue
-            return _fences_from(results, ordered, how, fencing)
+        """``_lock_steps`` in the calling thread."""
+        return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
         """Release the PostgreSQL locks of ``items``. A lost connection moves every key held

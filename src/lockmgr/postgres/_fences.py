@@ -10,6 +10,7 @@ from psycopg import errors as pg_errors
 
 from .._args import WRITE
 from .._errors import LockError
+from ._link import _Steps, _run_all_steps
 
 if TYPE_CHECKING:
     from ._link import _Link
@@ -79,14 +80,15 @@ def _read_has_no_fence(key: Hashable) -> LockError:
     return LockError(f"key {key!r} is held for reading: only a write takes a fence")
 
 
-def _make_fence_table(link: _Link, table: _FenceTable, deadline: float | bool) -> None:
+def _fence_table_steps(link: _Link, table: _FenceTable, deadline: float | bool) -> _Steps[None]:
     """Make sure the fence table exists (its own transaction: committed before any wait),
     by ``deadline`` (``_Link.run``)."""
     for attempt in range(2):
-        if link.run(table.exists_sql, deadline).get_value(0, 0) == b"t":
+        exists = yield from _run_all_steps(link, table.exists_sql, deadline)
+        if exists[-1].get_value(0, 0) == b"t":
             return
         try:
-            link.run(table.create_sql, deadline)
+            yield from _run_all_steps(link, table.create_sql, deadline)
             return
         except _MADE_MEANWHILE:
             if attempt:  # a lasting conflict (a type of that name)

@@ -7,8 +7,8 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -53,6 +53,139 @@ class _Overdue(psycopg.OperationalError):
 
 
 _CLIENT_TIMEOUTS = (_Unanswered, _Overdue)
+_T = TypeVar("_T")
+
+
+# -- the protocol's steps, once for threads and tasks ------------------------------------------
+# A step of the protocol (a round trip's statements, a lock call's choices and retries) is a
+# generator: it yields what it needs done, a need, and gets back the answer, or the exception
+# that doing it raised (thrown in where it yielded). It does no I/O itself: ``_drive`` answers
+# its needs for a thread, blocking; ``_drive_async`` (``_aio_link``) for a task, awaiting. So
+# a fix to the protocol lands once, for both. (psycopg drives libpq the same way, one level
+# down.)
+
+class _RoundTrip(NamedTuple):
+    """A need: one round trip on ``link``: ``send(*args)``, then every result, by
+    ``deadline`` (``_Link._round_trip``)."""
+
+    link: _Link
+    deadline: float | None
+    send: Callable[..., None]
+    args: tuple[Any, ...]
+
+
+class _Attach(NamedTuple):
+    """A need: a connection for ``session`` (the driver's ``attach``): (link, fresh)."""
+
+    session: Any
+
+
+class _Lose(NamedTuple):
+    """A need: ``session``'s connection is gone, and with it its keys (the driver's
+    ``lose``)."""
+
+    session: Any
+
+
+_Need = _RoundTrip | _Attach | _Lose
+_Steps = Generator[_Need, Any, _T]
+
+
+def _drive(steps: _Steps[_T], attach: Callable[[Any], Any] | None = None,
+           lose: Callable[[Any], None] | None = None) -> _T:
+    """Run ``steps`` in the calling thread: each need answered by a blocking round trip (or
+    ``attach``, ``lose``), its exception thrown back into the steps."""
+    answer: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                need = steps.send(answer) if error is None else steps.throw(error)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            try:
+                if isinstance(need, _RoundTrip):
+                    answer = need.link._round_trip(need.deadline, need.send, *need.args)
+                elif isinstance(need, _Attach):
+                    assert attach is not None
+                    answer = attach(need.session)
+                else:
+                    assert lose is not None
+                    answer = lose(need.session)
+                error = None
+            except BaseException as failure:
+                answer, error = None, failure
+    finally:
+        answer = error = None  # no cycle through a traceback keeps a link alive
+
+
+def _run_all_steps(link: _Link, sql: str, deadline: float | None | bool) -> _Steps[list[Any]]:
+    """Run ``sql`` (one or more statements: one implicit transaction): the result of each;
+    an error result raises its psycopg exception once all are read."""
+    results: list[Any] = yield _RoundTrip(link, _deadline(deadline), link.pgconn.send_query,
+                                          (sql.encode(),))
+    return results
+
+
+def _call_steps(link: _Link, statement: bytes, ident: int,
+                deadline: float | None | bool) -> _Steps[Any]:
+    """Run one of the single-key ``statements`` (prepared once per session: no parsing or
+    planning on the server after that) for the advisory key ``ident``."""
+    answer_by = _deadline(deadline)
+    if statement not in link.prepared:
+        try:  # waits for no lock but the fence table's: the call's deadline, or soon
+            yield _RoundTrip(link, _answer_by() if answer_by is None else answer_by,
+                             link.pgconn.send_prepare, (statement, link.statements[statement]))
+        except pg_errors.DuplicatePreparedStatement:
+            # an interrupt came after the server prepared it, before we noted it (or, for
+            # a task, a clean-up after a cancellation drained the answer we never read)
+            pass
+        link.prepared.add(statement)
+    results: list[Any] = yield _RoundTrip(link, answer_by, link.pgconn.send_query_prepared,
+                                          (statement, [b"%d" % ident]))
+    return results[-1]
+
+
+def _set_up_steps(link: _Link) -> _Steps[None]:
+    """A new connection's one message: its settings pinned, and the server checked
+    (``_setup_sql``, ``_refusal``)."""
+    version = link.pgconn.server_version
+    try:
+        results = yield from _run_all_steps(link, _setup_sql(version), True)
+    except _CHECK_UNSUPPORTED:
+        results = yield from _run_all_steps(link, _setup_sql(version, False), True)
+    refusal = _refusal(results[0], link.pgconn.backend_pid)
+    if refusal is not None:
+        raise refusal
+
+
+def _exchange(pgconn: Any, results: list[Any]) -> Generator[int, None, None]:
+    """A round trip's talk after its send: yields the socket event it waits for (the driver
+    waits, by its deadline), and collects every result."""
+    while pgconn.flush():
+        yield _POLLOUT
+    while True:
+        if pgconn.is_busy():
+            yield _POLLIN
+            pgconn.consume_input()
+            continue
+        result = pgconn.get_result()
+        if result is None:
+            return
+        results.append(result)
+
+
+def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[Any]:
+    """``results``, unless one is an error: then its psycopg exception (``_Overdue`` for
+    the cancel the deadline sent)."""
+    for result in results:
+        if result.status == _FATAL_ERROR:
+            error = pg_errors.error_from_result(result, encoding=encoding)
+            if cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                               " cancelled") from error
+            raise error
+    return results
 
 
 class _Link:
@@ -98,13 +231,7 @@ class _Link:
         again if that fails or it is refused."""
         link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs), statements)
         try:
-            try:
-                results = link.run_all(_setup_sql(link.pgconn.server_version))
-            except _CHECK_UNSUPPORTED:
-                results = link.run_all(_setup_sql(link.pgconn.server_version, False))
-            refusal = _refusal(results[0], link.pgconn.backend_pid)
-            if refusal is not None:
-                raise refusal
+            _drive(_set_up_steps(link))
         except BaseException:
             link.close()
             raise
@@ -119,21 +246,11 @@ class _Link:
 
     def run_all(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
         """``run``, returning the result of each statement."""
-        return self._round_trip(_deadline(deadline), self.pgconn.send_query, sql.encode())
+        return _drive(_run_all_steps(self, sql, deadline))
 
     def call(self, statement: bytes, ident: int, deadline: float | None | bool = True) -> Any:
-        """Run one of the single-key ``statements`` (prepared once per session: no parsing
-        or planning on the server after that) for the advisory key ``ident``."""
-        answer_by = _deadline(deadline)
-        if statement not in self.prepared:
-            try:  # waits for no lock but the fence table's: the call's deadline, or soon
-                self._round_trip(_answer_by() if answer_by is None else answer_by,
-                                 self.pgconn.send_prepare, statement, self.statements[statement])
-            except pg_errors.DuplicatePreparedStatement:
-                pass  # an interrupt came after the server prepared it, before we noted it
-            self.prepared.add(statement)
-        return self._round_trip(answer_by, self.pgconn.send_query_prepared, statement,
-                                [b"%d" % ident])[-1]
+        """``_call_steps``, in this thread."""
+        return _drive(_call_steps(self, statement, ident, deadline))
 
     def _round_trip(self, deadline: float | None, send: Callable[..., None],
                     *args: Any) -> list[Any]:
@@ -145,48 +262,36 @@ class _Link:
                 self.talking = True
             try:
                 send(*args)  # inside: a handler raising once the query is sent cancels it
-                while pgconn.flush():
-                    while not self._wait(_POLLOUT, deadline):
+                for event in _exchange(pgconn, results):
+                    while not self._wait(event, deadline):
                         deadline = self._past_deadline()
-                while True:
-                    if pgconn.is_busy():
-                        while not self._wait(_POLLIN, deadline):
-                            deadline = self._past_deadline()
-                        pgconn.consume_input()
-                        continue
-                    result = pgconn.get_result()
-                    if result is None:
-                        break
-                    results.append(result)
             except BaseException:
                 self._abort_query(deadline)
                 raise
             encoding = self.conn.info.encoding
         finally:
             self.talking = False  # no call before it: nothing can skip it
-        for result in results:
-            if result.status == _FATAL_ERROR:
-                error = pg_errors.error_from_result(result, encoding=encoding)
-                if self.cancelled_late and isinstance(error, pg_errors.QueryCanceled):
-                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
-                                   " cancelled") from error
-                raise error
-        return results
+        return _checked(results, encoding, self.cancelled_late)
 
     def _past_deadline(self) -> float:
         """The round trip passed its deadline: cancel its statement, and give the cancel
         _CANCEL_GRACE (the new deadline); passed again, close the connection."""
-        if self.cancelled_late:
-            self.close()
-            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
-                              " connection was closed")
-        self.cancelled_late = True
-        grace = time.monotonic() + _CANCEL_GRACE
+        grace = self._cancelling()
         try:
             self.conn.cancel_safe(timeout=_CANCEL_GRACE)
         except psycopg.Error:
             pass  # no answer to the cancel either: the grace ends with the close
         return grace
+
+    def _cancelling(self) -> float:
+        """``_past_deadline``'s decision: the first time, note the cancel and return its
+        grace's end; the second, close the connection (``_Unanswered``)."""
+        if self.cancelled_late:
+            self.close()
+            raise _Unanswered("PostgreSQL did not answer in time, nor to a cancel: the"
+                              " connection was closed")
+        self.cancelled_late = True
+        return time.monotonic() + _CANCEL_GRACE
 
     def _wait(self, event: int, deadline: float | None) -> bool:
         """Until the socket is ready for ``event`` (True) or ``deadline`` passed (False), in

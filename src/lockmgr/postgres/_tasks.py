@@ -12,30 +12,24 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
-from psycopg import errors as pg_errors
 
 from .._args import READ, WRITE
-from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_owned_block
+from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import current_task_or_none, current_task_or_raise
-from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _make_fence_table, _retrieve
-from ._fences import Lease, _fences_from, _no_fencing, _read_has_no_fence
+from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
+from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
     _Overdue,
-    _Unanswered,
     _call_deadline,
-    _round_trip_deadline,
 )
+from ._protocol import _lock_steps
 from ._session import _holding, _lost_error
 from ._sql import (
-    _FENCED_LOCK,
     _GRANTED_ADVISORY,
-    _LOCK,
-    _TRY_LOCK,
     _UNLOCK,
     _drop_sql,
-    _lock_sql,
     _not_released,
     _unlock_sql,
 )
@@ -90,7 +84,8 @@ class _Tasks:
             session.refuse_lost(items)
             if fences is not None:
                 session.granted(items, self.manager._fences_of(fresh, fences))
-                taken = True
+            session.unsure = []  # answered, counted (``_lock_steps``)
+            taken = fences is not None
         except BaseException as error:
             session.undo_take(before, fresh)
             unrun = isinstance(error, GeneratorExit)
@@ -191,54 +186,9 @@ class _Tasks:
 
     async def lock(self, session: _TaskSession, items: list[tuple[Hashable, int]],
                    seconds: float) -> dict[int, int] | None:
-        """``_PgEngine._lock`` on the task's connection: the same statements, one message;
-        None if not granted in time, else the fences by advisory key."""
-        manager = self.manager
-        ordered = sorted(((manager.advisory_key(key), mode) for key, mode in items))
-        fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
-        deadline = None if seconds <= 0 else time.monotonic() + seconds
-        retried = False
-        while True:
-            if session.link is not None:
-                link, fresh_link = session.link, False
-            else:
-                link, fresh_link = await self.attach(session)
-            try:
-                left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
-                trying = seconds == 0 or (deadline is not None and left <= 0)
-                how = "try" if trying else "wait" if deadline is None else "timed"
-                answer_by = _round_trip_deadline(how, deadline)
-                if fencing and not manager._fence_table_made:
-                    await _make_fence_table(link, manager._fence_table, answer_by or True)
-                    manager._fence_table_made = True
-                if how != "timed" and len(ordered) == 1:
-                    ident, mode = ordered[0]
-                    statement = (_FENCED_LOCK[how] if fencing
-                                 else _TRY_LOCK[mode] if trying else _LOCK[mode])
-                    results = [await link.call_async(statement, ident, answer_by)]
-                else:
-                    results = await link.run_all_async(
-                        _lock_sql(ordered, how, left, manager._fence_table if fencing else None),
-                        answer_by)
-            except pg_errors.LockNotAvailable:
-                if deadline is not None and deadline - time.monotonic() > 0:
-                    continue
-                return None
-            except pg_errors.DeadlockDetected as error:
-                raise DeadlockError(f"PostgreSQL: {error}", []) from None
-            except _Overdue:  # as in _PgEngine._lock
-                if seconds >= 0:
-                    raise
-                continue
-            except psycopg.OperationalError as error:
-                if not link.broken():
-                    raise
-                self.lose(session)
-                if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
-                    raise
-                retried = True
-                continue
-            return _fences_from(results, ordered, how, fencing)
+        """``_lock_steps`` on the task's connection."""
+        return await _drive_async(_lock_steps(self.manager, session, items, seconds),
+                                  self.attach, self.lose)
 
     async def unlock(self, session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
         """``_PgEngine._unlock`` on the task's connection."""

@@ -1,0 +1,99 @@
+"""The lock call's protocol, once for threads and tasks: which statements take a set of keys
+on the server, and what each failure means (``_lock_steps``). The steps do no I/O: a
+thread's ``_PgEngine._lock`` drives them with ``_drive``, a task's ``_Tasks.lock`` with
+``_drive_async`` (see ``_link``: "the protocol's steps")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from .._args import WRITE
+from .._errors import DeadlockError
+from ._fences import _fence_table_steps, _fences_from
+from ._link import (
+    _Attach,
+    _Lose,
+    _Overdue,
+    _Steps,
+    _Unanswered,
+    _call_steps,
+    _round_trip_deadline,
+    _run_all_steps,
+)
+from ._sql import _FENCED_LOCK, _LOCK, _TRY_LOCK, _lock_sql
+
+if TYPE_CHECKING:
+    from ._engine import _PgEngine
+    from ._session import _Session
+
+
+def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
+                seconds: float) -> _Steps[dict[int, int] | None]:
+    """Take PostgreSQL locks for ``items`` in ascending advisory-key order (so that two
+    processes taking overlapping sets never deadlock), all within ``seconds``, and with
+    fencing the written keys' next fences: one message, one round trip. None if not
+    granted in time, else the fences by advisory key. ``session.unsure`` is ``items`` from
+    before the round trip: the caller clears it once it has counted them."""
+    ordered = sorted(((manager.advisory_key(key), mode) for key, mode in items))
+    fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
+    deadline = None if seconds <= 0 else time.monotonic() + seconds
+    retried = False
+    while True:
+        if session.link is not None:
+            link, fresh_link = session.link, False
+        else:
+            link, fresh_link = yield _Attach(session)
+        # Unsure before the server can take them (a lost connection clears it): an
+        # interrupt after the grant, then another at the clean-up's first check point
+        # (undo_take's entry), would leave them held on the connection, recorded nowhere.
+        session.unsure = items
+        try:
+            left = 0 if deadline is None else int((deadline - time.monotonic()) * 1000 + 0.999)
+            trying = seconds == 0 or (deadline is not None and left <= 0)
+            how = "try" if trying else "wait" if deadline is None else "timed"
+            answer_by = _round_trip_deadline(how, deadline)
+            if fencing and not manager._fence_table_made:
+                yield from _fence_table_steps(link, manager._fence_table, answer_by or True)
+                manager._fence_table_made = True
+            if how != "timed" and len(ordered) == 1:
+                ident, mode = ordered[0]
+                statement = (_FENCED_LOCK[how] if fencing
+                             else _TRY_LOCK[mode] if trying else _LOCK[mode])
+                results = [(yield from _call_steps(link, statement, ident, answer_by))]
+            else:
+                results = yield from _run_all_steps(
+                    link, _lock_sql(ordered, how, left, manager._fence_table if fencing else None),
+                    answer_by)
+        except pg_errors.LockNotAvailable:
+            # Only timed waits set a lock_timeout, and they wait with transaction locks:
+            # the error rolled the wait back, a grant that raced it and fences included.
+            if deadline is not None and deadline - time.monotonic() > 0:
+                continue  # lock_timeout's ceiling (about 24.8 days) is below threading's
+            return None
+        except pg_errors.DeadlockDetected as error:
+            raise DeadlockError(f"PostgreSQL: {error}", []) from None
+        except _Overdue:
+            # A step before a wait without a timeout (the prepare, the fence table's
+            # check) was cancelled at its deadline: the server is slow (a migration
+            # holds the fence table), and the wait waits, steps again included. A timed
+            # call times out (the caller drops what it may have taken).
+            if seconds >= 0:
+                raise
+            continue
+        except psycopg.OperationalError as error:
+            if not link.broken():
+                raise  # a cancelled statement: the caller drops what it may have taken
+            # The connection died: the keys held on it are lost, and so is this
+            # attempt; a connection that had been idle is replaced once. Unanswered
+            # by a timed call's deadline: the caller times out.
+            yield _Lose(session)
+            if fresh_link or retried or (seconds >= 0 and isinstance(error, _Unanswered)):
+                raise
+            retried = True
+            continue
+        return _fences_from(results, ordered, how, fencing)
