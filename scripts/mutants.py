@@ -122,8 +122,8 @@ MUTANTS: list[Mutant] = [
       "                else:\n                    node.entry.queue.appendleft(node)",
       "requests queue LIFO instead of FIFO"),
     m("pure-contended-not-counted", PURE,
-      "        if request.state == _GRANTED:\n            self._contended += 1",
-      "        if request.state == _GRANTED:\n            self._contended += 0",
+      "        self._contended += 1\n        self._record_wait(request, True)",
+      "        self._contended += 0\n        self._record_wait(request, True)",
       "stats: contended acquisitions not counted"),
     m("pure-try-lock-timeout-not-counted", PURE,
       "        if seconds == 0:\n            self._timeouts += 1\n            return False\n        if token.request is not None:\n            return key, _NESTED",
@@ -170,8 +170,10 @@ MUTANTS: list[Mutant] = [
       "if entry.owner is not None:",
       "a forked child loses the keys its forking thread held"),
     m("pure-held-miscounted-on-upgrade", PURE,
-      "        \"\"\"An immediate write acquisition.\"\"\"\n        if not entry.readers:",
-      "        \"\"\"An immediate write acquisition.\"\"\"\n        if True:",
+      "        \"\"\"An immediate write acquisition.\"\"\"\n        if entry.queue:  # past a queue (an upgrade, "
+      "a barge with fair=False): timed\n            entry.since = time.monotonic()\n        if not entry.readers:",
+      "        \"\"\"An immediate write acquisition.\"\"\"\n        if entry.queue:  # past a queue (an upgrade, "
+      "a barge with fair=False): timed\n            entry.since = time.monotonic()\n        if True:",
       "stats: held counts a key twice when its reader upgrades"),
     m("pure-leave-waiting-not-decremented", PURE,
       "                self._give_back(node)\n        self._waiting -= 1\n        request.state = _LEFT",
