@@ -1,8 +1,8 @@
 # cython: language_level=3, binding=False, freethreading_compatible=True, embedsignature=True, embedsignature.format=clinic
 """The compiled engine of lockmgr, built as ``lockmgr._core``.
 
-It is ``src/lockmgr/_pure.py`` in C: the same entries, requests, holds and tokens, the same
-hand-off rules (that file's docstring states them). What this file adds is how the state is
+It is ``src/lockmgr/_pure/`` in C: the same entries, requests, holds and tokens, the same
+hand-off rules (that package's docstring states them). What this file adds is how the state is
 kept safe from everything else that runs in a Python process.
 
 Sections and fast paths

@@ -1,0 +1,354 @@
+"""The pure twin's managers (the compiled core's ``_c/managers.pxi``): ``LockManager``,
+``RWLockManager``, their ``with`` holdings and ``KeyLock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Generic, final
+
+from .._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager
+from .._args import hold_seconds, many_items, restored_count, rw_items, wait_seconds
+from .._errors import timed_out
+from .._views import PICKLE_ERROR, key_lock_repr, synchronized
+from ._state import K, _NOT_OWNED, P, _PINNED, _READ, T, _WRITE, _Entry, _Token, _failure
+from ._runtime import _existing_token
+from ._table import (
+    _has_holder,
+    _owner_and_count,
+    _read_level,
+    _reader_count,
+    _write_level,
+    _written,
+    _written_by,
+)
+from ._engine import _Engine
+
+
+@final
+class LockManager(_Engine, Generic[K]):
+    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *, fair: bool = True, stripes: int | None = None,
+                 log_waits_after: float | None = None) -> None:
+        super().__init__(stripes, log_waits_after)
+        self._fair = bool(fair)
+
+    @property
+    def fair(self) -> bool:
+        """True for strict FIFO hand-off, False for eventual fairness (see docs/semantics.md)."""
+        return self._fair
+
+    @property
+    def aio(self) -> AsyncLockManager[K]:
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncLockManager(self)
+
+    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
+
+        Returns True once held (reentrant: a holder always succeeds at once), False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+        """
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(self._table_key(key), seconds, 1)
+
+    def release(self, key: K) -> None:
+        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        self._release_write(self._table_key(key))
+
+    def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
+        """A context manager holding ``key`` for its block.
+
+        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        """
+        seconds = hold_seconds(timeout)
+        view = KeyLock(self, key)
+        view._seconds = seconds
+        return view
+
+    def _task_key_lock(self, key: K) -> AsyncKeyLock[K]:
+        """``aio[key]`` (the engine's task operations are in ``_Engine``)."""
+        hash(key)  # an unhashable key fails here, as it does in the core
+        return AsyncKeyLock(self, key)
+
+    def __getitem__(self, key: K) -> KeyLock[K]:
+        """The per-key lock view: behaves like a ``threading.RLock`` for this one key."""
+        return KeyLock(self, key)
+
+    def synchronized(
+        self, key_func: Callable[..., K]
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
+
+        The decorated function keeps its signature for type checkers.
+        """
+        return synchronized(self, key_func)
+
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock every key of ``keys`` at once, or none: True, or False on timeout.
+
+        Duplicates count once; keys the caller holds are re-entered. The request queues
+        FIFO on every key it needs and keeps its place there, so it cannot starve, and it
+        never deadlocks against other multi-key calls, whatever the order of the keys.
+        """
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(many_items(keys, self._table_key), seconds)
+
+    def release_many(self, keys: Iterable[K]) -> None:
+        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        self._release_many(many_items(keys, self._table_key))
+
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
+        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
+
+    def locked(self, key: K) -> bool:
+        """Whether any thread holds ``key``."""
+        return self._run_on_key(_written, self._table_key(key))
+
+    def owned(self, key: K) -> bool:
+        """Whether the calling thread holds ``key``."""
+        return self._run_on_key(
+            _written_by, self._table_key(key), _existing_token())
+
+    def owner(self, key: K) -> int | None:
+        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        return self._owner_and_count(key)[0]
+
+    def recursion_count(self, key: K) -> int:
+        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        return self._run_on_key(
+            _write_level, self._table_key(key), _existing_token())
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is currently held (by any thread)."""
+        return self._run_on_key(_written, self._table_key(key))
+
+    def _owner_and_count(self, key: K) -> tuple[int | None, int]:
+        return self._run_on_key(
+            _owner_and_count, self._table_key(key))
+
+    def _release_save(self, key: K) -> tuple[int, int]:
+        verdict = self._run_on_key(self._release_save_on, self._table_key(key), _existing_token())
+        if type(verdict) is not tuple:
+            raise _failure(verdict, key)
+        return verdict
+
+    def _release_save_on(
+        self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
+        token: _Token | None,
+    ) -> object:
+        if entry is None or token is None or entry.owner is not token:
+            return _NOT_OWNED
+        if self._pinned(token, entry, _WRITE):
+            return _PINNED
+        saved = (entry.count, token.ident)
+        self._disown(entry)
+        self._pass_on(entry)
+        return saved
+
+    def _acquire_restore(self, key: K, state: tuple[int, int]) -> None:
+        self._acquire_write(self._table_key(key), -1.0, restored_count(state))
+
+
+@final
+class RWLockManager(_Engine, Generic[K]):
+    """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
+    writer starvation, upgrades and downgrades within a thread."""
+
+    __slots__ = ()
+
+    def __init__(self, *, stripes: int | None = None, log_waits_after: float | None = None) -> None:
+        super().__init__(stripes, log_waits_after)
+
+    @property
+    def aio(self) -> AsyncRWLockManager[K]:
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncRWLockManager(self)
+
+    def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_read(self._table_key(key), seconds)
+
+    def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_write(self._table_key(key), seconds, 1)
+
+    def release_read(self, key: K) -> None:
+        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        self._release_read(self._table_key(key))
+
+    def release_write(self, key: K) -> None:
+        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        self._release_write(self._table_key(key))
+
+    def read(self, key: K, timeout: float | None = None) -> _Holding:
+        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        seconds = hold_seconds(timeout)
+        return _Holding(self, self._table_key(key), seconds, _READ)
+
+    def write(self, key: K, timeout: float | None = None) -> _Holding:
+        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        seconds = hold_seconds(timeout)
+        return _Holding(self, self._table_key(key), seconds, _WRITE)
+
+    def acquire_many(
+        self, reads: Iterable[K] = (), writes: Iterable[K] = (), blocking: bool = True,
+        timeout: float = -1,
+    ) -> bool:
+        """Read every key of ``reads`` and write every key of ``writes`` at once, or none
+        (a key in both is written); see ``LockManager.acquire_many``."""
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
+
+    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        """Undo one ``acquire_many`` with the same arguments."""
+        self._release_many(rw_items(reads, writes, self._table_key))
+
+    def hold_many(
+        self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None
+    ) -> _HoldingMany:
+        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
+
+    def readers(self, key: K) -> int:
+        """How many threads hold ``key`` for reading."""
+        return self._run_on_key(_reader_count, self._table_key(key))
+
+    def write_locked(self, key: K) -> bool:
+        """Whether a thread holds ``key`` for writing."""
+        return self._run_on_key(_written, self._table_key(key))
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has any holder."""
+        return self._run_on_key(_has_holder, self._table_key(key))
+
+    def _read_count(self, key: K) -> int:
+        """How many times the calling thread reads ``key``."""
+        return self._run_on_key(
+            _read_level, self._table_key(key), _existing_token())
+
+
+@final
+class _Holding:
+    """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
+
+    __slots__ = ("_key", "_manager", "_mode", "_seconds")
+
+    def __init__(self, manager: _Engine, key: Hashable, seconds: float, mode: int) -> None:
+        self._manager = manager
+        self._key = key
+        self._seconds = seconds
+        self._mode = mode
+
+    def __enter__(self) -> bool:
+        if self._mode == _READ:
+            acquired = self._manager._acquire_read(self._key, self._seconds)
+        else:
+            acquired = self._manager._acquire_write(self._key, self._seconds, 1)
+        if not acquired:
+            raise timed_out(self._key, self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._mode == _READ:
+            self._manager._release_read(self._key)
+        else:
+            self._manager._release_write(self._key)
+
+
+@final
+class _HoldingMany:
+    """What ``hold_many()`` returns: holds a set of keys for a block."""
+
+    __slots__ = ("_items", "_manager", "_seconds")
+
+    def __init__(self, manager: _Engine, items: list[tuple[Hashable, int]], seconds: float) -> None:
+        self._manager = manager
+        self._items = items
+        self._seconds = seconds
+
+    def __enter__(self) -> bool:
+        if not self._manager._acquire_many(self._items, self._seconds):
+            raise timed_out(tuple(key for key, _ in self._items), self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager._release_many(self._items)
+
+
+@final
+class KeyLock(Generic[K]):
+    """One key of a manager seen as a ``threading.RLock``.
+
+    Views are cheap and not cached: two views of one key of one manager are the same lock
+    (and compare equal). A view keeps its manager alive; the manager does not keep views.
+    """
+
+    __slots__ = ("_key", "_lock_key", "_manager", "_seconds", "__weakref__")
+
+    def __init__(self, manager: LockManager[K], key: K) -> None:
+        self._lock_key = manager._table_key(key)  # the table's key: ``key``, or its stripe
+        self._manager = manager
+        self._key = key
+        self._seconds = -1.0  # how long ``with`` waits: -1 forever (hold() sets it)
+
+    @property
+    def key(self) -> K:
+        return self._key
+
+    @property
+    def manager(self) -> LockManager[K]:
+        return self._manager
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._manager._acquire_write(self._lock_key, wait_seconds(blocking, timeout), 1)
+
+    def release(self) -> None:
+        self._manager._release_write(self._lock_key)
+
+    def locked(self) -> bool:
+        return self._manager.locked(self._key)
+
+    def __enter__(self) -> bool:
+        if not self._manager._acquire_write(self._lock_key, self._seconds, 1):
+            raise timed_out(self._key, self._seconds)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager._release_write(self._lock_key)
+
+    def _is_owned(self) -> bool:
+        return self._manager.owned(self._key)
+
+    def _release_save(self) -> tuple[int, int]:
+        return self._manager._release_save(self._key)
+
+    def _acquire_restore(self, state: tuple[int, int]) -> None:
+        self._manager._acquire_restore(self._key, state)
+
+    def _recursion_count(self) -> int:
+        return self._manager.recursion_count(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeyLock):
+            return NotImplemented
+        return self._manager is other._manager and bool(self._key == other._key)
+
+    def __hash__(self) -> int:
+        return hash((id(self._manager), self._key))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self) -> str:
+        owner, count = self._manager._owner_and_count(self._key)
+        return key_lock_repr(self, self._key, owner, count)
