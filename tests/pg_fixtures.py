@@ -6,6 +6,7 @@ PostgreSQL test module applies to its every test with
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +44,19 @@ def children_reaped() -> Iterator[None]:
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=PATIENCE)
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C (SIGINT, or ``_thread.interrupt_main``) raises KeyboardInterrupt in this
+    process during the test. A suite started as a background job of a shell without job
+    control inherits SIGINT ignored, and Python then leaves it so: an interrupt the test
+    sends itself would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

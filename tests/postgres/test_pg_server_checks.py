@@ -581,30 +581,32 @@ def test_a_timed_first_fenced_write_on_a_stopped_backend_returns_by_its_deadline
 
 @pytest.mark.posix_only
 def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
-        engine, dsn, namespace) -> None:
+        engine, dsn, namespace, ctrl_c_raises) -> None:
     """Ctrl-C during a timed call whose backend stopped: the clean-up (a cancel nobody
     answers) is bounded by the call's deadline, and the interrupt is what the caller
     gets, never the clean-up's own failure."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    other.acquire("k")
-    locks.acquire("held")
-    interrupting = threading.Timer(0.3, _thread.interrupt_main)
-    with stopped_backend(dsn, locks, "held"):
-        began = time.monotonic()
-        interrupting.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                locks.acquire("k", timeout=3)
-        finally:
-            interrupting.join()
-        took = time.monotonic() - began
-    assert took <= 3 + 2.0, f"returned {took:.2f} s after its call"
-    with pytest.raises(LockLost):
-        locks.release("held")
-    other.release("k")
-    locks.close()
-    other.close()
+    try:
+        other.acquire("k")
+        locks.acquire("held")
+        interrupting = threading.Timer(0.3, _thread.interrupt_main)
+        with stopped_backend(dsn, locks, "held"):
+            began = time.monotonic()
+            interrupting.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    locks.acquire("k", timeout=3)
+            finally:
+                interrupting.join()
+            took = time.monotonic() - began
+        assert took <= 3 + 2.0, f"returned {took:.2f} s after its call"
+        with pytest.raises(LockLost):
+            locks.release("held")
+        other.release("k")
+    finally:
+        locks.close()
+        other.close()
 
 
 # -- a stale probe never marks a newer connection ---------------------------------------------
