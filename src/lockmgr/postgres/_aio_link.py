@@ -15,6 +15,7 @@ from ._link import (
     _CANCEL_GRACE,
     _Attach,
     _Link,
+    _Lose,
     _Overdue,
     _RoundTrip,
     _Steps,
@@ -148,9 +149,11 @@ class _AsyncLink(_Link):
 
 async def _drive_async(steps: _Steps[_T],
                        attach: Callable[[Any], Awaitable[Any]] | None = None,
-                       lose: Callable[[Any], None] | None = None) -> _T:
+                       lose: Callable[[Any], None] | None = None,
+                       drop: Callable[[Any, list[Any]], Awaitable[None]] | None = None) -> _T:
     """``_link._drive`` for a task: each need answered by an awaited round trip (or
-    ``attach``, ``lose``), its exception (a cancellation too) thrown back into the steps."""
+    ``attach``, ``lose``, ``drop``), its exception (a cancellation too) thrown back into
+    the steps."""
     answer: Any = None
     error: BaseException | None = None
     try:
@@ -167,9 +170,13 @@ async def _drive_async(steps: _Steps[_T],
                 elif isinstance(need, _Attach):
                     assert attach is not None
                     answer = await attach(need.session)
-                else:
+                elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)
+                else:
+                    assert drop is not None
+                    await drop(need.session, need.items)
+                    answer = None
                 error = None
             except BaseException as failure:
                 answer, error = None, failure

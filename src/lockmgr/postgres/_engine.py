@@ -32,21 +32,17 @@ from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
     _Link,
-    _Overdue,
     _call_deadline,
     _drive,
 )
-from ._protocol import _lock_steps
+from ._protocol import _lock_steps, _unlock_steps
 from ._server import _KEEPALIVES
 from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
 from ._sql import (
     _GRANTED_ADVISORY,
     _MODE_NAMES,
-    _UNLOCK,
     _drop_sql,
     _milliseconds,
-    _not_released,
-    _unlock_sql,
 )
 
 if TYPE_CHECKING:
@@ -463,31 +459,9 @@ class _PgEngine(Generic[K]):
         return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
-        """Release the PostgreSQL locks of ``items``. A lost connection moves every key held
-        on it to ``lost``; an interrupted release still releases."""
-        link = session.link
-        assert link is not None
-        try:
-            if len(items) == 1:
-                key, mode = items[0]
-                result = link.call(_UNLOCK[mode], self.advisory_key(key))
-            else:
-                result = link.run(_unlock_sql(items, self.advisory_key))
-        except psycopg.OperationalError as error:
-            if link.broken():
-                self._lose(session)
-                return
-            self._drop_or_lose(session, items)
-            if isinstance(error, _Overdue):
-                return  # released by the drop (or lost with the connection: LockLost)
-            raise
-        except BaseException:
-            self._drop_or_lose(session, items)
-            raise
-        session.unsure = []
-        gone = _not_released(result, items)
-        if gone:  # the server no longer had it: lost, though the connection lives
-            self._report(session, items=gone)
+        """``_unlock_steps`` in the calling thread: a failed or interrupted release drops
+        what it may still hold at once (``_drop_or_lose``)."""
+        _drive(_unlock_steps(self, session, items), lose=self._lose, drop=self._drop_or_lose)
 
     def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
                       deadline: float | None | bool = True) -> None:

@@ -87,14 +87,24 @@ class _Lose(NamedTuple):
     session: Any
 
 
-_Need = _RoundTrip | _Attach | _Lose
+class _Drop(NamedTuple):
+    """A need: a failed or interrupted call may hold ``items`` on ``session``'s connection
+    (they are its ``unsure``): release them, or end the connection (the driver's
+    ``drop``)."""
+
+    session: Any
+    items: list[Any]
+
+
+_Need = _RoundTrip | _Attach | _Lose | _Drop
 _Steps = Generator[_Need, Any, _T]
 
 
 def _drive(steps: _Steps[_T], attach: Callable[[Any], Any] | None = None,
-           lose: Callable[[Any], None] | None = None) -> _T:
+           lose: Callable[[Any], None] | None = None,
+           drop: Callable[[Any, list[Any]], None] | None = None) -> _T:
     """Run ``steps`` in the calling thread: each need answered by a blocking round trip (or
-    ``attach``, ``lose``), its exception thrown back into the steps."""
+    ``attach``, ``lose``, ``drop``), its exception thrown back into the steps."""
     answer: Any = None
     error: BaseException | None = None
     try:
@@ -109,9 +119,13 @@ def _drive(steps: _Steps[_T], attach: Callable[[Any], Any] | None = None,
                 elif isinstance(need, _Attach):
                     assert attach is not None
                     answer = attach(need.session)
-                else:
+                elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)
+                else:
+                    assert drop is not None
+                    drop(need.session, need.items)
+                    answer = None
                 error = None
             except BaseException as failure:
                 answer, error = None, failure

@@ -1,7 +1,8 @@
-"""The lock call's protocol, once for threads and tasks: which statements take a set of keys
-on the server, and what each failure means (``_lock_steps``). The steps do no I/O: a
-thread's ``_PgEngine._lock`` drives them with ``_drive``, a task's ``_Tasks.lock`` with
-``_drive_async`` (see ``_link``: "the protocol's steps")."""
+"""The lock and unlock calls' protocol, once for threads and tasks: which statements take or
+give back a set of keys on the server, and what each failure means (``_lock_steps``,
+``_unlock_steps``). The steps do no I/O: a thread's ``_PgEngine._lock`` and ``_unlock``
+drive them with ``_drive``, a task's ``_Tasks.lock`` and ``unlock`` with ``_drive_async``
+(see ``_link``: "the protocol's steps")."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .._errors import DeadlockError
 from ._fences import _fence_table_steps, _fences_from
 from ._link import (
     _Attach,
+    _Drop,
     _Lose,
     _Overdue,
     _Steps,
@@ -25,7 +27,7 @@ from ._link import (
     _round_trip_deadline,
     _run_all_steps,
 )
-from ._sql import _FENCED_LOCK, _LOCK, _TRY_LOCK, _lock_sql
+from ._sql import _FENCED_LOCK, _LOCK, _TRY_LOCK, _UNLOCK, _lock_sql, _not_released, _unlock_sql
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine
@@ -97,3 +99,38 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
             retried = True
             continue
         return _fences_from(results, ordered, how, fencing)
+
+
+def _unlock_steps(manager: _PgEngine[Any], session: _Session,
+                  items: list[tuple[Hashable, int]]) -> _Steps[None]:
+    """Release the PostgreSQL locks of ``items`` (the caller made them ``session.unsure``:
+    cleared once the server answered). A lost connection moves every key held on it to
+    ``lost``; a failed or interrupted release is handed to the shell's clean-up (``_Drop``),
+    which still releases them."""
+    link = session.link
+    assert link is not None
+    try:
+        if len(items) == 1:
+            key, mode = items[0]
+            result = yield from _call_steps(link, _UNLOCK[mode], manager.advisory_key(key), True)
+        else:
+            results = yield from _run_all_steps(link, _unlock_sql(items, manager.advisory_key),
+                                                True)
+            result = results[-1]
+    except psycopg.OperationalError as error:
+        if link.broken():
+            yield _Lose(session)
+            return
+        yield _Drop(session, items)
+        if isinstance(error, _Overdue):
+            return  # released by the drop (or lost with the connection: LockLost)
+        raise
+    except GeneratorExit:
+        raise  # a task's coroutine closed: its shell closes the connection, no step is left
+    except BaseException:
+        yield _Drop(session, items)
+        raise
+    session.unsure = []
+    gone = _not_released(result, items)
+    if gone:  # the server no longer had it: lost, though the connection lives
+        manager._report(session, items=gone)

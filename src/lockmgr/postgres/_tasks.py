@@ -21,17 +21,13 @@ from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
-    _Overdue,
     _call_deadline,
 )
-from ._protocol import _lock_steps
+from ._protocol import _lock_steps, _unlock_steps
 from ._session import _holding, _lost_error
 from ._sql import (
     _GRANTED_ADVISORY,
-    _UNLOCK,
     _drop_sql,
-    _not_released,
-    _unlock_sql,
 )
 
 if TYPE_CHECKING:
@@ -191,34 +187,18 @@ class _Tasks:
                                   self.attach, self.lose)
 
     async def unlock(self, session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
-        """``_PgEngine._unlock`` on the task's connection."""
-        link = session.link
-        assert link is not None
-        advisory_key = self.manager.advisory_key
+        """``_unlock_steps`` on the task's connection: a failed or cancelled release leaves
+        what it may still hold to the clean-up task; a closed coroutine (which can await
+        nothing more) closes the connection instead."""
+        async def clean_up(session: _TaskSession, items: list[tuple[Hashable, int]]) -> None:
+            await self.clean_up(session)  # it releases all the session's unsure: these
+
         try:
-            if len(items) == 1:
-                key, mode = items[0]
-                result = await link.call_async(_UNLOCK[mode], advisory_key(key))
-            else:
-                result = await link.run_async(_unlock_sql(items, advisory_key))
-        except psycopg.OperationalError as error:
-            if link.broken():
-                self.lose(session)
-                return
-            await self.clean_up(session)
-            if isinstance(error, _Overdue):
-                return  # released by the clean-up (or lost with the connection: LockLost)
+            await _drive_async(_unlock_steps(self.manager, session, items), lose=self.lose,
+                               drop=clean_up)
+        except GeneratorExit:
+            _close_link(session)
             raise
-        except BaseException as error:
-            if isinstance(error, GeneratorExit):
-                _close_link(session)
-            else:
-                await self.clean_up(session)
-            raise
-        session.unsure = []
-        gone = _not_released(result, items)
-        if gone:
-            self.manager._report(session, items=gone)
 
     async def clean_up(self, session: _TaskSession, deadline: float | bool = True) -> None:
         """Give back, in a task of its own that a cancellation cannot stop halfway, what a
