@@ -22,9 +22,7 @@ from ._link import (
     _T,
     _call_steps,
     _checked,
-    _exchange,
     _poll,
-    _POLLOUT,
     _run_all_steps,
     _set_up_steps,
 )
@@ -77,9 +75,19 @@ class _AsyncLink(_Link):
             previous, self.talking = self.talking, True
         try:
             send(*args)
-            for event in _exchange(pgconn, results):
-                while not await self._ready(writing=event == _POLLOUT, deadline=deadline):
+            while pgconn.flush():
+                while not await self._ready(writing=True, deadline=deadline):
                     deadline = await self._past_deadline_async()
+            while True:
+                if pgconn.is_busy():
+                    while not await self._ready(writing=False, deadline=deadline):
+                        deadline = await self._past_deadline_async()
+                    pgconn.consume_input()
+                    continue
+                result = pgconn.get_result()
+                if result is None:
+                    break
+                results.append(result)
         except BaseException:
             if pgconn.transaction_status != TransactionStatus.ACTIVE:
                 self.talking = previous

@@ -173,22 +173,6 @@ def _set_up_steps(link: _Link) -> _Steps[None]:
         raise refusal
 
 
-def _exchange(pgconn: Any, results: list[Any]) -> Generator[int, None, None]:
-    """A round trip's talk after its send: yields the socket event it waits for (the driver
-    waits, by its deadline), and collects every result."""
-    while pgconn.flush():
-        yield _POLLOUT
-    while True:
-        if pgconn.is_busy():
-            yield _POLLIN
-            pgconn.consume_input()
-            continue
-        result = pgconn.get_result()
-        if result is None:
-            return
-        results.append(result)
-
-
 def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[Any]:
     """``results``, unless one is an error: then its psycopg exception (``_Overdue`` for
     the cancel the deadline sent)."""
@@ -276,9 +260,19 @@ class _Link:
                 self.talking = True
             try:
                 send(*args)  # inside: a handler raising once the query is sent cancels it
-                for event in _exchange(pgconn, results):
-                    while not self._wait(event, deadline):
+                while pgconn.flush():
+                    while not self._wait(_POLLOUT, deadline):
                         deadline = self._past_deadline()
+                while True:
+                    if pgconn.is_busy():
+                        while not self._wait(_POLLIN, deadline):
+                            deadline = self._past_deadline()
+                        pgconn.consume_input()
+                        continue
+                    result = pgconn.get_result()
+                    if result is None:
+                        break
+                    results.append(result)
             except BaseException:
                 self._abort_query(deadline)
                 raise
