@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import importlib.util
 import json
 import logging
@@ -1296,3 +1298,36 @@ def test_a_missing_server_binary_skips_naming_it_or_fails_where_servers_are_requ
     monkeypatch.setenv("LOCKMGR_REQUIRE_SERVERS", "1")
     with pytest.raises(RuntimeError, match="no redis-server on this machine.*an error"):
         pgserver.require_redis_server()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owner) -> None:
+    """A timed wait the server ends (LockNotAvailable, thrown into the lock call's steps and
+    answered with a time-out) is freed by reference counting alone: no cycle through the
+    error's traceback keeps the driver's and the steps' frames (and with them the session,
+    its connection and the manager) until the collector runs."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    other.acquire("k")
+
+    async def tasks_time_out() -> None:
+        for _ in range(5):
+            assert await locks.aio.acquire("k", timeout=0.01) is False
+
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            if owner == "thread":
+                for _ in range(5):
+                    assert locks.acquire("k", timeout=0.01) is False
+            else:
+                asyncio.run(tasks_time_out())
+            left = sum(isinstance(o, psycopg.errors.LockNotAvailable) for o in gc.get_objects())
+        finally:
+            gc.enable()
+        assert left == 0, f"{left} LockNotAvailable errors kept alive by reference cycles"
+    finally:
+        other.release("k")
+        other.close()
+        locks.close()
