@@ -179,10 +179,13 @@ def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[An
     for result in results:
         if result.status == _FATAL_ERROR:
             error = pg_errors.error_from_result(result, encoding=encoding)
-            if cancelled_late and isinstance(error, pg_errors.QueryCanceled):
-                raise _Overdue("PostgreSQL did not answer in time: the statement was"
-                               " cancelled") from error
-            raise error
+            try:
+                if cancelled_late and isinstance(error, pg_errors.QueryCanceled):
+                    raise _Overdue("PostgreSQL did not answer in time: the statement was"
+                                   " cancelled") from error
+                raise error
+            finally:
+                del error  # no cycle (error -> traceback -> this frame -> error)
     return results
 
 
