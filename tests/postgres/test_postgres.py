@@ -1331,3 +1331,26 @@ def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owne
         other.release("k")
         other.close()
         locks.close()
+
+
+def test_ctrl_c_while_a_threads_session_is_made_leaves_nothing_behind(
+        locks, dsn, monkeypatch) -> None:
+    """Ctrl-C landing in the making of the thread's session record (its first call): the
+    call raises KeyboardInterrupt, the half-made record goes quietly (no "Exception
+    ignored" from its finalizer), and the thread's next call works."""
+    from lockmgr.postgres import _session
+
+    def interrupted() -> _Session:
+        raise KeyboardInterrupt
+
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(_session, "_Session", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        locks.acquire("k")
+    gc.collect()
+    monkeypatch.undo()
+    assert unraisable == []
+    assert locks.acquire("k", timeout=0) is True
+    locks.release("k")
+    assert not held_on_server(dsn, locks, "k")

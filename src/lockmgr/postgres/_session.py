@@ -134,12 +134,15 @@ class _ThreadEnd:
         self.session = _Session()
 
     def __del__(self) -> None:
+        session = getattr(self, "session", None)
+        if session is None:  # an interrupt (Ctrl-C) in __init__: no connection yet
+            return
         manager = self.manager()
         if self.pid != os.getpid():  # a thread of the parent, cleared in a forked child
-            if self.session.link is not None:
-                self.session.link.close()
+            if session.link is not None:
+                session.link.close()
         elif manager is not None:
-            manager._thread_ended(self.session)
+            manager._thread_ended(session)
 
 
 class _XactLock(NamedTuple):
