@@ -808,8 +808,17 @@ def test_a_cancelled_task_wait_is_charged_to_its_key(impl) -> None:
 
     async def main() -> None:
         first, done = await held_by_another_task(locks, "hot")
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(locks.aio.acquire("hot"), 0.05)
+        # Cancelled 0.06 s after it was seen queued, so it waited at least that long.
+        # (asyncio.wait_for's own timer starts before the acquisition does: no bound.)
+        waiting = asyncio.ensure_future(locks.aio.acquire("hot"))
+        queued_by = time.monotonic() + PATIENCE
+        while not locks.snapshot()[0].waiters:
+            assert time.monotonic() < queued_by, "the acquisition never queued"
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.06)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
         done.set()
         await first
 
