@@ -1312,7 +1312,7 @@ def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owne
 
     async def tasks_time_out() -> None:
         for _ in range(5):
-            assert await locks.aio.acquire("k", timeout=0.01) is False
+            assert await locks.aio.acquire("k", timeout=0.1) is False
 
     try:
         gc.collect()
@@ -1320,7 +1320,7 @@ def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owne
         try:
             if owner == "thread":
                 for _ in range(5):
-                    assert locks.acquire("k", timeout=0.01) is False
+                    assert locks.acquire("k", timeout=0.1) is False
             else:
                 asyncio.run(tasks_time_out())
             left = sum(isinstance(o, psycopg.errors.LockNotAvailable) for o in gc.get_objects())

@@ -20,7 +20,6 @@ from ._link import (
     _RoundTrip,
     _Steps,
     _T,
-    _call_steps,
     _checked,
     _poll,
     _run_all_steps,
@@ -57,10 +56,6 @@ class _AsyncLink(_Link):
 
     async def run_all_async(self, sql: str, deadline: float | None | bool = True) -> list[Any]:
         return await _drive_async(_run_all_steps(self, sql, deadline))
-
-    async def call_async(self, statement: bytes, ident: int,
-                         deadline: float | None | bool = True) -> Any:
-        return await _drive_async(_call_steps(self, statement, ident, deadline))
 
     async def _round_trip_async(self, deadline: float | None, send: Callable[..., None],
                                 *args: Any) -> list[Any]:

@@ -249,10 +249,6 @@ class _Link:
         """``run``, returning the result of each statement."""
         return _drive(_run_all_steps(self, sql, deadline))
 
-    def call(self, statement: bytes, ident: int, deadline: float | None | bool = True) -> Any:
-        """``_call_steps``, in this thread."""
-        return _drive(_call_steps(self, statement, ident, deadline))
-
     def _round_trip(self, deadline: float | None, send: Callable[..., None],
                     *args: Any) -> list[Any]:
         pgconn = self.pgconn
