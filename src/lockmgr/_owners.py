@@ -23,6 +23,25 @@ class _LoopThread:
 LOOP_THREAD: Any = _LoopThread()
 
 
+# -- a thread's wait --------------------------------------------------------------------------
+
+
+class _WaitCheck(threading.local):
+    """Per thread: ``call``, or None. Both engines run it after each slice of the thread's
+    wait in a synchronous acquire (a task's wait never), on that thread, with no engine lock
+    held. What it raises ends the wait as a signal handler's exception does: the request
+    leaves the queues, nothing of it stays held, and the acquiring call raises it.
+
+    ``lockmgr.postgres`` sets it around the in-process part of an acquisition: the waiting
+    thread looks there for a deadlock that goes through the server, and for keys a task
+    stranded on a closed event loop holds."""
+
+    call: Callable[[], object] | None = None
+
+
+WAIT_CHECK = _WaitCheck()
+
+
 # -- asyncio tasks as owners -------------------------------------------------------------------
 
 #: What an engine's ``settle`` answers when a wake-up is already on its way to the task: it

@@ -678,6 +678,10 @@ cdef class _Engine:
                 # Handlers (and on 3.12+ the GC) run here; one that raises ends the wait,
                 # and a grant that raced it is passed on.
                 PyErr_CheckSignals()
+                if outcome != DONE:
+                    check = WAIT_CHECK.call  # lockmgr._owners: raising ends the wait
+                    if check is not None:
+                        check()
                 if outcome == DONE:
                     self._observe_wait(request)
                     if logged_keys is not None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from .._args import MAX_COUNT
+from .._owners import WAIT_CHECK
 from .._tuning import HANDOFF_AFTER
 from ._state import (
     _ABANDON_ATTEMPTS,
@@ -377,6 +378,9 @@ class _Operations(_Table):
             # Signal handlers (main thread) and finalizers run around this sleep and may
             # call the manager, or raise (the acquiring call then abandons the request).
             wakeup.acquire(timeout=remaining)
+            check = WAIT_CHECK.call  # lockmgr._owners: raising ends the wait
+            if check is not None:
+                check()
 
     def _check_wait_section(self, request: _Request, deadline: float | None) -> bool | None:
         """After a wake-up: True (granted), False (timed out) or None (sleep again)."""

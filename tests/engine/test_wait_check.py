@@ -1,0 +1,104 @@
+"""A thread waiting in a synchronous acquire runs its own wait check
+(``lockmgr._owners.WAIT_CHECK``) after each slice of the wait, and what the check raises ends
+the wait with nothing queued or held. The PostgreSQL managers look for a deadlock through the
+server there."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+
+from conftest import PATIENCE, Worker
+from lockmgr._owners import WAIT_CHECK
+
+
+class Refused(Exception):
+    pass
+
+
+def with_check(check: Callable[[], object], call: Callable[[], bool]) -> bool:
+    """``call()`` with ``check`` as the calling thread's wait check."""
+    WAIT_CHECK.call = check
+    try:
+        return call()
+    finally:
+        WAIT_CHECK.call = None
+
+
+WAITS = {
+    # name: (make the manager, take what the waiter then waits for, the waiter's call, release)
+    "one key": (lambda impl: impl.LockManager(), lambda m: m.acquire("k"),
+                lambda m, t: m.acquire("k", timeout=t), lambda m: m.release("k")),
+    "many keys": (lambda impl: impl.LockManager(), lambda m: m.acquire("k"),
+                  lambda m, t: m.acquire_many(["j", "k"], timeout=t),
+                  lambda m: m.release_many(["j", "k"])),
+    "read": (lambda impl: impl.RWLockManager(), lambda m: m.acquire_write("k"),
+             lambda m, t: m.acquire_read("k", timeout=t), lambda m: m.release_read("k")),
+}
+
+
+@pytest.fixture(params=sorted(WAITS))
+def wait(request: pytest.FixtureRequest) -> tuple[Callable, ...]:  # type: ignore[type-arg]
+    return WAITS[request.param]
+
+
+def test_a_waiting_thread_runs_its_check_on_its_own_thread_until_granted(
+        impl: ModuleType, wait: tuple[Callable, ...], workers: Callable[[str], Worker]) -> None:  # type: ignore[type-arg]
+    make, take, call, release = wait
+    manager = make(impl)
+    take(manager)
+    ran_on: set[int] = set()
+    running = threading.Event()
+
+    def check() -> None:
+        ran_on.add(threading.get_ident())
+        running.set()
+
+    worker = workers("waiter")
+    waiting = worker.submit(lambda: with_check(check, lambda: call(manager, PATIENCE)))
+    assert running.wait(PATIENCE), "the waiting thread never ran its check"
+    assert not waiting.done()
+    manager.release_all()
+    assert waiting.result() is True
+    assert ran_on == {worker.thread.ident}
+    worker.run(lambda: release(manager))
+    assert len(manager) == 0
+
+
+def test_what_the_check_raises_ends_the_wait_with_nothing_queued_or_held(
+        impl: ModuleType, wait: tuple[Callable, ...], workers: Callable[[str], Worker]) -> None:  # type: ignore[type-arg]
+    make, take, call, release = wait
+    manager = make(impl)
+    take(manager)
+
+    def check() -> None:
+        raise Refused
+
+    worker = workers("waiter")
+    with pytest.raises(Refused):  # an untimed wait ends only through its check
+        worker.run(lambda: with_check(check, lambda: call(manager, -1)))
+    assert all(not state.waiters for state in manager.snapshot())
+    manager.release_all()
+    assert len(manager) == 0
+    assert worker.run(lambda: call(manager, 0)) is True  # nothing of the refused wait is in the way
+    worker.run(lambda: release(manager))
+
+
+def test_an_acquisition_that_does_not_wait_never_runs_the_check(
+        impl: ModuleType, workers: Callable[[str], Worker]) -> None:
+    locks = impl.LockManager()
+
+    def check() -> None:
+        raise Refused
+
+    assert with_check(check, lambda: locks.acquire("k"))
+    assert with_check(check, lambda: locks.acquire("k", timeout=PATIENCE))  # a re-entry
+    other = workers("other")
+    assert other.run(lambda: with_check(check, lambda: locks.acquire("k", blocking=False))) is False
+    assert other.run(lambda: with_check(check, lambda: locks.acquire("k", timeout=0))) is False
+    locks.release("k")
+    locks.release("k")
+    assert len(locks) == 0
