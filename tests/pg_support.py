@@ -217,12 +217,14 @@ def quietly_collect() -> list[str]:
 
 
 def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
-                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None
+                    lock: contextlib.AbstractAsyncContextManager[Any] | None = None,
+                    before_close: Callable[[], object] = lambda: None,
                     ) -> asyncio.Task[None]:
     """A task holding ``key`` (in process and on the server) whose loop is closed while it
     is pending: what asyncio.run leaves when its shutdown is cut short by another Ctrl-C.
     It holds it with ``async with locks.aio.hold(key)``, or ``async with lock`` (as
-    ``locks.aio[key]``: one object, which other tasks may use too)."""
+    ``locks.aio[key]``: one object, which other tasks may use too). ``before_close()``
+    runs once the task holds it, before the loop is closed."""
     loop = asyncio.new_event_loop()
 
     async def until_held() -> asyncio.Task[None]:
@@ -238,7 +240,9 @@ def strand_a_holder(locks: postgres.PgLockManager[Any], key: str,
         return task
 
     try:
-        return loop.run_until_complete(asyncio.wait_for(until_held(), PATIENCE))
+        task = loop.run_until_complete(asyncio.wait_for(until_held(), PATIENCE))
+        before_close()
+        return task
     finally:
         loop.close()
 

@@ -61,7 +61,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
-from ._owners import AWAIT_POST
+from ._owners import AWAIT_POST, TASK_WAIT_CHECK
 from ._views import PICKLE_ERROR, LockStats
 
 if TYPE_CHECKING:
@@ -88,9 +88,12 @@ __all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
 
 async def _wait_for_grant(wait: TaskWait) -> bool:
     """Sleep until the queued request of ``wait`` is granted (True) or times out
-    (``wait.timed_out()``). Any exception (a cancellation) takes it out of the queues, or
-    passes a grant that raced the exception on to the next waiter, before it propagates."""
+    (``wait.timed_out()``), running the task's wait check (``TASK_WAIT_CHECK``) on the way.
+    Any exception (a cancellation, the check's) takes it out of the queues, or passes a
+    grant that raced the exception on to the next waiter, before it propagates."""
     waker, deadline, log_at = wait.waker, wait.deadline, wait.log_at
+    check = TASK_WAIT_CHECK.get()
+    check_at = -1.0 if check is None else time.monotonic() + check[0]
     outcome: object = None
     logged = False
     try:
@@ -98,6 +101,8 @@ async def _wait_for_grant(wait: TaskWait) -> bool:
             wake_at = deadline
             if log_at >= 0 and not logged and (deadline < 0 or log_at < deadline):
                 wake_at = log_at
+            if check_at >= 0 and (wake_at < 0 or check_at < wake_at):
+                wake_at = check_at
             await waker.sleep(-1.0 if outcome is AWAIT_POST else wake_at)
             outcome = wait.settle(waker.take_post(), deadline)
             if outcome is True or outcome is False:
@@ -112,6 +117,9 @@ async def _wait_for_grant(wait: TaskWait) -> bool:
             if log_at >= 0 and not logged and time.monotonic() >= log_at:
                 logged = True
                 wait.log_slow()
+            if check is not None and outcome is None and time.monotonic() >= check_at:
+                await check[1]()
+                check_at = time.monotonic() + check[0]
     except BaseException:
         wait.abandon()
         raise

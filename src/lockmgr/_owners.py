@@ -3,10 +3,11 @@ the ``Waker`` a waiting task sleeps on."""
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 
@@ -40,6 +41,12 @@ class _WaitCheck(threading.local):
 
 
 WAIT_CHECK = _WaitCheck()
+
+#: A task's ``WAIT_CHECK``: ``(every, check)``, or None, in the task's context. A task's
+#: wait in process (``lockmgr._aio``) awaits ``check()`` every ``every`` seconds while it
+#: waits; what that raises ends the wait as a cancellation does.
+TASK_WAIT_CHECK: contextvars.ContextVar[tuple[float, Callable[[], Awaitable[object]]] | None] = \
+    contextvars.ContextVar("TASK_WAIT_CHECK", default=None)
 
 
 # -- asyncio tasks as owners -------------------------------------------------------------------

@@ -1,18 +1,20 @@
 """A thread waiting in a synchronous acquire runs its own wait check
-(``lockmgr._owners.WAIT_CHECK``) after each slice of the wait, and what the check raises ends
-the wait with nothing queued or held. The PostgreSQL managers look for a deadlock through the
-server there."""
+(``lockmgr._owners.WAIT_CHECK``) after each slice of the wait, a task waiting in process
+awaits its own (``TASK_WAIT_CHECK``) at its interval, and what a check raises ends the wait
+with nothing queued or held. The PostgreSQL managers look for a deadlock through the server
+there."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import ModuleType
 
 import pytest
 
 from conftest import PATIENCE, Worker
-from lockmgr._owners import WAIT_CHECK
+from lockmgr._owners import TASK_WAIT_CHECK, WAIT_CHECK
 
 
 class Refused(Exception):
@@ -102,3 +104,69 @@ def test_an_acquisition_that_does_not_wait_never_runs_the_check(
     locks.release("k")
     locks.release("k")
     assert len(locks) == 0
+
+
+# -- a task's wait: TASK_WAIT_CHECK, in the task's context --------------------------------------
+
+
+def task_waiting_with_check(impl: ModuleType, workers: Callable[[str], Worker],
+                            check: Callable[[], Awaitable[object]]) -> tuple[object, ModuleType]:
+    """A task waits for "k", which a worker thread holds, with ``check`` as its wait check
+    (every 10 ms): the worker releases "k" once the check ran twice. Returns what the
+    acquisition returned or raised, and the manager."""
+    locks = impl.LockManager()
+    holder = workers("holder")
+    holder.run(lambda: locks.acquire("k"))
+
+    async def main() -> object:
+        TASK_WAIT_CHECK.set((0.01, check))
+        try:
+            return await locks.aio.acquire("k")
+        except Refused as refused:
+            return refused
+        finally:
+            assert all(not state.waiters for state in locks.snapshot())
+
+    try:
+        return asyncio.run(asyncio.wait_for(main(), PATIENCE)), locks
+    finally:
+        holder.run(lambda: locks.release_all())
+
+
+def test_a_waiting_task_awaits_its_check_until_granted(impl, workers) -> None:  # type: ignore[no-untyped-def]
+    ran = threading.Semaphore(0)
+    released: list[bool] = []
+
+    async def check() -> None:
+        ran.release()
+        await asyncio.sleep(0)  # a coroutine: it may await
+
+    def release_after_two_checks(locks: object) -> None:
+        assert ran.acquire(timeout=PATIENCE) and ran.acquire(timeout=PATIENCE)
+        locks.release("k")  # type: ignore[attr-defined]
+        released.append(True)
+
+    locks = impl.LockManager()
+    holder = workers("holder")
+    holder.run(lambda: locks.acquire("k"))
+    releasing = holder.submit(lambda: release_after_two_checks(locks))
+
+    async def main() -> bool:
+        TASK_WAIT_CHECK.set((0.01, check))
+        granted: bool = await locks.aio.acquire("k")
+        locks.aio.release("k")
+        return granted
+
+    assert asyncio.run(asyncio.wait_for(main(), PATIENCE)) is True
+    releasing.result()
+    assert released == [True] and len(locks) == 0
+
+
+def test_what_a_tasks_check_raises_ends_its_wait_with_nothing_queued_or_held(
+        impl, workers) -> None:  # type: ignore[no-untyped-def]
+    async def check() -> None:
+        raise Refused
+
+    outcome, locks = task_waiting_with_check(impl, workers, check)
+    assert isinstance(outcome, Refused)
+    assert len(locks) == 0  # type: ignore[arg-type]

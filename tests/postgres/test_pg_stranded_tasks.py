@@ -95,6 +95,58 @@ def test_a_thread_acquiring_the_key_a_closed_loops_task_holds_gets_it(locks, dsn
     assert outcome == [True], outcome
 
 
+def test_a_thread_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes(
+        locks, workers) -> None:  # noqa: F811
+    """A thread that already waits in process when the holding task's loop is closed
+    sweeps, from inside that wait, within a slice of it: no other call to the manager."""
+    waiter = workers("waiter")
+    waiting = []
+
+    def wait_for_the_key() -> None:
+        waiting.append(waiter.submit(lambda: locks.acquire("mine")))
+        wait_until(lambda: any(state.waiters for state in locks.snapshot()),
+                   "the thread waits in process")
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        stranded = strand_a_holder(locks, "mine", before_close=wait_for_the_key)
+        try:
+            assert waiting[0].result() is True  # untimed: the sweep inside the wait woke it
+        finally:
+            del stranded
+            quietly_collect()
+    waiter.run(lambda: locks.release("mine"))
+
+
+def test_a_task_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes(
+        locks) -> None:  # noqa: F811
+    """The same for a task waiting in process, on a loop of another thread: it sweeps
+    at its wait's next look."""
+    outcome: list[object] = []
+
+    async def wait_for_the_key() -> None:
+        outcome.append(await locks.aio.acquire("mine"))  # untimed
+        await locks.aio.release("mine")
+
+    waiter = threading.Thread(
+        target=lambda: asyncio.run(asyncio.wait_for(wait_for_the_key(), PATIENCE)))
+
+    def start_waiting() -> None:
+        waiter.start()
+        wait_until(lambda: any(state.waiters for state in locks.snapshot()),
+                   "the task waits in process")
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        stranded = strand_a_holder(locks, "mine", before_close=start_waiting)
+        try:
+            waiter.join(PATIENCE * 2)
+        finally:
+            del stranded
+            quietly_collect()
+    assert outcome == [True], outcome
+
+
 # -- 2. a coroutine closed in its clean-up's wait releases another task's key in process --------
 
 

@@ -18,8 +18,16 @@ from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE, hold_seconds
 from .._errors import DeadlockError, LockError, not_owned, timed_out
+from .._owners import WAIT_CHECK
 from .._views import LockStats
 from .._observe import KeyState, LockMetrics
+from ._deadlock import (
+    LOOK_EVERY,
+    LOOK_FOR,
+    cycle_question,
+    deadlock_through_server,
+    waits_in_process,
+)
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -367,7 +375,7 @@ class _PgEngine(Generic[K]):
         fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False
         try:
-            acquired = local_acquire(seconds)
+            acquired = self._acquire_in_process(items, seconds, local_acquire)
             if not acquired:
                 return False
             session.taking = (before, fresh)
@@ -408,6 +416,67 @@ class _PgEngine(Generic[K]):
                 finally:
                     self._return_if_idle(session)
         return taken
+
+    def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
+                            local_acquire: Callable[[float], bool]) -> bool:
+        """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
+        look_at = [time.monotonic() + LOOK_EVERY]
+        previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
+        WAIT_CHECK.call = lambda: self._look_while_waiting(items, look_at)
+        try:
+            return local_acquire(seconds)
+        finally:
+            WAIT_CHECK.call = previous
+
+    def _look_while_waiting(self, items: Sequence[tuple[Hashable, int]],
+                            look_at: list[float]) -> None:
+        """The calling thread's wait check while it waits in process for ``items``: a task
+        stranded on a closed loop gives back what it held (which may be what this thread
+        waits for), and every ``LOOK_EVERY`` seconds a cycle through the server ends the
+        wait with DeadlockError (``_deadlock``)."""
+        if self._tasks is not None:
+            self._tasks.sweep_closed_loops()
+        now = time.monotonic()
+        if now < look_at[0]:
+            return
+        look_at[0] = now + LOOK_EVERY
+        if self._in_cycle_through_server():
+            raise deadlock_through_server(threading.get_ident(), items)
+
+    def _in_cycle_through_server(self) -> bool:
+        """Whether the calling thread, waiting in process, is in a cycle through the
+        server (one question, answered within ``LOOK_FOR`` seconds or taken as no)."""
+        question = self._cycle_question(threading.get_ident())
+        if question is None:
+            return False
+        try:
+            return self._ask(question, time.monotonic() + LOOK_FOR)
+        except psycopg.Error:
+            return False  # unanswered: no cycle seen; the next look asks again
+
+    def _cycle_question(self, owner: Hashable) -> str | None:
+        """``cycle_question`` for ``owner`` (a thread's ident or a task), from the waits in
+        process and the connections of every PostgreSQL manager of this process."""
+        waits: dict[Hashable, set[Hashable]] = {}
+        backends: dict[Hashable, set[int]] = {}
+        for manager in list(_MANAGERS):
+            for waiter, ahead in waits_in_process(manager._engine.snapshot()).items():
+                waits.setdefault(waiter, set()).update(ahead)
+            for holder, pid in manager._backends():
+                backends.setdefault(holder, set()).add(pid)
+        return cycle_question(owner, waits, backends)
+
+    def _backends(self) -> list[tuple[Hashable, int]]:
+        """(owner, backend pid) of each connection a thread or task of this manager has."""
+        with self._guard:
+            pairs: list[tuple[Hashable, int]] = [
+                (session.ident, session.link.backend)
+                for session in self._sessions if session.link is not None]
+            if self._tasks is not None:
+                pairs += [(task, session.link.backend)
+                          for task, session in self._tasks.sessions.items()
+                          if session.link is not None]
+        return pairs
 
     def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
         """Whether the in-process engine holds every one of ``items`` for the calling
@@ -663,11 +732,12 @@ class _PgEngine(Generic[K]):
             f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
             f" '{record.started.isoformat()}'::timestamptz))")
 
-    def _ask(self, question: str) -> bool:
-        """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives."""
+    def _ask(self, question: str, deadline: float | bool = True) -> bool:
+        """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives,
+        answered by ``deadline`` (``_Link.run``)."""
         link, borrowed = self._borrow()
         try:
-            result = link.run(question)
+            result = link.run(question, deadline)
         except BaseException:
             if borrowed:
                 link.close()
@@ -676,3 +746,4 @@ class _PgEngine(Generic[K]):
             with self._guard:
                 self._idle.append(link)
         return bool(result.get_value(0, 0) == b"t")
+

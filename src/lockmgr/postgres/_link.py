@@ -205,8 +205,8 @@ class _Link:
     finalizer that closes the link (a thread's end, collected late) may run inside a check
     of it on the same thread."""
 
-    __slots__ = ("cancelled_late", "conn", "ended", "guard", "pgconn", "pid", "poller",
-                 "prepared", "statements", "talking")
+    __slots__ = ("backend", "cancelled_late", "conn", "ended", "guard", "pgconn", "pid",
+                 "poller", "prepared", "statements", "talking")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
@@ -222,6 +222,7 @@ class _Link:
         conn.add_notice_handler(functools.partial(_note_ending, self.ended))
         self.conn = conn  # last but two: close() needs what comes before
         self.pgconn = conn.pgconn
+        self.backend = self.pgconn.backend_pid  # the server's pid for this session
         self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
         self.poller.register(self.pgconn.socket, _POLLIN)
 

@@ -15,8 +15,9 @@ import psycopg
 
 from .._args import READ, WRITE
 from .._errors import block_in_use, not_entered, not_owned, not_owned_block
-from .._owners import current_task_or_none, current_task_or_raise
+from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
+from ._deadlock import LOOK_EVERY, LOOK_FOR, deadlock_through_server
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
@@ -67,7 +68,7 @@ class _Tasks:
                 raise
             return False  # an earlier call's clean-up still runs: timed out
         session.refuse_lost(items)
-        if not await local_acquire(seconds):
+        if not await self.acquire_in_process(items, seconds, local_acquire):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
@@ -111,6 +112,32 @@ class _Tasks:
                 finally:
                     self.return_if_idle(session)
         return taken
+
+    async def acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
+                                 local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
+        """``local_acquire(seconds)``, looking around every ``LOOK_EVERY`` seconds while it
+        waits (``look_while_waiting``)."""
+        check = TASK_WAIT_CHECK.set((LOOK_EVERY, lambda: self.look_while_waiting(items)))
+        try:
+            return await local_acquire(seconds)
+        finally:
+            TASK_WAIT_CHECK.reset(check)
+
+    async def look_while_waiting(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """The current task's wait check while it waits in process for ``items``: a task
+        stranded on a closed loop gives back what it held, and a cycle through the server
+        ends the wait with DeadlockError (``_deadlock``)."""
+        self.sweep_closed_loops()
+        task = current_task_or_raise()
+        question = self.manager._cycle_question(task)
+        if question is None:
+            return
+        try:
+            found = await self.ask(question, time.monotonic() + LOOK_FOR)
+        except psycopg.Error:
+            return  # unanswered: no cycle seen; the next look asks again
+        if found:
+            raise deadlock_through_server(task, items)
 
     async def give(self, items: Sequence[tuple[Hashable, int]],
                    local_release: Callable[[], None]) -> None:
@@ -447,7 +474,15 @@ class _Tasks:
             link.close()
 
     async def held_on_server(self, key: Hashable, mode: str | None) -> bool:
-        """``_PgEngine._held_on_server`` on an idle connection of the tasks'."""
+        """``_PgEngine._held_on_server`` for a task."""
+        manager = self.manager
+        return await self.ask(
+            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {manager.advisory_key(key)}"
+            f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+
+    async def ask(self, question: str, deadline: float | bool = True) -> bool:
+        """``_PgEngine._ask`` on an idle connection of the tasks'."""
         manager = self.manager
         with manager._guard:
             link = self.idle.pop() if self.idle else None
@@ -457,10 +492,7 @@ class _Tasks:
             link = await _AsyncLink.connect_async(
                 manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
         try:
-            result = await link.run_async(
-                f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {manager.advisory_key(key)}"
-                f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-                + ("" if mode is None else f" AND mode = '{mode}'") + ")")
+            result = await link.run_async(question, deadline)
         except BaseException:
             link.close()
             raise

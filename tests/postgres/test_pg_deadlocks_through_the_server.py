@@ -1,0 +1,241 @@
+"""Deadlock cycles through both layers: a thread waits in process for another owner of this
+process, whose chain waits on the server for another process, which waits for a lock the
+first thread holds. The waiting thread finds the cycle and raises DeadlockError, holding
+nothing of its call, within the server's ``deadlock_timeout`` plus a second, whichever wait
+closed the cycle; a chain through the server that does not come back is no deadlock.
+
+"Another process" is a server session of no manager of this process's (a connection of the
+test's own): to the managers it is just that."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from conftest import PATIENCE, wait_until
+import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
+from lockmgr import DeadlockError, postgres
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
+#: What the issue allows past the server's deadlock_timeout, and the tests' slack for a
+#: loaded machine on top.
+WITHIN = 1.0
+SLACK = 2.0
+
+
+class OtherProcess:
+    """A server session outside the managers: it takes keys of ``manager``'s namespace on a
+    connection of its own, waiting in a thread of its own when they are held."""
+
+    def __init__(self, dsn: str, manager: postgres.PgLockManager[Any]) -> None:
+        self.dsn = dsn
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.pid = self.conn.info.backend_pid
+        self.manager = manager
+        self.waits: list[threading.Thread] = []
+
+    def hold(self, key: str) -> None:
+        self.conn.execute("SELECT pg_advisory_lock(%s)", (self.manager.advisory_key(key),))
+
+    def wait_for(self, key: str) -> None:
+        """Start waiting on the server for ``key`` (returns once the server shows the wait)."""
+        thread = threading.Thread(target=self.hold, args=(key,), daemon=True)
+        thread.start()
+        self.waits.append(thread)
+        wait_until(lambda: waiting_on_server(self.dsn, self.pid), "the other process waits")
+
+    def let_go(self) -> None:
+        """Once its waits are granted, give back everything it holds."""
+        for thread in self.waits:
+            thread.join(PATIENCE)
+        assert not any(thread.is_alive() for thread in self.waits), "its wait never ended"
+        self.waits.clear()
+        self.conn.execute("SELECT pg_advisory_unlock_all()")
+
+
+def waiting_on_server(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)",
+                           (pid,)).fetchone()
+    return bool(row and row[0])
+
+
+def holders_backend(manager: postgres.PgLockManager[Any], key: str) -> int:
+    """The backend pid of the connection of the owner holding ``key`` in process."""
+    owners = {holder.owner for state in manager.snapshot() if state.key == key
+              for holder in state.holders}
+    backends = [pid for owner, pid in manager._backends() if owner in owners]
+    assert len(backends) == 1, (owners, backends)
+    return backends[0]
+
+
+def waits_in_process(manager: postgres.PgLockManager[Any], key: str) -> bool:
+    return any(state.key == key and state.waiters for state in manager.snapshot())
+
+
+@pytest.fixture
+def deadlock_timeout(dsn: str) -> float:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT setting::float / 1000 FROM pg_settings"
+                           " WHERE name = 'deadlock_timeout'").fetchone()
+    assert row is not None
+    return float(row[0])
+
+
+@pytest.fixture
+def other(dsn: str, pg_locks: postgres.PgLockManager[Any]) -> Iterator[OtherProcess]:
+    process = OtherProcess(dsn, pg_locks)
+    yield process
+    process.let_go()
+    process.conn.close()
+
+
+def test_a_thread_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
+        pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """A holds "a"; C holds "c" and waits on the server for "b", which the other process
+    holds while it waits for "a". A then waits in process for "c": the cycle closes."""
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+    other.hold("b")
+    other.wait_for("a")
+    c_waits = c.submit(lambda: pg_locks.acquire("b"))
+    c_backend = holders_backend(pg_locks, "c")
+    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    started = time.monotonic()
+    with pytest.raises(DeadlockError, match="through PostgreSQL") as raised:
+        a.run(lambda: pg_locks.acquire("c"))
+    assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
+    assert raised.value.cycle == [(a.thread.ident, "c")]
+    assert not waits_in_process(pg_locks, "c")  # nothing of the refused call is queued
+    a.run(pg_locks.release_all)  # the way out: the other process gets "a"...
+    other.let_go()  # ... and gives back "b" with it
+    assert c_waits.result() is True
+    c.run(pg_locks.release_all)
+
+
+def test_a_thread_waiting_in_process_when_a_server_wait_closes_the_cycle_gets_deadlock_error(
+        pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """The same cycle, closed last by C's wait on the server: A, which has waited in
+    process all along, finds it at its next look."""
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+    a_waits = a.submit(lambda: pg_locks.acquire("c"))
+    wait_until(lambda: waits_in_process(pg_locks, "c"), "A waits in process")
+    other.hold("b")
+    other.wait_for("a")
+    c_waits = c.submit(lambda: pg_locks.acquire("b"))
+    c_backend = holders_backend(pg_locks, "c")
+    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    started = time.monotonic()
+    with pytest.raises(DeadlockError, match="through PostgreSQL"):
+        a_waits.result()
+    assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
+    assert not waits_in_process(pg_locks, "c")
+    a.run(pg_locks.release_all)
+    other.let_go()
+    assert c_waits.result() is True
+    c.run(pg_locks.release_all)
+
+
+def test_a_cycle_through_a_task_waiting_on_the_server_is_found_by_the_thread_waiting_for_it(
+        pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """C is a task, on a loop in another thread: the thread waiting in process for the
+    task's key finds the cycle through the task's connection."""
+    a = workers("A")
+    a.run(lambda: pg_locks.acquire("a"))
+    other.hold("b")
+    other.wait_for("a")
+    task_holds = threading.Event()
+    outcome: list[object] = []
+
+    async def task() -> None:
+        await pg_locks.aio.acquire("c")
+        task_holds.set()
+        outcome.append(await pg_locks.aio.acquire("b"))
+        await pg_locks.aio.release("b")
+        await pg_locks.aio.release("c")
+
+    loop = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(task(), PATIENCE * 3)))
+    loop.start()
+    try:
+        assert task_holds.wait(PATIENCE)
+        task_backend = holders_backend(pg_locks, "c")
+        wait_until(lambda: waiting_on_server(other.dsn, task_backend), "the task waits on the server")
+        started = time.monotonic()
+        with pytest.raises(DeadlockError, match="through PostgreSQL"):
+            a.run(lambda: pg_locks.acquire("c"))
+        assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
+        a.run(pg_locks.release_all)
+        other.let_go()
+    finally:
+        loop.join(PATIENCE * 3)
+    assert outcome == [True]
+
+
+def test_a_chain_through_the_server_that_does_not_come_back_is_waited_out(
+        pg_locks, other, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A waits in process for C, which waits on the server for the other process, which
+    waits for nothing of A's: A looks, again and again, finds no cycle, and gets "c" once
+    the chain moves on."""
+    looked = threading.Semaphore(0)
+    look = postgres.PgLockManager._in_cycle_through_server
+
+    def counted_look(self: postgres.PgLockManager[Any]) -> bool:
+        found = look(self)
+        looked.release()
+        return found
+
+    monkeypatch.setattr(postgres.PgLockManager, "_in_cycle_through_server", counted_look)
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+    other.hold("b")
+    c_waits = c.submit(lambda: pg_locks.acquire("b"))
+    c_backend = holders_backend(pg_locks, "c")
+    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    a_waits = a.submit(lambda: pg_locks.acquire("c"))
+    for _ in range(2):  # two looks that asked the server and found no cycle
+        assert looked.acquire(timeout=PATIENCE)
+    assert not a_waits.done()
+    other.let_go()  # C gets "b", and gives everything back
+    assert c_waits.result() is True
+    c.run(pg_locks.release_all)
+    assert a_waits.result() is True
+    a.run(pg_locks.release_all)
+
+
+def test_a_task_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
+        pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """The waiter in process is a task: it looks too, on its loop, while it waits."""
+    c = workers("C")
+    c.run(lambda: pg_locks.acquire("c"))
+    other.hold("b")
+
+    async def main() -> Any:
+        await pg_locks.aio.acquire("a")
+        other.wait_for("a")  # (blocking the loop: nothing else is to run on it meanwhile)
+        c_waits = c.submit(lambda: pg_locks.acquire("b"))
+        c_backend = holders_backend(pg_locks, "c")
+        wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+        started = time.monotonic()
+        with pytest.raises(DeadlockError, match="through PostgreSQL") as raised:
+            await pg_locks.aio.acquire("c")
+        assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
+        assert raised.value.cycle == [(asyncio.current_task(), "c")]
+        assert not waits_in_process(pg_locks, "c")
+        await pg_locks.aio.release("a")
+        return c_waits
+
+    c_waits = asyncio.run(asyncio.wait_for(main(), PATIENCE * 3))
+    other.let_go()
+    assert c_waits.result() is True
+    c.run(pg_locks.release_all)
