@@ -15,7 +15,8 @@ the in-process waits of this process (handed over as pairs of backend pids) to a
 point, and asks whether a connection of the waiting thread is among those reached. A member
 of any such cycle that waits in process finds it within ``LOOK_EVERY`` seconds of the cycle
 closing, plus one round trip: the cycle's first in-process wait after a server wait that
-leads into this process has its thread's connection at the end of the path.
+leads into this process has its thread's connection at the end of the path. The question
+is asked again to confirm (``SEEN_TWICE``).
 
 What this does not see: a cycle that goes through the in-process waits of *two* processes
 (each sees only its own), and an owner's wait in process of another engine than the PostgreSQL
@@ -36,8 +37,14 @@ if TYPE_CHECKING:
 #: and between two looks (PostgreSQL's ``deadlock_timeout`` is 1 s by default).
 LOOK_EVERY = 0.5
 
-#: Seconds one look may take before the wait goes on without its answer.
+#: Seconds one question may take before the wait goes on without its answer.
 LOOK_FOR = 1.0
+
+#: How many questions in a row must find the cycle. Each one puts together the waits in
+#: process as they were a moment before it and the server's as they are: an owner of this
+#: process that moved on in between could make a cycle of waits that never were all there
+#: at once. A deadlock stays; such a picture does not come twice.
+SEEN_TWICE = 2
 
 Owner = Hashable  # a thread's ident or an asyncio task, as ``snapshot()`` names them
 

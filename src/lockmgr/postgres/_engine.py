@@ -24,6 +24,7 @@ from .._observe import KeyState, LockMetrics
 from ._deadlock import (
     LOOK_EVERY,
     LOOK_FOR,
+    SEEN_TWICE,
     cycle_question,
     deadlock_through_server,
     waits_in_process,
@@ -63,6 +64,9 @@ _Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
 
 
 _MANAGERS: weakref.WeakSet[_PgEngine[Any]] = weakref.WeakSet()
+# Held to add to _MANAGERS and to copy it: a WeakSet defers the removals of collected
+# managers while it is iterated, but not another thread's add (free-threaded builds).
+_MANAGERS_LOCK = threading.Lock()
 
 
 def _forget_parent_sessions() -> None:
@@ -103,7 +107,8 @@ class _PgEngine(Generic[K]):
         self._idle: list[_Link] = []  # connections holding nothing
         self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
         self._tasks: _Tasks | None = None  # the asyncio tasks' sessions, from the first ``aio``
-        _MANAGERS.add(self)
+        with _MANAGERS_LOCK:
+            _MANAGERS.add(self)
 
     def __repr__(self) -> str:
         return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
@@ -445,21 +450,29 @@ class _PgEngine(Generic[K]):
 
     def _in_cycle_through_server(self) -> bool:
         """Whether the calling thread, waiting in process, is in a cycle through the
-        server (one question, answered within ``LOOK_FOR`` seconds or taken as no)."""
-        question = self._cycle_question(threading.get_ident())
-        if question is None:
-            return False
-        try:
-            return self._ask(question, time.monotonic() + LOOK_FOR)
-        except psycopg.Error:
-            return False  # unanswered: no cycle seen; the next look asks again
+        server: seen twice (``SEEN_TWICE``), each question answered within ``LOOK_FOR``
+        seconds or taken as no. Never on the thread's own connection, which holds its keys:
+        an interrupt there would lose them."""
+        me = threading.get_ident()
+        for _ in range(SEEN_TWICE):
+            question = self._cycle_question(me)
+            if question is None:
+                return False
+            try:
+                if not self._ask(question, time.monotonic() + LOOK_FOR, own=False):
+                    return False
+            except psycopg.Error:
+                return False  # unanswered: no cycle seen; the next look asks again
+        return True
 
     def _cycle_question(self, owner: Hashable) -> str | None:
         """``cycle_question`` for ``owner`` (a thread's ident or a task), from the waits in
         process and the connections of every PostgreSQL manager of this process."""
         waits: dict[Hashable, set[Hashable]] = {}
         backends: dict[Hashable, set[int]] = {}
-        for manager in list(_MANAGERS):
+        with _MANAGERS_LOCK:
+            managers = list(_MANAGERS)
+        for manager in managers:
             for waiter, ahead in waits_in_process(manager._engine.snapshot()).items():
                 waits.setdefault(waiter, set()).update(ahead)
             for holder, pid in manager._backends():
@@ -704,9 +717,10 @@ class _PgEngine(Generic[K]):
         if self._tasks is not None:
             self._tasks.forget_parent_sessions()
 
-    def _borrow(self) -> tuple[_Link, bool]:
-        """A connection for a question: the calling thread's, or one from the idle list."""
-        session = self._session_or_none()
+    def _borrow(self, own: bool = True) -> tuple[_Link, bool]:
+        """A connection for a question: the calling thread's (if ``own``), or one from the
+        idle list."""
+        session = self._session_or_none() if own else None
         if session is not None and session.link is not None and session.link.idle():
             return session.link, False
         with self._guard:
@@ -732,10 +746,10 @@ class _PgEngine(Generic[K]):
             f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
             f" '{record.started.isoformat()}'::timestamptz))")
 
-    def _ask(self, question: str, deadline: float | bool = True) -> bool:
-        """A yes-or-no ``question`` to the server, on a connection ``_borrow`` gives,
+    def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:
+        """A yes-or-no ``question`` to the server, on a connection ``_borrow(own)`` gives,
         answered by ``deadline`` (``_Link.run``)."""
-        link, borrowed = self._borrow()
+        link, borrowed = self._borrow(own)
         try:
             result = link.run(question, deadline)
         except BaseException:

@@ -17,7 +17,7 @@ from .._args import READ, WRITE
 from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
-from ._deadlock import LOOK_EVERY, LOOK_FOR, deadlock_through_server
+from ._deadlock import LOOK_EVERY, LOOK_FOR, SEEN_TWICE, deadlock_through_server
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
@@ -129,15 +129,16 @@ class _Tasks:
         ends the wait with DeadlockError (``_deadlock``)."""
         self.sweep_closed_loops()
         task = current_task_or_raise()
-        question = self.manager._cycle_question(task)
-        if question is None:
-            return
-        try:
-            found = await self.ask(question, time.monotonic() + LOOK_FOR)
-        except psycopg.Error:
-            return  # unanswered: no cycle seen; the next look asks again
-        if found:
-            raise deadlock_through_server(task, items)
+        for _ in range(SEEN_TWICE):  # (as a thread's look: _PgEngine._in_cycle_through_server)
+            question = self.manager._cycle_question(task)
+            if question is None:
+                return
+            try:
+                if not await self.ask(question, time.monotonic() + LOOK_FOR):
+                    return
+            except psycopg.Error:
+                return  # unanswered: no cycle seen; the next look asks again
+        raise deadlock_through_server(task, items)
 
     async def give(self, items: Sequence[tuple[Hashable, int]],
                    local_release: Callable[[], None]) -> None:
