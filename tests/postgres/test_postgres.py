@@ -33,7 +33,7 @@ from lockmgr.postgres._session import _Session
 from lockmgr.postgres._sql import _GRANTED_ADVISORY
 from pg_support import (
     child, expect, finish, held_on_server, own_sessions_locks, race_timeouts_against_a_holder,
-    terminate_holder, _waiting_on_server,
+    run, terminate_holder, until, _waiting_on_server,
 )
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
@@ -505,6 +505,53 @@ def test_a_session_lock_of_a_key_the_thread_took_with_xact_lock_is_refused_at_on
                     release("k")
             assert take("k", timeout=timeout)  # committed: the xact lock went with it
             release("k")
+        assert len(rw) == 0 and not held_on_server(dsn, rw, "k")
+    finally:
+        conn.close()
+        rw.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, 0.1], ids=["untimed", "try", "timed"])
+def test_a_task_and_xact_lock_of_one_key_refuse_each_other_at_once(
+        engine, dsn, namespace, timeout) -> None:
+    """For a task, in both orders. xact_lock blocks the task's loop: a conflicting session
+    lock of the task's would never be released. A session lock of a key the task took with
+    xact_lock, in a transaction still open, would wait for itself, and so would its
+    loop's thread's, called from the task. DeadlockError at once; another task is not
+    refused (it waits while the first one commits)."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    conn = psycopg.connect(dsn)
+
+    async def another_task_takes_it() -> None:
+        assert await rw.aio.acquire_write("k", timeout=PATIENCE)
+        await rw.aio.release_write("k")
+
+    async def main() -> None:
+        assert await rw.aio.acquire_read("k")
+        with conn.transaction():
+            with pytest.raises(DeadlockError, match="calling task holds .* itself"):
+                with rw.xact_lock(conn, "k", timeout=None if timeout < 0 else timeout):
+                    pass
+            with rw.xact_lock(conn, "k", shared=True):
+                pass  # shared beside a read: no conflict
+        await rw.aio.release_read("k")
+        with conn.transaction():
+            with rw.xact_lock(conn, "k"):
+                pass
+            with pytest.raises(DeadlockError, match="calling task holds .* xact_lock"):
+                await rw.aio.acquire_read("k", timeout=timeout)
+            with pytest.raises(DeadlockError, match="calling thread holds .* xact_lock"):
+                rw.acquire_read("k", timeout=timeout)  # the loop's thread, from the task
+            assert await rw.aio.acquire_write("j", timeout=timeout)  # other keys go
+            await rw.aio.release_write("j")
+            other = asyncio.create_task(another_task_takes_it())
+            await until(lambda: _waiting_on_server(dsn) == 1, "the other task waits")
+        await other  # committed: the other task got it
+        assert await rw.aio.acquire_write("k", timeout=timeout)  # and so does this one
+        await rw.aio.release_write("k")
+
+    try:
+        run(main)
         assert len(rw) == 0 and not held_on_server(dsn, rw, "k")
     finally:
         conn.close()

@@ -18,7 +18,7 @@ from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE, hold_seconds
 from .._errors import DeadlockError, LockError, not_owned, timed_out
-from .._owners import WAIT_CHECK
+from .._owners import WAIT_CHECK, current_task_or_none
 from .._views import LockStats
 from .._observe import KeyState, LockMetrics
 from ._deadlock import (
@@ -46,16 +46,24 @@ from ._link import (
 )
 from ._protocol import _lock_steps, _unlock_steps
 from ._server import _KEEPALIVES
-from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
+from ._session import (
+    _ThreadEnd,
+    _XactLock,
+    _holding,
+    _lost_error,
+    _owner_kind,
+    _xact_deadlock,
+    _xact_question,
+)
 from ._sql import (
     _GRANTED_ADVISORY,
-    _MODE_NAMES,
     _drop_sql,
     _milliseconds,
 )
 
 if TYPE_CHECKING:
     from .._contract import Engine
+    from ._aio_link import _TaskSession
     from ._session import _Session
     from ._tasks import _Tasks
 
@@ -107,6 +115,9 @@ class _PgEngine(Generic[K]):
         self._idle: list[_Link] = []  # connections holding nothing
         self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
         self._tasks: _Tasks | None = None  # the asyncio tasks' sessions, from the first ``aio``
+        # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
+        self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
+            weakref.WeakKeyDictionary()
         with _MANAGERS_LOCK:
             _MANAGERS.add(self)
 
@@ -317,50 +328,74 @@ class _PgEngine(Generic[K]):
 
     def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
         """``xact_lock`` runs on the caller's connection, another server session than the
-        calling thread's: a session lock of that thread's on ``key`` in a conflicting mode
-        would make it wait for itself for ever."""
+        calling thread's or task's: a session lock of that owner's on ``key`` in a
+        conflicting mode would make it wait for itself for ever (a task: its loop's thread
+        blocked in xact_lock, the task never runs to release it)."""
+        holders: list[tuple[_Session | _TaskSession, Hashable]] = []
         session = self._session_or_none()
-        if session is None:
-            return
-        self._settle(session)
+        if session is not None:
+            self._settle(session)
+            holders.append((session, threading.get_ident()))
+        task = current_task_or_none()
+        if task is not None and self._tasks is not None:
+            task_session = self._tasks.sessions.get(task)
+            if task_session is not None:
+                self._tasks.check(task_session)  # what needs no waiting
+                holders.append((task_session, task))
         modes = (WRITE,) if shared else (WRITE, READ)
-        if any(session.levels.get((key, mode)) for mode in modes):
-            raise DeadlockError(
-                f"the calling thread holds {key!r} through this manager: xact_lock on"
-                " another connection would wait for that lock, and so for itself, for ever",
-                [(threading.get_ident(), key)])
+        for holder, owner in holders:
+            if any(holder.levels.get((key, mode)) for mode in modes):
+                raise DeadlockError(
+                    f"the calling {_owner_kind(owner)} holds {key!r} through this manager:"
+                    " xact_lock on another connection would wait for that lock, and so for"
+                    " itself, for ever", [(owner, key)])
 
     def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
                         started: datetime.datetime) -> None:
-        """Remember, for the calling thread, an xact_lock taken in ``conn``'s transaction
-        that ``started`` (``_refuse_own_xact_lock``). Records of ended transactions go: the
-        list holds at most the keys of the transactions still open."""
-        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
-        if records is None:
-            records = self._local.xact_locks = []
+        """Remember, for the calling thread or task, an xact_lock taken in ``conn``'s
+        transaction that ``started`` (``_xact_conflicts``). Records of ended transactions
+        go: the list holds at most the keys of the transactions still open."""
+        task = current_task_or_none()
+        if task is None:
+            records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+            if records is None:
+                records = self._local.xact_locks = []
+        else:
+            with self._guard:  # (the tasks of every loop share it)
+                records = self._task_xact_locks.setdefault(task, [])
         record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
         records[:] = [kept for kept in records if kept.may_hold() and kept != record
                       and (kept.conn() is not conn or kept.started == started)]
         records.append(record)
 
     def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
-        """The other order of ``_refuse_own_session_lock``: the calling thread took ``key``
-        with xact_lock in a transaction still open on another connection, so a session lock
-        of it in a conflicting mode would wait for itself. The server says whether that
-        transaction still holds it (one round trip, only for such a key)."""
+        """The other order of ``_refuse_own_session_lock``, for the calling thread: the
+        server says whether a transaction it took one of ``items`` in with xact_lock still
+        holds it (one round trip, only for such a key; ``_xact_conflicts``)."""
         records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if self._task_xact_locks:  # a thread's call from inside a task blocks that task too
+            task = current_task_or_none()
+            if task is not None:
+                with self._guard:
+                    records = [*(records or ()), *self._task_xact_locks.get(task, ())]
+        for key, record in self._xact_conflicts(records, items):
+            if self._ask(_xact_question(record)):
+                raise _xact_deadlock(threading.get_ident(), key)
+
+    def _xact_conflicts(self, records: list[_XactLock] | None,
+                        items: Sequence[tuple[Hashable, int]]
+                        ) -> Iterator[tuple[Hashable, _XactLock]]:
+        """Of an owner's xact_lock ``records``, those of ``items`` in a conflicting mode
+        whose transaction may still be open: a session lock of that key would wait for
+        that transaction, and so for itself, if it still holds it."""
         if not records:
             return
         records[:] = [record for record in records if record.may_hold()]
         for key, mode in items:
             ident = self.advisory_key(key)
             for record in records:
-                if (record.ident == ident and (mode == WRITE or not record.shared)
-                        and self._held_in_transaction(record)):
-                    raise DeadlockError(
-                        f"the calling thread holds {key!r} with xact_lock in a transaction"
-                        " still open: a session lock of it would wait for that transaction,"
-                        " and so for itself, for ever", [(threading.get_ident(), key)])
+                if record.ident == ident and (mode == WRITE or not record.shared):
+                    yield key, record
 
     # -- taking and giving back ---------------------------------------------------------------
 
@@ -736,15 +771,6 @@ class _PgEngine(Generic[K]):
             f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {self.advisory_key(key)}"
             f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
-
-    def _held_in_transaction(self, record: _XactLock) -> bool:
-        """Whether the transaction of ``record`` is still open and holds its lock."""
-        pid = int(record.backend_pid)
-        return self._ask(
-            f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
-            f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
-            f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
-            f" '{record.started.isoformat()}'::timestamptz))")
 
     def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:
         """A yes-or-no ``question`` to the server, on a connection ``_borrow(own)`` gives,

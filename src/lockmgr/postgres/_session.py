@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from .._errors import LockLost, not_owned, timed_out
+from .._args import READ, WRITE
+from .._errors import DeadlockError, LockLost, not_owned, timed_out
+from ._sql import _GRANTED_ADVISORY, _MODE_NAMES
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine
@@ -160,6 +162,27 @@ class _XactLock(NamedTuple):
         conn = self.conn()
         return conn is not None and not conn.closed and conn.info.transaction_status in (
             TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _xact_question(record: _XactLock) -> str:
+    """Whether the transaction of ``record`` is still open and holds its lock."""
+    pid = int(record.backend_pid)
+    return (f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
+            f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
+            f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
+            f" '{record.started.isoformat()}'::timestamptz))")
+
+
+def _owner_kind(owner: Hashable) -> str:
+    """What ``owner`` is: a "thread" (its ident) or a "task"."""
+    return "thread" if isinstance(owner, int) else "task"
+
+
+def _xact_deadlock(owner: Hashable, key: Hashable) -> DeadlockError:
+    return DeadlockError(
+        f"the calling {_owner_kind(owner)} holds {key!r} with xact_lock in a transaction still open: a"
+        " session lock of it would wait for that transaction, and so for itself, for ever",
+        [(owner, key)])
 
 
 def _lost_error(keys: list[Hashable]) -> LockLost:

@@ -25,7 +25,7 @@ from ._link import (
     _call_deadline,
 )
 from ._protocol import _lock_steps, _unlock_steps
-from ._session import _holding, _lost_error
+from ._session import _holding, _lost_error, _xact_deadlock, _xact_question
 from ._sql import (
     _GRANTED_ADVISORY,
     _drop_sql,
@@ -68,6 +68,7 @@ class _Tasks:
                 raise
             return False  # an earlier call's clean-up still runs: timed out
         session.refuse_lost(items)
+        await self.refuse_own_xact_lock(items)
         if not await self.acquire_in_process(items, seconds, local_acquire):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
@@ -112,6 +113,18 @@ class _Tasks:
                 finally:
                     self.return_if_idle(session)
         return taken
+
+    async def refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """``_PgEngine._refuse_own_xact_lock`` for the current task."""
+        manager = self.manager
+        if not manager._task_xact_locks:
+            return
+        task = current_task_or_raise()
+        with manager._guard:
+            records = manager._task_xact_locks.get(task)
+        for key, record in manager._xact_conflicts(records, items):
+            if await self.ask(_xact_question(record)):
+                raise _xact_deadlock(task, key)
 
     async def acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                                  local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
