@@ -180,7 +180,7 @@ def test_a_second_cancellation_never_stops_the_clean_up(locks, dsn, namespace) -
             await waiter
         await until(lambda: session.cleaning is None, "the clean-up ended all the same")
         assert _waiting_on_server(dsn) == 0 and own_sessions_locks(dsn) == 0
-        assert len(locks._tasks.idle) == 1  # it finished its work: the connection is reusable
+        assert len(locks._task_idle) == 1  # it finished its work: the connection is reusable
         assert len(locks) == 0
 
     run(main)
@@ -1094,3 +1094,69 @@ def test_closing_the_block_of_a_task_just_awaited_to_its_end_raises_nothing(lock
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         run(main)
+
+
+@contextlib.contextmanager
+def no_cyclic_collector() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def backend_alive(dsn: str, pid: int) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)",
+                           (pid,)).fetchone()
+    return bool(row and row[0])
+
+
+def test_a_manager_dropped_after_its_tasks_ended_closes_their_connections_at_once(
+        engine, dsn, namespace) -> None:  # type: ignore[no-untyped-def]
+    """No cycle keeps it: it is freed by its last reference, without the cyclic collector,
+    and its tasks' idle connections close with it."""
+    with no_cyclic_collector():
+        locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+
+        async def main() -> None:
+            assert await locks.aio.acquire("k")
+            async with locks.aio.hold("j"):
+                pass
+            await locks.aio.release("k")
+
+        run(main)
+        backends = [link.backend for link in locks._task_idle]
+        assert backends  # the tasks' connection, idle now
+        freed = weakref.ref(locks)
+        del locks
+        assert freed() is None
+        wait_until(lambda: not any(backend_alive(dsn, pid) for pid in backends),
+                   "its connections are closed")
+
+
+def test_a_manager_lives_while_a_task_holds_its_keys(engine, dsn, namespace) -> None:  # type: ignore[no-untyped-def]
+    """The other side: a task inside a block keeps the manager, whoever else dropped it."""
+    with no_cyclic_collector():
+        locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+        freed = weakref.ref(locks)
+        blocks = [locks.aio.hold("k")]
+        del locks
+        holding, release = asyncio.Event(), asyncio.Event()
+
+        async def holder(block: Any) -> None:
+            async with block:
+                holding.set()
+                await release.wait()
+
+        async def main() -> None:
+            task = asyncio.create_task(holder(blocks.pop()))
+            await holding.wait()
+            assert freed() is not None and held_on_server(dsn, freed(), "k")
+            release.set()
+            await task
+
+        run(main)
+        assert freed() is None  # the task and its block are gone: so is the manager

@@ -70,7 +70,7 @@ def test_release_all_cancelled_during_a_clean_up_leaves_a_server_lock_on_an_idle
         assert len(locks) == 0 and not aio.owned("a")
         # What should hold: the task holds nothing, so nothing is held on the server.
         leaked = held_on_server(dsn, locks, "a")
-        idle = len(locks._tasks.idle)
+        idle = len(locks._task_idle)
 
         async def next_user() -> bool:  # takes the pooled connection, and "a", and gives back
             await aio.acquire("a")

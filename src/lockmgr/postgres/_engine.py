@@ -63,7 +63,7 @@ from ._sql import (
 
 if TYPE_CHECKING:
     from .._contract import Engine
-    from ._aio_link import _TaskSession
+    from ._aio_link import _AsyncLink, _TaskSession
     from ._session import _Session
     from ._tasks import _Tasks
 
@@ -114,7 +114,13 @@ class _PgEngine(Generic[K]):
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
         self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
-        self._tasks: _Tasks | None = None  # the asyncio tasks' sessions, from the first ``aio``
+        # The asyncio tasks' sessions, from the first ``aio``: held by the views and by the
+        # tasks with a session (their done-callbacks), and so alive while anything may use
+        # them; they hold this manager. A strong reference back would make a cycle, and a
+        # manager dropped after ``aio`` would keep its connections until the cyclic
+        # collector ran. Their idle connections are this manager's (``_task_idle``).
+        self._tasks_ref: weakref.ref[_Tasks] | None = None
+        self._task_idle: list[_AsyncLink] = []  # task connections holding nothing
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
@@ -126,12 +132,20 @@ class _PgEngine(Generic[K]):
 
     def close(self) -> None:
         """Close the idle connections (those of threads and tasks holding keys stay theirs)."""
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.sweep_closed_loops()
         with self._guard:
-            idle, self._idle = self._idle, []
+            idle: list[_Link] = [*self._idle, *self._task_idle]
+            self._idle, self._task_idle = [], []
         for link in idle:
             link.close()
-        if self._tasks is not None:
-            self._tasks.close()
+
+    @property
+    def _tasks(self) -> _Tasks | None:
+        """The tasks' sessions, if any view or task still has them."""
+        tasks_ref = self._tasks_ref
+        return None if tasks_ref is None else tasks_ref()
 
     def __enter__(self: _Manager) -> _Manager:
         return self
@@ -147,9 +161,11 @@ class _PgEngine(Generic[K]):
         from ._tasks import _Tasks
 
         with self._guard:
-            if self._tasks is None:
-                self._tasks = _Tasks(self)
-            return self._tasks
+            tasks = self._tasks
+            if tasks is None:
+                tasks = _Tasks(self)
+                self._tasks_ref = weakref.ref(tasks)
+            return tasks
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace."""
@@ -213,9 +229,10 @@ class _PgEngine(Generic[K]):
             link = other.link
             if link is not None and link.idle_unless_busy() is False:
                 self._report(other, dead_link=link)
-        if self._tasks is not None:
-            self._tasks.sweep_closed_loops()
-            self._tasks.check_others(None)
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.sweep_closed_loops()
+            tasks.check_others(None)
         return {key for key, _ in self._lost_items()}
 
     def release_all(self) -> int:
@@ -337,10 +354,11 @@ class _PgEngine(Generic[K]):
             self._settle(session)
             holders.append((session, threading.get_ident()))
         task = current_task_or_none()
-        if task is not None and self._tasks is not None:
-            task_session = self._tasks.sessions.get(task)
+        tasks = None if task is None else self._tasks
+        if task is not None and tasks is not None:
+            task_session = tasks.sessions.get(task)
             if task_session is not None:
-                self._tasks.check(task_session)  # what needs no waiting
+                tasks.check(task_session)  # what needs no waiting
                 holders.append((task_session, task))
         modes = (WRITE,) if shared else (WRITE, READ)
         for holder, owner in holders:
@@ -405,8 +423,9 @@ class _PgEngine(Generic[K]):
         """Take ``items`` ((key, mode) pairs) in-process, then in PostgreSQL, within
         ``seconds``: all of them, or none."""
         started = time.monotonic()
-        if self._tasks is not None:
-            self._tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
@@ -474,8 +493,9 @@ class _PgEngine(Generic[K]):
         stranded on a closed loop gives back what it held (which may be what this thread
         waits for), and every ``LOOK_EVERY`` seconds a cycle through the server ends the
         wait with DeadlockError (``_deadlock``)."""
-        if self._tasks is not None:
-            self._tasks.sweep_closed_loops()
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.sweep_closed_loops()
         now = time.monotonic()
         if now < look_at[0]:
             return
@@ -520,9 +540,10 @@ class _PgEngine(Generic[K]):
             pairs: list[tuple[Hashable, int]] = [
                 (session.ident, session.link.backend)
                 for session in self._sessions if session.link is not None]
-            if self._tasks is not None:
+            tasks = self._tasks
+            if tasks is not None:
                 pairs += [(task, session.link.backend)
-                          for task, session in self._tasks.sessions.items()
+                          for task, session in tasks.sessions.items()
                           if session.link is not None]
         return pairs
 
@@ -616,8 +637,9 @@ class _PgEngine(Generic[K]):
 
     def _attach(self, session: _Session) -> tuple[_Link, bool]:
         """Give the session a connection: an idle one that is still alive, or a new one."""
-        if self._tasks is not None:
-            self._tasks.sweep_closed_loops()  # their connections may hold what we wait for
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.sweep_closed_loops()  # their connections may hold what we wait for
         while True:
             with self._guard:
                 link = self._idle.pop() if self._idle else None
@@ -710,8 +732,9 @@ class _PgEngine(Generic[K]):
         with self._guard:
             for session in self._sessions:
                 lost.update(set(session.lost) | (set(session.levels) if session.dead else set()))
-            if self._tasks is not None:
-                lost.update(self._tasks.lost_items())
+            tasks = self._tasks
+            if tasks is not None:
+                lost.update(tasks.lost_items())
         return lost
 
     def _lost_here(self, key: Hashable, mode: int) -> bool:
@@ -733,8 +756,8 @@ class _PgEngine(Generic[K]):
         Keys the forking thread held belong to the parent: they are lost to the child."""
         self._guard = threading.Lock()  # another thread of the parent may have held it
         me = threading.get_ident()
-        links = list(self._idle)
-        self._idle = []
+        links: list[_Link] = [*self._idle, *self._task_idle]
+        self._idle, self._task_idle = [], []
         for session in list(self._sessions):
             if session.link is not None:
                 links.append(session.link)
@@ -749,8 +772,9 @@ class _PgEngine(Generic[K]):
                 self._sessions.discard(session)
         for link in links:
             link.close()
-        if self._tasks is not None:
-            self._tasks.forget_parent_sessions()
+        tasks = self._tasks
+        if tasks is not None:
+            tasks.forget_parent_sessions()
 
     def _borrow(self, own: bool = True) -> tuple[_Link, bool]:
         """A connection for a question: the calling thread's (if ``own``), or one from the

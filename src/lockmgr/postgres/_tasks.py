@@ -45,7 +45,6 @@ class _Tasks:
         self.manager = manager
         # The in-process engine's module (the compiled core or the pure twin): its tasks.
         self.engine = cast("EngineModule", sys.modules[type(manager._engine).__module__])
-        self.idle: list[_AsyncLink] = []  # connections holding nothing
         self.sessions: dict[asyncio.Task[Any], _TaskSession] = {}  # running tasks' sessions
         # The loops those tasks run on (and ran on: a closed one leaves at the next sweep),
         # so that the sweep before every acquisition costs a look at each loop, not each task.
@@ -350,7 +349,7 @@ class _Tasks:
         self.sweep_closed_loops()  # their connections may hold what this one will wait for
         while True:
             with manager._guard:
-                link = self.idle.pop() if self.idle else None
+                link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
                 link = await _AsyncLink.connect_async(
                     manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
@@ -370,7 +369,7 @@ class _Tasks:
         with self.manager._guard:
             session.reported.clear()
             if link is not None and not session.dead and not link.broken():
-                self.idle.append(link)
+                self.manager._task_idle.append(link)
                 link = None
         session.dead = False
         if link is not None:
@@ -471,17 +470,9 @@ class _Tasks:
                 with self.manager._guard:
                     self.sessions.pop(task, None)
 
-    def close(self) -> None:
-        self.sweep_closed_loops()
-        with self.manager._guard:
-            idle, self.idle = self.idle, []
-        for link in idle:
-            link.close()
-
     def forget_parent_sessions(self) -> None:
         """In a forked child: the parent's tasks and connections are not the child's."""
-        links = [*self.idle, *(s.link for s in self.sessions.values() if s.link is not None)]
-        self.idle = []
+        links = [s.link for s in self.sessions.values() if s.link is not None]
         self.sessions = {}
         self.loops = weakref.WeakSet()
         for link in links:
@@ -499,7 +490,7 @@ class _Tasks:
         """``_PgEngine._ask`` on an idle connection of the tasks'."""
         manager = self.manager
         with manager._guard:
-            link = self.idle.pop() if self.idle else None
+            link = manager._task_idle.pop() if manager._task_idle else None
         if link is None or not link.idle():
             if link is not None:
                 link.close()
@@ -511,7 +502,7 @@ class _Tasks:
             link.close()
             raise
         with manager._guard:
-            self.idle.append(link)
+            manager._task_idle.append(link)
         return bool(result.get_value(0, 0) == b"t")
 
 
