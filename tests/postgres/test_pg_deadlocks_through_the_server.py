@@ -21,6 +21,8 @@ import pytest
 from conftest import PATIENCE, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
+from lockmgr.postgres._deadlock import LOOK_EVERY
+from pg_support import child, expect, finish
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -189,8 +191,8 @@ def test_a_chain_through_the_server_that_does_not_come_back_is_waited_out(
     looked = threading.Semaphore(0)
     look = postgres.PgLockManager._in_cycle_through_server
 
-    def counted_look(self: postgres.PgLockManager[Any]) -> bool:
-        found = look(self)
+    def counted_look(self: postgres.PgLockManager[Any], *args: Any) -> bool:
+        found = look(self, *args)
         looked.release()
         return found
 
@@ -239,3 +241,81 @@ def test_a_task_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
     other.let_go()
     assert c_waits.result() is True
     c.run(pg_locks.release_all)
+
+
+CYCLE_CHILD = """
+results = {}
+e_holds, e_go = threading.Event(), threading.Event()
+
+def thread_e():
+    locks.acquire("e")
+    e_holds.set()
+    e_go.wait()
+    results["e"] = locks.acquire("a", timeout=60)  # waits on the server for the parent's A
+    locks.release_all()
+
+e = threading.Thread(target=thread_e)
+e.start()
+e_holds.wait()
+locks.acquire("d")
+say(held=True)
+sys.stdin.readline()
+e_go.set()
+try:
+    results["d"] = locks.acquire("e", timeout=60)  # waits in process for E
+except DeadlockError:
+    results["d"] = "deadlock"
+locks.release_all()
+e.join()
+say(**results)
+"""
+
+
+def test_a_cycle_through_the_waits_in_process_of_two_processes_is_found(
+        engine, pg_locks, dsn, namespace, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """Here, A waits in process for C, which waits on the server for the child's D; there,
+    D waits in process for E, which waits on the server for A. Each process sees its own
+    waits in process only: the looks publish them on the server for the other's. A member
+    gets DeadlockError (each of the two waiters in process may), every wait ends, and
+    nothing stays held."""
+    process = child(dsn, namespace, CYCLE_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    expect(process, held=True)
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+
+    def take_then_give_back(worker_key: str) -> object:
+        try:
+            outcome: object = pg_locks.acquire(worker_key, timeout=60)
+        except DeadlockError:
+            outcome = "deadlock"
+        pg_locks.release_all()
+        return outcome
+
+    c_waits = c.submit(lambda: take_then_give_back("d"))
+    c_backend = holders_backend(pg_locks, "c")
+    wait_until(lambda: waiting_on_server(dsn, c_backend), "C waits on the server")
+    assert process.stdin is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
+    wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "E waits on the server")
+    started = time.monotonic()
+    a_waits = a.submit(lambda: take_then_give_back("c"))
+    said = expect(process)
+    ended = time.monotonic()
+    outcomes = {"A": a_waits.result(), "C": c_waits.result(), "D": said["d"], "E": said["e"]}
+    assert "deadlock" in (outcomes["A"], outcomes["D"]), outcomes
+    assert outcomes["C"] is True and outcomes["E"] is True, outcomes
+    # The first DeadlockError ended the cycle: the child, the last to finish, was done
+    # within the bound (the waiters' first looks publish their waits: half a second).
+    assert ended - started < deadlock_timeout + WITHIN + LOOK_EVERY + SLACK, outcomes
+    finish(process)
+
+
+def waits_for_key_on_server(dsn: str, manager: postgres.PgLockManager[Any], key: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                           " AND NOT granted AND objsubid = 1"
+                           " AND ((classid::bigint << 32) | objid::bigint) = %s)",
+                           (manager.advisory_key(key),)).fetchone()
+    return bool(row and row[0])

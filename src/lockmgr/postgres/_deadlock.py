@@ -7,24 +7,34 @@ thread. The in-process engine sees only the waits between this process's owners,
 PostgreSQL's detector only the waits of connections: neither sees the whole cycle, and
 without a timeout every member would wait for ever.
 
-So a thread that has waited in process for ``LOOK_EVERY`` seconds looks for that cycle (its
-wait check: ``lockmgr._owners.WAIT_CHECK``), and again every ``LOOK_EVERY`` seconds while it
-waits. One question to the server does it: from the connections of the owners the thread
-waits for (in process, directly or not), it follows ``pg_blocking_pids`` on the server and
-the in-process waits of this process (handed over as pairs of backend pids) to a fixed
-point, and asks whether a connection of the waiting thread is among those reached. A member
-of any such cycle that waits in process finds it within ``LOOK_EVERY`` seconds of the cycle
-closing, plus one round trip: the cycle's first in-process wait after a server wait that
-leads into this process has its thread's connection at the end of the path. The question
-is asked again to confirm (``SEEN_TWICE``).
+So a thread or task that has waited in process for ``LOOK_EVERY`` seconds looks for that
+cycle (its wait check: ``lockmgr._owners.WAIT_CHECK``, ``TASK_WAIT_CHECK``), and again every
+``LOOK_EVERY`` seconds while it waits. One round trip does it (``look_sql``), on a
+connection the wait borrows for its looks and closes when it ends:
 
-What this does not see: a cycle that goes through the in-process waits of *two* processes
-(each sees only its own), and an owner's wait in process of another engine than the PostgreSQL
-managers' (a plain ``LockManager``). Give such calls a timeout.
+- It *publishes* the waiter's own in-process waits, as pairs of backend pids (its
+  connections', those of the owners it waits for), for the looks of other processes: each
+  pair is a shared advisory lock of two int keys, ``(PUBLISHED + waiter's pid, the other
+  pid)``, held by that connection. The looks' connection closing takes them back.
+- It *asks*: from the connections of the owners the waiter waits for (in process, directly
+  or not), following ``pg_blocking_pids`` on the server, the in-process waits of this
+  process (handed over as pairs) and those every process published, to a fixed point, is a
+  connection of the waiter's own reached?
+
+A member of any such cycle that waits in process finds it within ``LOOK_EVERY`` seconds of
+the cycle closing and of the other processes' members having published their waits (their
+first look), plus a round trip: the cycle's first in-process wait after a server wait
+that leads into its process has its waiter's connection at the end of the path. The
+question is asked again to confirm (``SEEN_TWICE``).
+
+What this does not see: an owner's wait in process of another engine than the PostgreSQL
+managers' (a plain ``LockManager``), and the waits of a backend whose pid is not below
+``PUBLISHABLE_PIDS`` (Linux's highest). Give such calls a timeout.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +42,7 @@ from .._errors import DeadlockError
 
 if TYPE_CHECKING:
     from .._observe import KeyState
+    from ._link import _Link
 
 #: Seconds of waiting in process before a thread first looks for a cycle through the server,
 #: and between two looks (PostgreSQL's ``deadlock_timeout`` is 1 s by default).
@@ -46,7 +57,30 @@ LOOK_FOR = 1.0
 #: at once. A deadlock stays; such a picture does not come twice.
 SEEN_TWICE = 2
 
+#: The first of the two int advisory keys that publish a wait in process is this plus the
+#: waiter's backend pid (below ``PUBLISHABLE_PIDS``); lockmgr takes such keys shared only.
+PUBLISHED = 0x6C000000
+PUBLISHABLE_PIDS = 0x400000
+
 Owner = Hashable  # a thread's ident or an asyncio task, as ``snapshot()`` names them
+
+
+class Look:
+    """One wait's looks: what it waits for, when the next look is due, and the connection
+    that asks and publishes (borrowed at the first look; closed when the wait ends, which
+    takes back what it published)."""
+
+    __slots__ = ("due", "items", "link")
+
+    def __init__(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        self.items = items
+        self.due = time.monotonic() + LOOK_EVERY
+        self.link: _Link | None = None
+
+    def stop(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.close()
 
 
 def waits_in_process(states: Iterable[KeyState]) -> dict[Owner, set[Owner]]:
@@ -75,23 +109,34 @@ def reached(waits: dict[Owner, set[Owner]], start: Owner) -> set[Owner]:
     return seen
 
 
-def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
-                   backends: dict[Owner, set[int]]) -> str | None:
-    """The question whose answer is whether ``waiter`` is in a cycle through the server
-    (``backends``: each owner's connections' backend pids), or None when it cannot be: it
-    waits in process for no owner with a connection, or has none itself."""
+def look_sql(waiter: Owner, waits: dict[Owner, set[Owner]],
+             backends: dict[Owner, set[int]]) -> str | None:
+    """What one look sends (``backends``: each owner's connections' backend pids): the
+    waiter's waits published anew, and the question whose answer (the last result) is
+    whether it is in a cycle through the server. None when it cannot be (it waits in
+    process for no owner with a connection, or has none itself): nothing to publish."""
     mine = backends.get(waiter, set())
     start = {pid for owner in reached(waits, waiter) for pid in backends.get(owner, ())}
     if not mine or not start:
         return None
+    published = sorted((PUBLISHED + pid, other) for pid in mine if pid < PUBLISHABLE_PIDS
+                       for other in start)
+    publish = "SELECT pg_advisory_unlock_all();" + (
+        " SELECT pg_try_advisory_lock_shared(waiter, holder) FROM (VALUES "
+        + ", ".join(f"({int(p)}, {int(q)})" for p, q in published) + ") AS wait(waiter, holder);"
+        if published else "")
     # The in-process waits as pairs of connections: an owner without one passes the waits
     # of those it waits for on to its own waiters (``reached``).
     pairs = sorted({(pid, other) for owner, pids in backends.items() if owner in waits
                     for ahead in reached(waits, owner) for other in backends.get(ahead, ())
                     for pid in pids})
-    return (
-        "WITH RECURSIVE here(waiter, holder) AS ("
-        f"SELECT * FROM unnest({_ints(p for p, _ in pairs)}, {_ints(q for _, q in pairs)})),"
+    return publish + (
+        " WITH RECURSIVE here(waiter, holder) AS ("
+        f"SELECT * FROM unnest({_ints(p for p, _ in pairs)}, {_ints(q for _, q in pairs)})"
+        f" UNION SELECT (classid::bigint - {PUBLISHED})::int, objid::int FROM pg_locks"
+        " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
+        f" AND classid::bigint >= {PUBLISHED}"
+        f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}),"
         f" reach(pid) AS (SELECT unnest({_ints(sorted(start))}) UNION"
         " SELECT next FROM reach, LATERAL (SELECT unnest(pg_blocking_pids(reach.pid))"
         " UNION ALL SELECT holder FROM here WHERE here.waiter = reach.pid) AS step(next))"

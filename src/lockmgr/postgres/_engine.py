@@ -25,8 +25,9 @@ from ._deadlock import (
     LOOK_EVERY,
     LOOK_FOR,
     SEEN_TWICE,
-    cycle_question,
+    Look,
     deadlock_through_server,
+    look_sql,
     waits_in_process,
 )
 from ._fences import (
@@ -479,49 +480,53 @@ class _PgEngine(Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        look_at = [time.monotonic() + LOOK_EVERY]
+        look = Look(items)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
-        WAIT_CHECK.call = lambda: self._look_while_waiting(items, look_at)
+        WAIT_CHECK.call = lambda: self._look_while_waiting(look)
         try:
             return local_acquire(seconds)
         finally:
             WAIT_CHECK.call = previous
+            look.stop()
 
-    def _look_while_waiting(self, items: Sequence[tuple[Hashable, int]],
-                            look_at: list[float]) -> None:
-        """The calling thread's wait check while it waits in process for ``items``: a task
-        stranded on a closed loop gives back what it held (which may be what this thread
-        waits for), and every ``LOOK_EVERY`` seconds a cycle through the server ends the
-        wait with DeadlockError (``_deadlock``)."""
+    def _look_while_waiting(self, look: Look) -> None:
+        """The calling thread's wait check while it waits in process: a task stranded on a
+        closed loop gives back what it held (which may be what this thread waits for), and
+        every ``LOOK_EVERY`` seconds a cycle through the server ends the wait with
+        DeadlockError (``_deadlock``)."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()
         now = time.monotonic()
-        if now < look_at[0]:
+        if now < look.due:
             return
-        look_at[0] = now + LOOK_EVERY
-        if self._in_cycle_through_server():
-            raise deadlock_through_server(threading.get_ident(), items)
+        look.due = now + LOOK_EVERY
+        if self._in_cycle_through_server(look):
+            raise deadlock_through_server(threading.get_ident(), look.items)
 
-    def _in_cycle_through_server(self) -> bool:
+    def _in_cycle_through_server(self, look: Look) -> bool:
         """Whether the calling thread, waiting in process, is in a cycle through the
-        server: seen twice (``SEEN_TWICE``), each question answered within ``LOOK_FOR``
-        seconds or taken as no. Never on the thread's own connection, which holds its keys:
-        an interrupt there would lose them."""
+        server: seen twice (``SEEN_TWICE``), each look answered within ``LOOK_FOR``
+        seconds or taken as no. On a connection of the look's own, never the thread's,
+        which holds its keys: an interrupt there would lose them."""
         me = threading.get_ident()
         for _ in range(SEEN_TWICE):
-            question = self._cycle_question(me)
-            if question is None:
+            sql = self._look_sql(me)
+            if sql is None:
+                look.stop()  # what it published no longer holds
                 return False
             try:
-                if not self._ask(question, time.monotonic() + LOOK_FOR, own=False):
+                if look.link is None:
+                    look.link, _ = self._borrow(own=False)
+                if not _yes(look.link.run(sql, time.monotonic() + LOOK_FOR)):
                     return False
             except psycopg.Error:
-                return False  # unanswered: no cycle seen; the next look asks again
+                look.stop()  # unanswered: no cycle seen; the next look asks again
+                return False
         return True
 
-    def _cycle_question(self, owner: Hashable) -> str | None:
-        """``cycle_question`` for ``owner`` (a thread's ident or a task), from the waits in
+    def _look_sql(self, owner: Hashable) -> str | None:
+        """``look_sql`` for ``owner`` (a thread's ident or a task), from the waits in
         process and the connections of every PostgreSQL manager of this process."""
         waits: dict[Hashable, set[Hashable]] = {}
         backends: dict[Hashable, set[int]] = {}
@@ -532,7 +537,7 @@ class _PgEngine(Generic[K]):
                 waits.setdefault(waiter, set()).update(ahead)
             for holder, pid in manager._backends():
                 backends.setdefault(holder, set()).add(pid)
-        return cycle_question(owner, waits, backends)
+        return look_sql(owner, waits, backends)
 
     def _backends(self) -> list[tuple[Hashable, int]]:
         """(owner, backend pid) of each connection a thread or task of this manager has."""
@@ -809,5 +814,9 @@ class _PgEngine(Generic[K]):
         if borrowed:
             with self._guard:
                 self._idle.append(link)
-        return bool(result.get_value(0, 0) == b"t")
+        return _yes(result)
 
+
+def _yes(result: Any) -> bool:
+    """The answer of a yes-or-no question's result."""
+    return bool(result.get_value(0, 0) == b"t")

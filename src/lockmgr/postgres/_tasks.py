@@ -17,7 +17,7 @@ from .._args import READ, WRITE
 from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
-from ._deadlock import LOOK_EVERY, LOOK_FOR, SEEN_TWICE, deadlock_through_server
+from ._deadlock import LOOK_EVERY, LOOK_FOR, SEEN_TWICE, Look, deadlock_through_server
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
@@ -129,28 +129,37 @@ class _Tasks:
                                  local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
         """``local_acquire(seconds)``, looking around every ``LOOK_EVERY`` seconds while it
         waits (``look_while_waiting``)."""
-        check = TASK_WAIT_CHECK.set((LOOK_EVERY, lambda: self.look_while_waiting(items)))
+        look = Look(items)
+        check = TASK_WAIT_CHECK.set((LOOK_EVERY, lambda: self.look_while_waiting(look)))
         try:
             return await local_acquire(seconds)
         finally:
             TASK_WAIT_CHECK.reset(check)
+            look.stop()
 
-    async def look_while_waiting(self, items: Sequence[tuple[Hashable, int]]) -> None:
-        """The current task's wait check while it waits in process for ``items``: a task
-        stranded on a closed loop gives back what it held, and a cycle through the server
-        ends the wait with DeadlockError (``_deadlock``)."""
+    async def look_while_waiting(self, look: Look) -> None:
+        """The current task's wait check while it waits in process: a task stranded on a
+        closed loop gives back what it held, and a cycle through the server ends the wait
+        with DeadlockError (``_deadlock``)."""
         self.sweep_closed_loops()
         task = current_task_or_raise()
+        manager = self.manager
         for _ in range(SEEN_TWICE):  # (as a thread's look: _PgEngine._in_cycle_through_server)
-            question = self.manager._cycle_question(task)
-            if question is None:
+            sql = manager._look_sql(task)
+            if sql is None:
+                look.stop()
                 return
             try:
-                if not await self.ask(question, time.monotonic() + LOOK_FOR):
+                if look.link is None:
+                    look.link = await self.borrow()
+                result = await cast(_AsyncLink, look.link).run_async(
+                    sql, time.monotonic() + LOOK_FOR)
+                if result.get_value(0, 0) != b"t":
                     return
             except psycopg.Error:
-                return  # unanswered: no cycle seen; the next look asks again
-        raise deadlock_through_server(task, items)
+                look.stop()  # unanswered: no cycle seen; the next look asks again
+                return
+        raise deadlock_through_server(task, look.items)
 
     async def give(self, items: Sequence[tuple[Hashable, int]],
                    local_release: Callable[[], None]) -> None:
@@ -486,16 +495,22 @@ class _Tasks:
             f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
-    async def ask(self, question: str, deadline: float | bool = True) -> bool:
-        """``_PgEngine._ask`` on an idle connection of the tasks'."""
+    async def borrow(self) -> _AsyncLink:
+        """An idle connection of the tasks', or a new one."""
         manager = self.manager
         with manager._guard:
             link = manager._task_idle.pop() if manager._task_idle else None
-        if link is None or not link.idle():
-            if link is not None:
-                link.close()
-            link = await _AsyncLink.connect_async(
-                manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+        if link is not None and link.idle():
+            return link
+        if link is not None:
+            link.close()
+        return await _AsyncLink.connect_async(
+            manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+
+    async def ask(self, question: str, deadline: float | bool = True) -> bool:
+        """``_PgEngine._ask`` on an idle connection of the tasks'."""
+        manager = self.manager
+        link = await self.borrow()
         try:
             result = await link.run_async(question, deadline)
         except BaseException:
