@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from conftest import PATIENCE, wait_until
+from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
 from lockmgr.postgres._deadlock import LOOK_EVERY
@@ -99,6 +99,27 @@ def other(dsn: str, pg_locks: postgres.PgLockManager[Any]) -> Iterator[OtherProc
     process.conn.close()
 
 
+def c_waits_on_the_server(pg_locks: postgres.PgLockManager[Any], other: OtherProcess,
+                          c: Worker) -> Call:
+    """The server side of the cycle: the other process holds "b" and waits for "a"; C,
+    holding "c", waits on the server for "b"."""
+    other.hold("b")
+    other.wait_for("a")
+    c_waits = c.submit(lambda: pg_locks.acquire("b"))
+    c_backend = holders_backend(pg_locks, "c")
+    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    return c_waits
+
+
+def break_the_cycle(pg_locks: postgres.PgLockManager[Any], other: OtherProcess, a: Worker,
+                    c: Worker, c_waits: Call) -> None:
+    """A, refused, lets go of "a": the other process gets it and lets go of "b", C gets it."""
+    a.run(pg_locks.release_all)
+    other.let_go()
+    assert c_waits.result() is True
+    c.run(pg_locks.release_all)
+
+
 def test_a_thread_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
         pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
     """A holds "a"; C holds "c" and waits on the server for "b", which the other process
@@ -106,21 +127,14 @@ def test_a_thread_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
     a, c = workers("A"), workers("C")
     a.run(lambda: pg_locks.acquire("a"))
     c.run(lambda: pg_locks.acquire("c"))
-    other.hold("b")
-    other.wait_for("a")
-    c_waits = c.submit(lambda: pg_locks.acquire("b"))
-    c_backend = holders_backend(pg_locks, "c")
-    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    c_waits = c_waits_on_the_server(pg_locks, other, c)
     started = time.monotonic()
     with pytest.raises(DeadlockError, match="through PostgreSQL") as raised:
         a.run(lambda: pg_locks.acquire("c"))
     assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
     assert raised.value.cycle == [(a.thread.ident, "c")]
     assert not waits_in_process(pg_locks, "c")  # nothing of the refused call is queued
-    a.run(pg_locks.release_all)  # the way out: the other process gets "a"...
-    other.let_go()  # ... and gives back "b" with it
-    assert c_waits.result() is True
-    c.run(pg_locks.release_all)
+    break_the_cycle(pg_locks, other, a, c, c_waits)
 
 
 def test_a_thread_waiting_in_process_when_a_server_wait_closes_the_cycle_gets_deadlock_error(
@@ -132,20 +146,13 @@ def test_a_thread_waiting_in_process_when_a_server_wait_closes_the_cycle_gets_de
     c.run(lambda: pg_locks.acquire("c"))
     a_waits = a.submit(lambda: pg_locks.acquire("c"))
     wait_until(lambda: waits_in_process(pg_locks, "c"), "A waits in process")
-    other.hold("b")
-    other.wait_for("a")
-    c_waits = c.submit(lambda: pg_locks.acquire("b"))
-    c_backend = holders_backend(pg_locks, "c")
-    wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
+    c_waits = c_waits_on_the_server(pg_locks, other, c)
     started = time.monotonic()
     with pytest.raises(DeadlockError, match="through PostgreSQL"):
         a_waits.result()
     assert time.monotonic() - started < deadlock_timeout + WITHIN + SLACK
     assert not waits_in_process(pg_locks, "c")
-    a.run(pg_locks.release_all)
-    other.let_go()
-    assert c_waits.result() is True
-    c.run(pg_locks.release_all)
+    break_the_cycle(pg_locks, other, a, c, c_waits)
 
 
 def test_a_cycle_through_a_task_waiting_on_the_server_is_found_by_the_thread_waiting_for_it(

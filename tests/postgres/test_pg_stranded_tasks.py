@@ -14,6 +14,7 @@ import sys
 import warnings
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -95,26 +96,37 @@ def test_a_thread_acquiring_the_key_a_closed_loops_task_holds_gets_it(locks, dsn
     assert outcome == [True], outcome
 
 
-def test_a_thread_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes(
-        locks, workers) -> None:  # noqa: F811
-    """A thread that already waits in process when the holding task's loop is closed
-    sweeps, from inside that wait, within a slice of it: no other call to the manager."""
-    waiter = workers("waiter")
-    waiting = []
+def close_the_holders_loop_while_waiting(locks: Any, start_waiting: Callable[[], object],
+                                         waited: Callable[[], object]) -> None:
+    """A task holds "mine"; ``start_waiting()`` starts a wait for it in process, and its loop
+    is closed once that wait shows; ``waited()`` checks the wait's end (no other call to
+    the manager is made meanwhile)."""
 
-    def wait_for_the_key() -> None:
-        waiting.append(waiter.submit(lambda: locks.acquire("mine")))
+    def until_waiting() -> None:
+        start_waiting()
         wait_until(lambda: any(state.waiters for state in locks.snapshot()),
-                   "the thread waits in process")
+                   "the waiter waits in process")
 
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        stranded = strand_a_holder(locks, "mine", before_close=wait_for_the_key)
+        stranded = strand_a_holder(locks, "mine", before_close=until_waiting)
         try:
-            assert waiting[0].result() is True  # untimed: the sweep inside the wait woke it
+            waited()
         finally:
             del stranded
             quietly_collect()
+
+
+def test_a_thread_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes(
+        locks, workers) -> None:  # noqa: F811
+    """A thread that already waits in process when the holding task's loop is closed
+    sweeps, from inside that wait, within a slice of it."""
+    waiter = workers("waiter")
+    waiting = []
+    close_the_holders_loop_while_waiting(
+        locks, lambda: waiting.append(waiter.submit(lambda: locks.acquire("mine"))),
+        lambda: waiting[0].result())  # untimed: the sweep inside the wait woke it
+    assert waiting[0].result() is True
     waiter.run(lambda: locks.release("mine"))
 
 
@@ -130,20 +142,8 @@ def test_a_task_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes
 
     waiter = threading.Thread(
         target=lambda: asyncio.run(asyncio.wait_for(wait_for_the_key(), PATIENCE)))
-
-    def start_waiting() -> None:
-        waiter.start()
-        wait_until(lambda: any(state.waiters for state in locks.snapshot()),
-                   "the task waits in process")
-
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        stranded = strand_a_holder(locks, "mine", before_close=start_waiting)
-        try:
-            waiter.join(PATIENCE * 2)
-        finally:
-            del stranded
-            quietly_collect()
+    close_the_holders_loop_while_waiting(locks, waiter.start,
+                                         lambda: waiter.join(PATIENCE * 2))
     assert outcome == [True], outcome
 
 
