@@ -10,6 +10,7 @@ test's own): to the managers it is just that."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
 from lockmgr.postgres._deadlock import LOOK_EVERY
+from lockmgr.postgres._engine import _PgEngine
 from pg_support import child, expect, finish
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
@@ -195,15 +197,7 @@ def test_a_chain_through_the_server_that_does_not_come_back_is_waited_out(
     """A waits in process for C, which waits on the server for the other process, which
     waits for nothing of A's: A looks, again and again, finds no cycle, and gets "c" once
     the chain moves on."""
-    looked = threading.Semaphore(0)
-    look = postgres.PgLockManager._in_cycle_through_server
-
-    def counted_look(self: postgres.PgLockManager[Any], *args: Any) -> bool:
-        found = look(self, *args)
-        looked.release()
-        return found
-
-    monkeypatch.setattr(postgres.PgLockManager, "_in_cycle_through_server", counted_look)
+    looked = counting_looks(monkeypatch)
     a, c = workers("A"), workers("C")
     a.run(lambda: pg_locks.acquire("a"))
     c.run(lambda: pg_locks.acquire("c"))
@@ -326,3 +320,113 @@ def waits_for_key_on_server(dsn: str, manager: postgres.PgLockManager[Any], key:
                            " AND ((classid::bigint << 32) | objid::bigint) = %s)",
                            (manager.advisory_key(key),)).fetchone()
     return bool(row and row[0])
+
+
+def counting_looks(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """A semaphore released after each look of a waiting thread (its answer unchanged)."""
+    looked = threading.Semaphore(0)
+    look = postgres.PgLockManager._in_cycle_through_server
+
+    def counted_look(self: Any, *args: Any) -> bool:
+        found = look(self, *args)
+        looked.release()
+        return found
+
+    monkeypatch.setattr(postgres.PgLockManager, "_in_cycle_through_server", counted_look)
+    monkeypatch.setattr(postgres.PgRWLockManager, "_in_cycle_through_server", counted_look)
+    return looked
+
+
+def test_a_many_key_waiter_reading_a_key_beside_a_reader_does_not_wait_for_it(
+        engine, dsn, namespace, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """M waits in process (acquire_many) for "b", which X holds; it is queued on "a" too,
+    which R reads, as M reads it: M does not wait for R. R waits on the server for the
+    other process, which waits for "c" on M's connection: no cycle, and M looks again and
+    again without being refused, and gets both keys once X lets go."""
+    looked = counting_looks(monkeypatch)
+    locks: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(dsn, namespace=namespace)
+    other = OtherProcess(dsn, locks)  # type: ignore[arg-type]
+    x, r, m = workers("X"), workers("R"), workers("M")
+    try:
+        x.run(lambda: locks.acquire_write("b"))
+        other.hold("d")
+        r.run(lambda: locks.acquire_read("a"))
+        r_waits = r.submit(lambda: locks.acquire_write("d"))  # on the server, for the other
+        m.run(lambda: locks.acquire_write("c"))
+        other.wait_for("c")  # on M's connection
+        m_waits = m.submit(lambda: locks.acquire_many(reads=["a"], writes=["b"]))
+        for _ in range(3):  # three looks that asked the server
+            assert looked.acquire(timeout=PATIENCE)
+        assert not m_waits.done()
+        x.run(lambda: locks.release_write("b"))
+        assert m_waits.result() is True
+        m.run(locks.release_all)  # the other process gets "c"...
+        other.let_go()  # ... and lets "d" go to R
+        assert r_waits.result() is True
+        r.run(locks.release_all)
+    finally:
+        other.conn.close()
+        locks.close()
+
+
+def test_a_cycle_through_the_waiters_own_xact_lock_transaction_is_found(
+        pg_locks, dsn, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """A took "a" with xact_lock (its transaction still open) and waits in process for "c";
+    C holds "c" and waits on the server for "a": A's transaction's connection is A's too."""
+    conn = psycopg.connect(dsn)
+    a, c = workers("A"), workers("C")
+    try:
+        c.run(lambda: pg_locks.acquire("c"))
+
+        def a_takes_a_then_c() -> object:
+            with conn.transaction():
+                with pg_locks.xact_lock(conn, "a"):
+                    pass
+                c_waits.append(c.submit(lambda: pg_locks.acquire("a")))
+                c_backend = holders_backend(pg_locks, "c")
+                wait_until(lambda: waiting_on_server(dsn, c_backend), "C waits on the server")
+                started = time.monotonic()
+                with pytest.raises(DeadlockError, match="through PostgreSQL"):
+                    pg_locks.acquire("c")
+                return time.monotonic() - started
+
+        c_waits: list[Any] = []
+        assert a.run(a_takes_a_then_c) < deadlock_timeout + WITHIN + SLACK  # type: ignore[operator]
+        assert c_waits[0].result() is True  # committed: "a" went with the transaction
+        c.run(pg_locks.release_all)
+    finally:
+        conn.close()
+
+
+def test_a_manager_made_in_another_thread_meanwhile_leaves_a_waiters_looks_alone(
+        pg_locks, dsn, namespace, workers) -> None:  # type: ignore[no-untyped-def]
+    """A look walks every manager of the process: one being made in another thread, held
+    at the end of its construction, is either not there yet or whole."""
+    in_window, leave_window = threading.Event(), threading.Event()
+
+    def pause(frame: Any, event: str, arg: Any) -> Any:
+        if event == "return" and frame.f_code is _PgEngine.__init__.__code__:
+            in_window.set()
+            leave_window.wait(PATIENCE)
+        return pause
+
+    def make() -> None:
+        sys.settrace(pause)
+        try:
+            postgres.PgLockManager(dsn, namespace=namespace + "-other").close()
+        finally:
+            sys.settrace(None)
+
+    holder, waiter = workers("holder"), workers("waiter")
+    maker = threading.Thread(target=make)
+    try:
+        holder.run(lambda: pg_locks.acquire("k"))
+        waiter.run(lambda: pg_locks.acquire("j"))  # a connection: its looks ask the server
+        maker.start()
+        assert in_window.wait(PATIENCE)
+        assert waiter.run(lambda: pg_locks.acquire("k", timeout=1.2)) is False  # two looks
+    finally:
+        leave_window.set()
+        maker.join(PATIENCE)
+        holder.run(pg_locks.release_all)
+        waiter.run(pg_locks.release_all)

@@ -147,6 +147,34 @@ def test_a_task_already_waiting_for_the_key_gets_it_when_the_holders_loop_closes
     assert outcome == [True], outcome
 
 
+def test_a_task_stranded_while_waiting_in_process_and_collected_later_raises_nothing(
+        locks) -> None:  # noqa: F811
+    """Its coroutine is closed by the collector, in another context than the task's: the
+    wait's clean-up there must let GeneratorExit through, raising nothing of its own."""
+    async def holder(holding: asyncio.Event) -> None:
+        await locks.aio.acquire("k")
+        holding.set()
+        await asyncio.sleep(3600)
+
+    async def start() -> list[asyncio.Future[Any]]:
+        holding = asyncio.Event()
+        tasks = [asyncio.ensure_future(holder(holding))]
+        await holding.wait()
+        tasks.append(asyncio.ensure_future(locks.aio.acquire("k")))
+        await until(lambda: any(state.waiters for state in locks.snapshot()),
+                    "the second task waits in process")
+        return tasks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (AbandonedLockWarning: the sweep's)
+        loop = asyncio.new_event_loop()
+        tasks = loop.run_until_complete(start())
+        loop.close()  # both stranded
+        assert locks.lost_keys() == set()  # swept: ended in process, connections closed
+        del tasks, loop
+        assert quietly_collect() == []
+
+
 # -- 2. a coroutine closed in its clean-up's wait releases another task's key in process --------
 
 

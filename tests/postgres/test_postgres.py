@@ -558,6 +558,30 @@ def test_a_task_and_xact_lock_of_one_key_refuse_each_other_at_once(
         rw.close()
 
 
+def test_xact_lock_taken_in_a_task_refuses_its_threads_session_lock(
+        engine, dsn, namespace) -> None:
+    """In one thread, inside one transaction: a task (asyncio.run) takes "k" with
+    xact_lock, and then the thread asks for "k" with a session lock, which would wait for
+    its own transaction. DeadlockError at once, the task ended or not."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    conn = psycopg.connect(dsn)
+
+    async def step() -> None:
+        with locks.xact_lock(conn, "k"):
+            pass
+
+    try:
+        with conn.transaction():
+            asyncio.run(step())
+            with pytest.raises(DeadlockError, match="calling thread holds .* xact_lock"):
+                locks.acquire("k", timeout=PATIENCE)
+        assert locks.acquire("k", timeout=0)  # committed: nothing in the way
+        locks.release("k")
+    finally:
+        conn.close()
+        locks.close()
+
+
 def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> None:
     from lockmgr import bench
 

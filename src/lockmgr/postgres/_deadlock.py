@@ -85,14 +85,16 @@ class Look:
 
 def waits_in_process(states: Iterable[KeyState]) -> dict[Owner, set[Owner]]:
     """Who waits for whom in process, from engines' ``snapshot()``: a waiter waits for the
-    key's holders and for the requests queued ahead of it (they are served first)."""
+    key's holders and for the requests queued ahead of it (they are served first), those
+    whose mode conflicts with its own (a read waits for no read)."""
     waits: dict[Owner, set[Owner]] = {}
     for state in states:
-        ahead = [holder.owner for holder in state.holders]
+        ahead = [(holder.owner, holder.mode) for holder in state.holders]
         for waiter in state.waiters:
             waits.setdefault(waiter.owner, set()).update(
-                owner for owner in ahead if owner != waiter.owner)
-            ahead.append(waiter.owner)
+                owner for owner, mode in ahead
+                if owner != waiter.owner and "write" in (mode, waiter.mode))
+            ahead.append((waiter.owner, waiter.mode))
     return waits
 
 

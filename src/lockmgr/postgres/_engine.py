@@ -72,14 +72,31 @@ K = TypeVar("K", bound=Hashable)
 _Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
 
 
-_MANAGERS: weakref.WeakSet[_PgEngine[Any]] = weakref.WeakSet()
-# Held to add to _MANAGERS and to copy it: a WeakSet defers the removals of collected
-# managers while it is iterated, but not another thread's add (free-threaded builds).
+# Every PostgreSQL manager of the process, made whole (its at-fork hook and the looks for
+# deadlocks through the server walk them), by weak reference: a list changed and read under
+# _MANAGERS_LOCK only. No callback changes it (a WeakSet's removal callbacks run in
+# whichever thread drops a manager, and race a copy on a free-threaded build); references
+# to collected managers go at the next add or read.
+_MANAGERS: list[weakref.ref[_PgEngine[Any]]] = []
 _MANAGERS_LOCK = threading.Lock()
 
 
+def _live_managers() -> list[_PgEngine[Any]]:
+    with _MANAGERS_LOCK:
+        found = [(ref, ref()) for ref in _MANAGERS]
+        _MANAGERS[:] = [ref for ref, manager in found if manager is not None]
+    return [manager for _, manager in found if manager is not None]
+
+
+def _register(manager: _PgEngine[Any]) -> None:
+    with _MANAGERS_LOCK:
+        _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None] + [weakref.ref(manager)]
+
+
 def _forget_parent_sessions() -> None:
-    for manager in list(_MANAGERS):
+    global _MANAGERS_LOCK
+    _MANAGERS_LOCK = threading.Lock()  # another thread of the parent may have held it
+    for manager in _live_managers():
         manager._forget_parent_sessions()
 
 
@@ -95,6 +112,7 @@ class _PgEngine(Generic[K]):
     def __init__(
         self,
         dsn: str,
+        engine: Engine,
         *,
         namespace: str = "",
         on_lost: Callable[[list[Hashable]], None] | None = None,
@@ -103,6 +121,7 @@ class _PgEngine(Generic[K]):
         fence_table: str = DEFAULT_FENCE_TABLE,
     ) -> None:
         self._dsn = dsn
+        self._engine = engine
         self._namespace = namespace
         self._fencing = fencing
         self._fence_table = _FenceTable(fence_table)
@@ -125,8 +144,7 @@ class _PgEngine(Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
-        with _MANAGERS_LOCK:
-            _MANAGERS.add(self)
+        _register(self)  # last: a look may use it from now on
 
     def __repr__(self) -> str:
         return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
@@ -371,32 +389,27 @@ class _PgEngine(Generic[K]):
 
     def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
                         started: datetime.datetime) -> None:
-        """Remember, for the calling thread or task, an xact_lock taken in ``conn``'s
-        transaction that ``started`` (``_xact_conflicts``). Records of ended transactions
-        go: the list holds at most the keys of the transactions still open."""
-        task = current_task_or_none()
-        if task is None:
-            records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
-            if records is None:
-                records = self._local.xact_locks = []
-        else:
-            with self._guard:  # (the tasks of every loop share it)
-                records = self._task_xact_locks.setdefault(task, [])
+        """Remember an xact_lock taken in ``conn``'s transaction that ``started``
+        (``_xact_conflicts``), for the calling thread, and for the calling task if any:
+        the thread blocked in a session lock would wait for that transaction whichever
+        of its tasks took it, a task only for its own. Records of ended transactions go:
+        a list holds at most the keys of the transactions still open."""
         record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
-        records[:] = [kept for kept in records if kept.may_hold() and kept != record
-                      and (kept.conn() is not conn or kept.started == started)]
-        records.append(record)
+        thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
+        if thread_records is None:
+            thread_records = self._local.xact_locks = []
+        _keep_open(thread_records, record)
+        task = current_task_or_none()
+        if task is not None:
+            with self._guard:  # (the tasks of every loop share it)
+                task_records = self._task_xact_locks.setdefault(task, [])
+            _keep_open(task_records, record)
 
     def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
         """The other order of ``_refuse_own_session_lock``, for the calling thread: the
         server says whether a transaction it took one of ``items`` in with xact_lock still
         holds it (one round trip, only for such a key; ``_xact_conflicts``)."""
         records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
-        if self._task_xact_locks:  # a thread's call from inside a task blocks that task too
-            task = current_task_or_none()
-            if task is not None:
-                with self._guard:
-                    records = [*(records or ()), *self._task_xact_locks.get(task, ())]
         for key, record in self._xact_conflicts(records, items):
             if self._ask(_xact_question(record)):
                 raise _xact_deadlock(threading.get_ident(), key)
@@ -526,18 +539,30 @@ class _PgEngine(Generic[K]):
         return True
 
     def _look_sql(self, owner: Hashable) -> str | None:
-        """``look_sql`` for ``owner`` (a thread's ident or a task), from the waits in
-        process and the connections of every PostgreSQL manager of this process."""
+        """``look_sql`` for ``owner`` (the calling thread's ident or task), from the waits in
+        process and the connections of every PostgreSQL manager of this process on this
+        manager's server, and the owner's xact_lock transactions."""
         waits: dict[Hashable, set[Hashable]] = {}
         backends: dict[Hashable, set[int]] = {}
-        with _MANAGERS_LOCK:
-            managers = list(_MANAGERS)
-        for manager in managers:
+        for manager in _live_managers():
+            if manager._dsn != self._dsn:
+                continue  # (another server's backend pids are not this one's)
             for waiter, ahead in waits_in_process(manager._engine.snapshot()).items():
                 waits.setdefault(waiter, set()).update(ahead)
             for holder, pid in manager._backends():
                 backends.setdefault(holder, set()).add(pid)
+            backends.setdefault(owner, set()).update(manager._xact_backends(owner))
         return look_sql(owner, waits, backends)
+
+    def _xact_backends(self, owner: Hashable) -> list[int]:
+        """The backend pids of the transactions still open in which ``owner``, the calling
+        thread (its ident) or task, took keys with xact_lock: its locks too."""
+        if isinstance(owner, int):
+            records: list[_XactLock] = getattr(self._local, "xact_locks", None) or []
+        else:
+            with self._guard:
+                records = list(self._task_xact_locks.get(owner, ()))
+        return [record.backend_pid for record in records if record.may_hold()]
 
     def _backends(self) -> list[tuple[Hashable, int]]:
         """(owner, backend pid) of each connection a thread or task of this manager has."""
@@ -820,3 +845,12 @@ class _PgEngine(Generic[K]):
 def _yes(result: Any) -> bool:
     """The answer of a yes-or-no question's result."""
     return bool(result.get_value(0, 0) == b"t")
+
+
+def _keep_open(records: list[_XactLock], record: _XactLock) -> None:
+    """Add ``record`` to ``records``, dropping those of ended transactions and of earlier
+    transactions on its connection."""
+    conn = record.conn()
+    records[:] = [kept for kept in records if kept.may_hold() and kept != record
+                  and (kept.conn() is not conn or kept.started == record.started)]
+    records.append(record)

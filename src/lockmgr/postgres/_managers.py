@@ -36,10 +36,9 @@ class PgLockManager(_PgEngine[K]):
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
-        super().__init__(dsn, namespace=namespace, on_lost=on_lost,
+        super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
                          fence_table=fence_table)
-        self._engine = engine
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
@@ -142,10 +141,9 @@ class PgRWLockManager(_PgEngine[K]):
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
-        super().__init__(dsn, namespace=namespace, on_lost=on_lost,
+        super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
                          fence_table=fence_table)
-        self._engine = engine
 
     @property
     def aio(self) -> PgAsyncRWLockManager[K]:

@@ -134,7 +134,10 @@ class _Tasks:
         try:
             return await local_acquire(seconds)
         finally:
-            TASK_WAIT_CHECK.reset(check)
+            try:
+                TASK_WAIT_CHECK.reset(check)
+            except ValueError:
+                pass  # the collector closed the coroutine in another context: ours is gone
             look.stop()
 
     async def look_while_waiting(self, look: Look) -> None:
