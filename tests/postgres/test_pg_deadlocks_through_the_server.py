@@ -22,7 +22,7 @@ import pytest
 from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
-from lockmgr.postgres._deadlock import LOOK_EVERY
+from lockmgr.postgres._deadlock import LOOK_EVERY, connections_of
 from lockmgr.postgres._engine import _PgEngine
 from pg_support import child, expect, finish
 
@@ -75,7 +75,7 @@ def holders_backend(manager: postgres.PgLockManager[Any], key: str) -> int:
     """The backend pid of the connection of the owner holding ``key`` in process."""
     owners = {holder.owner for state in manager.snapshot() if state.key == key
               for holder in state.holders}
-    backends = [pid for owner, pid in manager._backends() if owner in owners]
+    backends = [pid for owner, pid in connections_of(manager) if owner in owners]
     assert len(backends) == 1, (owners, backends)
     return backends[0]
 

@@ -34,15 +34,19 @@ managers' (a plain ``LockManager``), and the waits of a backend whose pid is not
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import DeadlockError
 
 if TYPE_CHECKING:
     from .._observe import KeyState
+    from ._engine import _PgEngine
     from ._link import _Link
+    from ._session import _XactLock
 
 #: Seconds of waiting in process before a thread first looks for a cycle through the server,
 #: and between two looks (PostgreSQL's ``deadlock_timeout`` is 1 s by default).
@@ -157,3 +161,75 @@ def deadlock_through_server(owner: Owner, items: Sequence[tuple[Hashable, int]])
         f"waiting for {what} would deadlock through PostgreSQL: an owner of this process"
         " that this one waits for waits, on the server or through others, for a lock this"
         " one holds", [(owner, keys[0])])
+
+
+# -- the managers of this process --------------------------------------------------------------
+
+# Every PostgreSQL manager of the process, made whole (the looks and the at-fork hook walk
+# them), by weak reference: a list changed and read under _MANAGERS_LOCK only. No callback
+# changes it (a WeakSet's removal callbacks run in whichever thread drops a manager, and
+# race a copy on a free-threaded build); references to collected managers go at the next
+# add or read.
+_MANAGERS: list[weakref.ref[_PgEngine[Any]]] = []
+_MANAGERS_LOCK = threading.Lock()
+
+
+def live_managers() -> list[_PgEngine[Any]]:
+    with _MANAGERS_LOCK:
+        found = [(ref, ref()) for ref in _MANAGERS]
+        _MANAGERS[:] = [ref for ref, manager in found if manager is not None]
+    return [manager for _, manager in found if manager is not None]
+
+
+def register(manager: _PgEngine[Any]) -> None:
+    with _MANAGERS_LOCK:
+        _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None] + [weakref.ref(manager)]
+
+
+def managers_after_fork() -> list[_PgEngine[Any]]:
+    """In a forked child: the managers, with the lock made anew (another thread of the
+    parent may have held it)."""
+    global _MANAGERS_LOCK
+    _MANAGERS_LOCK = threading.Lock()
+    return live_managers()
+
+
+def process_look_sql(manager: _PgEngine[Any], owner: Owner) -> str | None:
+    """``look_sql`` for ``owner`` (the calling thread's ident or task), from the waits in
+    process and the connections of every PostgreSQL manager of this process on
+    ``manager``'s server, and the owner's xact_lock transactions."""
+    waits: dict[Owner, set[Owner]] = {}
+    backends: dict[Owner, set[int]] = {}
+    for other in live_managers():
+        if other._dsn != manager._dsn:
+            continue  # (another server's backend pids are not this one's)
+        for waiter, ahead in waits_in_process(other._engine.snapshot()).items():
+            waits.setdefault(waiter, set()).update(ahead)
+        for holder, pid in connections_of(other):
+            backends.setdefault(holder, set()).add(pid)
+        backends.setdefault(owner, set()).update(xact_backends(other, owner))
+    return look_sql(owner, waits, backends)
+
+
+def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int]]:
+    """(owner, backend pid) of each connection a thread or task of ``manager`` has."""
+    with manager._guard:
+        pairs: list[tuple[Owner, int]] = [
+            (session.ident, session.link.backend)
+            for session in manager._sessions if session.link is not None]
+        tasks = manager._tasks
+        if tasks is not None:
+            pairs += [(task, session.link.backend)
+                      for task, session in tasks.sessions.items() if session.link is not None]
+    return pairs
+
+
+def xact_backends(manager: _PgEngine[Any], owner: Owner) -> list[int]:
+    """The backend pids of the transactions still open in which ``owner``, the calling
+    thread (its ident) or task, took keys with ``manager``'s xact_lock: its locks too."""
+    if isinstance(owner, int):
+        records: list[_XactLock] = getattr(manager._local, "xact_locks", None) or []
+    else:
+        with manager._guard:
+            records = list(manager._task_xact_locks.get(owner, ()))
+    return [record.backend_pid for record in records if record.may_hold()]

@@ -27,8 +27,9 @@ from ._deadlock import (
     SEEN_TWICE,
     Look,
     deadlock_through_server,
-    look_sql,
-    waits_in_process,
+    managers_after_fork,
+    process_look_sql,
+    register,
 )
 from ._fences import (
     DEFAULT_FENCE_TABLE,
@@ -51,6 +52,7 @@ from ._session import (
     _ThreadEnd,
     _XactLock,
     _holding,
+    _keep_open,
     _lost_error,
     _owner_kind,
     _xact_deadlock,
@@ -72,31 +74,8 @@ K = TypeVar("K", bound=Hashable)
 _Manager = TypeVar("_Manager", bound="_PgEngine[Any]")
 
 
-# Every PostgreSQL manager of the process, made whole (its at-fork hook and the looks for
-# deadlocks through the server walk them), by weak reference: a list changed and read under
-# _MANAGERS_LOCK only. No callback changes it (a WeakSet's removal callbacks run in
-# whichever thread drops a manager, and race a copy on a free-threaded build); references
-# to collected managers go at the next add or read.
-_MANAGERS: list[weakref.ref[_PgEngine[Any]]] = []
-_MANAGERS_LOCK = threading.Lock()
-
-
-def _live_managers() -> list[_PgEngine[Any]]:
-    with _MANAGERS_LOCK:
-        found = [(ref, ref()) for ref in _MANAGERS]
-        _MANAGERS[:] = [ref for ref, manager in found if manager is not None]
-    return [manager for _, manager in found if manager is not None]
-
-
-def _register(manager: _PgEngine[Any]) -> None:
-    with _MANAGERS_LOCK:
-        _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None] + [weakref.ref(manager)]
-
-
 def _forget_parent_sessions() -> None:
-    global _MANAGERS_LOCK
-    _MANAGERS_LOCK = threading.Lock()  # another thread of the parent may have held it
-    for manager in _live_managers():
+    for manager in managers_after_fork():
         manager._forget_parent_sessions()
 
 
@@ -144,7 +123,7 @@ class _PgEngine(Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
-        _register(self)  # last: a look may use it from now on
+        register(self)  # last: a look may use it from now on
 
     def __repr__(self) -> str:
         return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
@@ -524,7 +503,7 @@ class _PgEngine(Generic[K]):
         which holds its keys: an interrupt there would lose them."""
         me = threading.get_ident()
         for _ in range(SEEN_TWICE):
-            sql = self._look_sql(me)
+            sql = process_look_sql(self, me)
             if sql is None:
                 look.stop()  # what it published no longer holds
                 return False
@@ -537,45 +516,6 @@ class _PgEngine(Generic[K]):
                 look.stop()  # unanswered: no cycle seen; the next look asks again
                 return False
         return True
-
-    def _look_sql(self, owner: Hashable) -> str | None:
-        """``look_sql`` for ``owner`` (the calling thread's ident or task), from the waits in
-        process and the connections of every PostgreSQL manager of this process on this
-        manager's server, and the owner's xact_lock transactions."""
-        waits: dict[Hashable, set[Hashable]] = {}
-        backends: dict[Hashable, set[int]] = {}
-        for manager in _live_managers():
-            if manager._dsn != self._dsn:
-                continue  # (another server's backend pids are not this one's)
-            for waiter, ahead in waits_in_process(manager._engine.snapshot()).items():
-                waits.setdefault(waiter, set()).update(ahead)
-            for holder, pid in manager._backends():
-                backends.setdefault(holder, set()).add(pid)
-            backends.setdefault(owner, set()).update(manager._xact_backends(owner))
-        return look_sql(owner, waits, backends)
-
-    def _xact_backends(self, owner: Hashable) -> list[int]:
-        """The backend pids of the transactions still open in which ``owner``, the calling
-        thread (its ident) or task, took keys with xact_lock: its locks too."""
-        if isinstance(owner, int):
-            records: list[_XactLock] = getattr(self._local, "xact_locks", None) or []
-        else:
-            with self._guard:
-                records = list(self._task_xact_locks.get(owner, ()))
-        return [record.backend_pid for record in records if record.may_hold()]
-
-    def _backends(self) -> list[tuple[Hashable, int]]:
-        """(owner, backend pid) of each connection a thread or task of this manager has."""
-        with self._guard:
-            pairs: list[tuple[Hashable, int]] = [
-                (session.ident, session.link.backend)
-                for session in self._sessions if session.link is not None]
-            tasks = self._tasks
-            if tasks is not None:
-                pairs += [(task, session.link.backend)
-                          for task, session in tasks.sessions.items()
-                          if session.link is not None]
-        return pairs
 
     def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
         """Whether the in-process engine holds every one of ``items`` for the calling
@@ -845,12 +785,3 @@ class _PgEngine(Generic[K]):
 def _yes(result: Any) -> bool:
     """The answer of a yes-or-no question's result."""
     return bool(result.get_value(0, 0) == b"t")
-
-
-def _keep_open(records: list[_XactLock], record: _XactLock) -> None:
-    """Add ``record`` to ``records``, dropping those of ended transactions and of earlier
-    transactions on its connection."""
-    conn = record.conn()
-    records[:] = [kept for kept in records if kept.may_hold() and kept != record
-                  and (kept.conn() is not conn or kept.started == record.started)]
-    records.append(record)

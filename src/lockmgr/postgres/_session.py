@@ -173,6 +173,15 @@ def _xact_question(record: _XactLock) -> str:
             f" '{record.started.isoformat()}'::timestamptz))")
 
 
+def _keep_open(records: list[_XactLock], record: _XactLock) -> None:
+    """Add ``record`` to ``records``, dropping those of ended transactions and of earlier
+    transactions on its connection."""
+    conn = record.conn()
+    records[:] = [kept for kept in records if kept.may_hold() and kept != record
+                  and (kept.conn() is not conn or kept.started == record.started)]
+    records.append(record)
+
+
 def _owner_kind(owner: Hashable) -> str:
     """What ``owner`` is: a "thread" (its ident) or a "task"."""
     return "thread" if isinstance(owner, int) else "task"

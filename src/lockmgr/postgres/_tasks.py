@@ -17,7 +17,14 @@ from .._args import READ, WRITE
 from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
-from ._deadlock import LOOK_EVERY, LOOK_FOR, SEEN_TWICE, Look, deadlock_through_server
+from ._deadlock import (
+    LOOK_EVERY,
+    LOOK_FOR,
+    SEEN_TWICE,
+    Look,
+    deadlock_through_server,
+    process_look_sql,
+)
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
@@ -148,7 +155,7 @@ class _Tasks:
         task = current_task_or_raise()
         manager = self.manager
         for _ in range(SEEN_TWICE):  # (as a thread's look: _PgEngine._in_cycle_through_server)
-            sql = manager._look_sql(task)
+            sql = process_look_sql(manager, task)
             if sql is None:
                 look.stop()
                 return
