@@ -75,7 +75,7 @@ def holders_backend(manager: postgres.PgLockManager[Any], key: str) -> int:
     """The backend pid of the connection of the owner holding ``key`` in process."""
     owners = {holder.owner for state in manager.snapshot() if state.key == key
               for holder in state.holders}
-    backends = [pid for owner, pid in connections_of(manager) if owner in owners]
+    backends = [pid for owner, pid, _ in connections_of(manager) if owner in owners]
     assert len(backends) == 1, (owners, backends)
     return backends[0]
 
@@ -430,3 +430,107 @@ def test_a_manager_made_in_another_thread_meanwhile_leaves_a_waiters_looks_alone
         maker.join(PATIENCE)
         holder.run(pg_locks.release_all)
         waiter.run(pg_locks.release_all)
+
+
+def outcome_of(manager: postgres.PgLockManager[Any], key: str) -> object:
+    """Take ``key`` (for a while at most), give everything back: True, False or the error."""
+    try:
+        outcome: object = manager.acquire(key, timeout=PATIENCE)
+    except DeadlockError as error:
+        outcome = error
+    manager.release_all()
+    return outcome
+
+
+def test_a_publication_that_no_longer_holds_makes_no_cycle(
+        pg_locks, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """W waits in process for "k", held by H1 with H2 queued ahead: its look publishes
+    (W's connection, H1's) and (W's, H2's). H1 lets "k" go to H2 and then waits in process
+    for V, which waits in process for W ("x"). The waits are V -> W -> H2 and H1 -> V: no
+    cycle, and all of them get their keys once H2 lets go. But until W looks again its
+    publication still says W waits for H1: V's looks (and H1's) follow it back to V.
+    W's next look is held back here, as a loaded machine's late look would be."""
+    h1, h2, w, v = workers("H1"), workers("H2"), workers("W"), workers("V")
+    looks: dict[int | None, int] = {}
+    looked = threading.Condition()
+    hold_w, let_w_go = threading.Event(), threading.Event()
+    look = _PgEngine._in_cycle_through_server
+
+    def counted_look(self: Any, *args: Any) -> bool:
+        if threading.get_ident() == w.thread.ident and hold_w.is_set():
+            let_w_go.wait(PATIENCE)
+        found = look(self, *args)
+        with looked:
+            looks[threading.get_ident()] = looks.get(threading.get_ident(), 0) + 1
+            looked.notify_all()
+        return found
+
+    def looked_times(worker: Any, times: int) -> None:
+        with looked:
+            assert looked.wait_for(lambda: looks.get(worker.thread.ident, 0) >= times, PATIENCE)
+
+    monkeypatch.setattr(postgres.PgLockManager, "_in_cycle_through_server", counted_look)
+    h2_lets_go = threading.Event()
+
+    def h2_takes_k() -> object:
+        outcome = pg_locks.acquire("k", timeout=PATIENCE)
+        h2_lets_go.wait(PATIENCE)
+        pg_locks.release_all()
+        return outcome
+
+    try:
+        h1.run(lambda: pg_locks.acquire("h1"))  # (a connection that stays its)
+        h1.run(lambda: pg_locks.acquire("k"))
+        h2.run(lambda: pg_locks.acquire("h2"))
+        h2_waits = h2.submit(h2_takes_k)
+        wait_until(lambda: waits_in_process(pg_locks, "k"), "H2 waits in process")
+        w.run(lambda: pg_locks.acquire("x"))
+        w_waits = w.submit(lambda: outcome_of(pg_locks, "k"))
+        looked_times(w, 1)  # W published that it waits for H1 and H2
+        hold_w.set()
+        v.run(lambda: pg_locks.acquire("v"))
+        v_waits = v.submit(lambda: outcome_of(pg_locks, "x"))
+        h1.run(lambda: pg_locks.release("k"))  # H2 gets "k"
+        h1_waits = h1.submit(lambda: outcome_of(pg_locks, "v"))
+        wait_until(lambda: any(state.key == "v" and state.waiters
+                               for state in pg_locks.snapshot()), "H1 waits in process for V")
+        wait_until(lambda: looks.get(v.thread.ident, 0) >= 2 or v_waits.done(),
+                   "V looked twice, or its wait ended")
+    finally:
+        let_w_go.set()
+        h2_lets_go.set()
+    outcomes = {"W": w_waits.result(), "V": v_waits.result(), "H1": h1_waits.result()}
+    assert h2_waits.result() is True
+    assert outcomes == {"W": True, "V": True, "H1": True}, outcomes
+
+
+def test_a_cycle_through_a_manager_of_the_same_server_under_another_dsn_is_found(
+        pg_locks, other, dsn, namespace, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+    """The first cycle of this module, C's wait on the server made through a second
+    manager of the same namespace on the same server, whose DSN names an
+    application_name: the same server, the same locks, the same cycle."""
+    spelled_otherwise: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn + "?application_name=another-spelling", namespace=namespace)
+    a, c = workers("A"), workers("C")
+    try:
+        a.run(lambda: pg_locks.acquire("a"))
+        c.run(lambda: pg_locks.acquire("c"))
+        other.hold("b")
+        other.wait_for("a")
+        c_waits = c.submit(lambda: spelled_otherwise.acquire("b"))
+        wait_until(lambda: any(
+            waiting_on_server(dsn, pid) for _, pid, _ in connections_of(spelled_otherwise)),
+            "C waits on the server")
+        try:
+            outcome: object = a.run(lambda: pg_locks.acquire(
+                "c", timeout=deadlock_timeout + WITHIN + SLACK))
+        except DeadlockError as error:
+            outcome = error
+        a.run(pg_locks.release_all)
+        other.let_go()
+        assert c_waits.result() is True
+        c.run(spelled_otherwise.release_all)
+        c.run(pg_locks.release_all)
+        assert isinstance(outcome, DeadlockError), outcome
+    finally:
+        spelled_otherwise.close()

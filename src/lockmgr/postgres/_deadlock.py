@@ -24,8 +24,8 @@ connection the wait borrows for its looks and closes when it ends:
 A member of any such cycle that waits in process finds it within ``LOOK_EVERY`` seconds of
 the cycle closing and of the other processes' members having published their waits (their
 first look), plus a round trip: the cycle's first in-process wait after a server wait
-that leads into its process has its waiter's connection at the end of the path. The
-question is asked again to confirm (``SEEN_TWICE``).
+that leads into its process has its waiter's connection at the end of the path. The next
+look confirms it (``Look``).
 
 What this does not see: an owner's wait in process of another engine than the PostgreSQL
 managers' (a plain ``LockManager``), and the waits of a backend whose pid is not below
@@ -39,6 +39,8 @@ import time
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import psycopg
 
 from .._errors import DeadlockError
 
@@ -55,11 +57,6 @@ LOOK_EVERY = 0.5
 #: Seconds one question may take before the wait goes on without its answer.
 LOOK_FOR = 1.0
 
-#: How many questions in a row must find the cycle. Each one puts together the waits in
-#: process as they were a moment before it and the server's as they are: an owner of this
-#: process that moved on in between could make a cycle of waits that never were all there
-#: at once. A deadlock stays; such a picture does not come twice.
-SEEN_TWICE = 2
 
 #: The first of the two int advisory keys that publish a wait in process is this plus the
 #: waiter's backend pid (below ``PUBLISHABLE_PIDS``); lockmgr takes such keys shared only.
@@ -70,83 +67,183 @@ Owner = Hashable  # a thread's ident or an asyncio task, as ``snapshot()`` names
 
 
 class Look:
-    """One wait's looks: what it waits for, when the next look is due, and the connection
-    that asks and publishes (borrowed at the first look; closed when the wait ends, which
-    takes back what it published)."""
+    """One wait's looks: what it waits for, when the next look is due, whether the last
+    one found a cycle, and whether it published its waits (through its manager's
+    ``Lookout``, which takes them back when the wait ends: ``stop``).
 
-    __slots__ = ("due", "items", "link")
+    A cycle must be found by two looks in a row, ``LOOK_EVERY`` apart. A look puts together
+    the waits of this process of a moment before and the server's as they are, and other
+    processes' as they published them, up to a look old: waits that moved on meanwhile
+    could make a cycle that was never all there at once. A deadlock stays; by the next
+    look every waiter of it has published again."""
+
+    __slots__ = ("due", "found", "items", "published")
 
     def __init__(self, items: Sequence[tuple[Hashable, int]]) -> None:
         self.items = items
         self.due = time.monotonic() + LOOK_EVERY
-        self.link: _Link | None = None
+        self.found = False
+        self.published: tuple[Lookout, Owner] | None = None
+
+    def confirms(self, found: bool) -> bool:
+        """Whether this look's answer, ``found``, confirms the last one's: a deadlock."""
+        confirmed, self.found = found and self.found, found
+        return confirmed
 
     def stop(self) -> None:
+        if self.published is not None:
+            lookout, owner = self.published
+            self.published = None
+            lookout.leave(owner)
+
+
+class Lookout:
+    """A manager's connection for the looks of its waiters, threads and tasks alike, which
+    publishes the waits of those that hold keys on the server (the only ones that can be in
+    a cycle): one connection, whatever the number of waiters. Borrowed from the manager's
+    idle connections at the first look; closed once no waiter's waits are published,
+    which takes them back. A look talks on it under ``lock``, for one round trip."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.link: _Link | None = None  # changed under ``lock``
+        self.published: dict[Owner, list[tuple[int, int]]] = {}  # by owner; changed under lock
+
+    def look(self, manager: _PgEngine[Any], owner: Owner, look: Look) -> bool:
+        """One look of ``owner``'s wait (``look``), waiting in ``manager``: its waits
+        published anew and the question answered; whether it found a cycle (a busy or
+        silent server: no). Blocking: a task runs it in a thread."""
+        if not self.lock.acquire(timeout=LOOK_FOR):
+            return False  # the looks ahead take long: the server is slow; no answer
+        try:
+            found = look_sql(manager, owner)
+            if found is None:
+                self.published.pop(owner, None)
+                self._publish_or_close(manager, None)
+                return False
+            pairs, question = found
+            self.published[owner] = pairs
+            look.published = (self, owner)
+            return self._publish_or_close(manager, question)
+        finally:
+            self.lock.release()
+
+    def leave(self, owner: Owner) -> None:
+        """``owner``'s wait ended: its waits are published no more. With nobody's left,
+        the connection closes at once; else the next look publishes without them (or
+        this one does, if nobody looks now)."""
+        if not self.lock.acquire(blocking=False):
+            self.published.pop(owner, None)  # (the look under way publishes for everyone)
+            return
+        try:
+            if self.published.pop(owner, None) is not None and not self.published:
+                self._close()
+        finally:
+            self.lock.release()
+
+    def _publish_or_close(self, manager: _PgEngine[Any], question: str | None) -> bool:
+        """Publish every waiter's waits and answer ``question`` (None: no question), in
+        one round trip; or, with nothing to publish, close. Under ``lock``."""
+        if not self.published:
+            self._close()
+            return False
+        try:
+            if self.link is None:
+                self.link, _ = manager._borrow(own=False)
+            result = self.link.run(publish_sql(self.published.values())
+                                   + (question or " SELECT false"), time.monotonic() + LOOK_FOR)
+        except psycopg.Error:
+            self._close()  # unanswered: nothing published (the next look publishes again)
+            return False
+        return bool(result.get_value(0, 0) == b"t")
+
+    def _close(self) -> None:
         link, self.link = self.link, None
         if link is not None:
             link.close()
 
 
 def waits_in_process(states: Iterable[KeyState]) -> dict[Owner, set[Owner]]:
-    """Who waits for whom in process, from engines' ``snapshot()``: a waiter waits for the
-    key's holders and for the requests queued ahead of it (they are served first), those
-    whose mode conflicts with its own (a read waits for no read)."""
+    """Who waits for whom in process, from engines' ``snapshot()``. A waiter waits for the
+    holders and the requests queued ahead of it (served first) whose mode conflicts with
+    its own (a read waits for no read); only the nearest are listed: from it back to the
+    first write, which waits for everything ahead of it in turn (so a queue of n writers is
+    n waits, not n squared)."""
     waits: dict[Owner, set[Owner]] = {}
     for state in states:
         ahead = [(holder.owner, holder.mode) for holder in state.holders]
         for waiter in state.waiters:
-            waits.setdefault(waiter.owner, set()).update(
-                owner for owner, mode in ahead
-                if owner != waiter.owner and "write" in (mode, waiter.mode))
+            waited_for = waits.setdefault(waiter.owner, set())
+            for owner, mode in reversed(ahead):
+                if owner == waiter.owner:
+                    continue  # (its own read, under an upgrade)
+                if "write" in (mode, waiter.mode):
+                    waited_for.add(owner)
+                if mode == "write":
+                    break
             ahead.append((waiter.owner, waiter.mode))
     return waits
 
 
-def reached(waits: dict[Owner, set[Owner]], start: Owner) -> set[Owner]:
-    """The owners ``start`` waits for in process, directly or through others."""
-    seen: set[Owner] = set()
-    todo = list(waits.get(start, ()))
+def blocking_connections(waits: dict[Owner, set[Owner]], backends: dict[Owner, set[int]],
+                         waiter: Owner) -> set[int]:
+    """The connections of the owners ``waiter`` waits for in process; through an owner
+    without a connection, those of the owners it waits for in turn."""
+    found: set[int] = set()
+    seen = {waiter}
+    todo = list(waits.get(waiter, ()))
     while todo:
         owner = todo.pop()
-        if owner not in seen:
-            seen.add(owner)
+        if owner in seen:
+            continue
+        seen.add(owner)
+        if backends.get(owner):
+            found |= backends[owner]
+        else:
             todo.extend(waits.get(owner, ()))
-    seen.discard(start)
-    return seen
+    return found
 
 
-def look_sql(waiter: Owner, waits: dict[Owner, set[Owner]],
-             backends: dict[Owner, set[int]]) -> str | None:
-    """What one look sends (``backends``: each owner's connections' backend pids): the
-    waiter's waits published anew, and the question whose answer (the last result) is
-    whether it is in a cycle through the server. None when it cannot be (it waits in
-    process for no owner with a connection, or has none itself): nothing to publish."""
+def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
+                   backends: dict[Owner, set[int]]
+                   ) -> tuple[list[tuple[int, int]], str] | None:
+    """The waiter's waits to publish (two int keys each), and the question whose answer is
+    whether it is in a cycle through the server (``backends``: each owner's connections'
+    backend pids). None when it cannot be (it waits in process for no owner with a
+    connection, or has none itself): nothing to publish."""
     mine = backends.get(waiter, set())
-    start = {pid for owner in reached(waits, waiter) for pid in backends.get(owner, ())}
+    start = blocking_connections(waits, backends, waiter)
     if not mine or not start:
         return None
     published = sorted((PUBLISHED + pid, other) for pid in mine if pid < PUBLISHABLE_PIDS
                        for other in start)
-    publish = "SELECT pg_advisory_unlock_all();" + (
-        " SELECT pg_try_advisory_lock_shared(waiter, holder) FROM (VALUES "
-        + ", ".join(f"({int(p)}, {int(q)})" for p, q in published) + ") AS wait(waiter, holder);"
-        if published else "")
-    # The in-process waits as pairs of connections: an owner without one passes the waits
-    # of those it waits for on to its own waiters (``reached``).
+    # This process's waits in process as pairs of connections, as they are now; those it
+    # published (up to a look old) are left out, other processes' are followed.
     pairs = sorted({(pid, other) for owner, pids in backends.items() if owner in waits
-                    for ahead in reached(waits, owner) for other in backends.get(ahead, ())
-                    for pid in pids})
-    return publish + (
+                    for other in blocking_connections(waits, backends, owner) for pid in pids})
+    here = sorted({pid for pids in backends.values() for pid in pids})
+    return published, (
         " WITH RECURSIVE here(waiter, holder) AS ("
         f"SELECT * FROM unnest({_ints(p for p, _ in pairs)}, {_ints(q for _, q in pairs)})"
         f" UNION SELECT (classid::bigint - {PUBLISHED})::int, objid::int FROM pg_locks"
         " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
         f" AND classid::bigint >= {PUBLISHED}"
-        f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}),"
+        f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}"
+        f" AND (classid::bigint - {PUBLISHED})::int <> ALL ({_ints(here)})),"
         f" reach(pid) AS (SELECT unnest({_ints(sorted(start))}) UNION"
         " SELECT next FROM reach, LATERAL (SELECT unnest(pg_blocking_pids(reach.pid))"
         " UNION ALL SELECT holder FROM here WHERE here.waiter = reach.pid) AS step(next))"
         f" SELECT EXISTS (SELECT 1 FROM reach WHERE pid = ANY ({_ints(sorted(mine))}))")
+
+
+def publish_sql(published: Iterable[list[tuple[int, int]]]) -> str:
+    """What publishes the waits ``published`` (of every waiter of a ``Lookout``), and
+    takes back any published before."""
+    pairs = sorted({pair for pairs in published for pair in pairs})
+    return "SELECT pg_advisory_unlock_all();" + (
+        " SELECT pg_try_advisory_lock_shared(waiter, holder) FROM (VALUES "
+        + ", ".join(f"({int(p)}, {int(q)})" for p, q in pairs) + ") AS wait(waiter, holder);"
+        if pairs else "")
 
 
 def _ints(values: Iterable[int]) -> str:
@@ -194,34 +291,42 @@ def managers_after_fork() -> list[_PgEngine[Any]]:
     return live_managers()
 
 
-def process_look_sql(manager: _PgEngine[Any], owner: Owner) -> str | None:
-    """``look_sql`` for ``owner`` (the calling thread's ident or task), from the waits in
-    process and the connections of every PostgreSQL manager of this process on
-    ``manager``'s server, and the owner's xact_lock transactions."""
+def look_sql(manager: _PgEngine[Any], owner: Owner
+             ) -> tuple[list[tuple[int, int]], str] | None:
+    """``cycle_question`` for ``owner`` (a thread's ident or a task), waiting in
+    ``manager``: from the waits in process of every PostgreSQL manager of this process,
+    the connections they have to ``manager``'s server (whatever their DSN says: the
+    server's pids are its own), and the owner's xact_lock transactions."""
     waits: dict[Owner, set[Owner]] = {}
+    connections = [(other, connections_of(other)) for other in live_managers()]
+    server = next((server for other, links in connections if other is manager
+                   for _, _, server in links), None)
+    if server is None:
+        return None  # no owner of it has a connection: no cycle goes through the server
     backends: dict[Owner, set[int]] = {}
-    for other in live_managers():
-        if other._dsn != manager._dsn:
-            continue  # (another server's backend pids are not this one's)
+    for other, links in connections:
         for waiter, ahead in waits_in_process(other._engine.snapshot()).items():
             waits.setdefault(waiter, set()).update(ahead)
-        for holder, pid in connections_of(other):
-            backends.setdefault(holder, set()).add(pid)
-        backends.setdefault(owner, set()).update(xact_backends(other, owner))
-    return look_sql(owner, waits, backends)
+        for holder, pid, on in links:
+            if on == server:
+                backends.setdefault(holder, set()).add(pid)
+        if other is manager or any(on == server for _, _, on in links):
+            backends.setdefault(owner, set()).update(xact_backends(other, owner))
+    return cycle_question(owner, waits, backends)
 
 
-def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int]]:
-    """(owner, backend pid) of each connection a thread or task of ``manager`` has."""
+def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int, bytes]]:
+    """(owner, backend pid, server) of each connection a thread or task of ``manager``
+    has."""
     with manager._guard:
-        pairs: list[tuple[Owner, int]] = [
-            (session.ident, session.link.backend)
+        links: list[tuple[Owner, int, bytes]] = [
+            (session.ident, session.link.backend, session.link.server)
             for session in manager._sessions if session.link is not None]
         tasks = manager._tasks
         if tasks is not None:
-            pairs += [(task, session.link.backend)
+            links += [(task, session.link.backend, session.link.server)
                       for task, session in tasks.sessions.items() if session.link is not None]
-    return pairs
+    return links
 
 
 def xact_backends(manager: _PgEngine[Any], owner: Owner) -> list[int]:

@@ -23,12 +23,10 @@ from .._views import LockStats
 from .._observe import KeyState, LockMetrics
 from ._deadlock import (
     LOOK_EVERY,
-    LOOK_FOR,
-    SEEN_TWICE,
     Look,
+    Lookout,
     deadlock_through_server,
     managers_after_fork,
-    process_look_sql,
     register,
 )
 from ._fences import (
@@ -123,6 +121,7 @@ class _PgEngine(Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
+        self._lookout = Lookout()  # the connection of its waiters' looks
         register(self)  # last: a look may use it from now on
 
     def __repr__(self) -> str:
@@ -498,24 +497,10 @@ class _PgEngine(Generic[K]):
 
     def _in_cycle_through_server(self, look: Look) -> bool:
         """Whether the calling thread, waiting in process, is in a cycle through the
-        server: seen twice (``SEEN_TWICE``), each look answered within ``LOOK_FOR``
-        seconds or taken as no. On a connection of the look's own, never the thread's,
-        which holds its keys: an interrupt there would lose them."""
-        me = threading.get_ident()
-        for _ in range(SEEN_TWICE):
-            sql = process_look_sql(self, me)
-            if sql is None:
-                look.stop()  # what it published no longer holds
-                return False
-            try:
-                if look.link is None:
-                    look.link, _ = self._borrow(own=False)
-                if not _yes(look.link.run(sql, time.monotonic() + LOOK_FOR)):
-                    return False
-            except psycopg.Error:
-                look.stop()  # unanswered: no cycle seen; the next look asks again
-                return False
-        return True
+        server, as this look confirms the last one (``Look``): answered within
+        ``LOOK_FOR`` seconds or taken as no. On the manager's ``Lookout``, never the
+        thread's connection, which holds its keys: an interrupt there would lose them."""
+        return look.confirms(self._lookout.look(self, threading.get_ident(), look))
 
     def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
         """Whether the in-process engine holds every one of ``items`` for the calling
@@ -725,6 +710,7 @@ class _PgEngine(Generic[K]):
         """In a forked child: no connection of the parent's is ever used or closed here.
         Keys the forking thread held belong to the parent: they are lost to the child."""
         self._guard = threading.Lock()  # another thread of the parent may have held it
+        self._lookout = Lookout()  # (the parent's connection is left alone)
         me = threading.get_ident()
         links: list[_Link] = [*self._idle, *self._task_idle]
         self._idle, self._task_idle = [], []

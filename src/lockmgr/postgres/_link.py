@@ -171,6 +171,7 @@ def _set_up_steps(link: _Link) -> _Steps[None]:
     refusal = _refusal(results[0], link.pgconn.backend_pid)
     if refusal is not None:
         raise refusal
+    link.server = bytes(results[0].get_value(0, 2))
 
 
 def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[Any]:
@@ -206,7 +207,7 @@ class _Link:
     of it on the same thread."""
 
     __slots__ = ("backend", "cancelled_late", "conn", "ended", "guard", "pgconn", "pid",
-                 "poller", "prepared", "statements", "talking")
+                 "poller", "prepared", "server", "statements", "talking")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
@@ -223,6 +224,7 @@ class _Link:
         self.conn = conn  # last but two: close() needs what comes before
         self.pgconn = conn.pgconn
         self.backend = self.pgconn.backend_pid  # the server's pid for this session
+        self.server = b""  # which server (_WHO_IS_THIS): pids of one server are comparable
         self.poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
         self.poller.register(self.pgconn.socket, _POLLIN)
 

@@ -17,14 +17,7 @@ from .._args import READ, WRITE
 from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
-from ._deadlock import (
-    LOOK_EVERY,
-    LOOK_FOR,
-    SEEN_TWICE,
-    Look,
-    deadlock_through_server,
-    process_look_sql,
-)
+from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._link import (
     _CANCEL_GRACE,
@@ -154,22 +147,10 @@ class _Tasks:
         self.sweep_closed_loops()
         task = current_task_or_raise()
         manager = self.manager
-        for _ in range(SEEN_TWICE):  # (as a thread's look: _PgEngine._in_cycle_through_server)
-            sql = process_look_sql(manager, task)
-            if sql is None:
-                look.stop()
-                return
-            try:
-                if look.link is None:
-                    look.link = await self.borrow()
-                result = await cast(_AsyncLink, look.link).run_async(
-                    sql, time.monotonic() + LOOK_FOR)
-                if result.get_value(0, 0) != b"t":
-                    return
-            except psycopg.Error:
-                look.stop()  # unanswered: no cycle seen; the next look asks again
-                return
-        raise deadlock_through_server(task, look.items)
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, manager._lookout.look, manager, task, look)  # (a round trip: not on the loop)
+        if look.confirms(found):
+            raise deadlock_through_server(task, look.items)
 
     async def give(self, items: Sequence[tuple[Hashable, int]],
                    local_release: Callable[[], None]) -> None:
