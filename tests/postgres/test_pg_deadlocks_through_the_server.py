@@ -22,9 +22,15 @@ import pytest
 from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
-from lockmgr.postgres._deadlock import LOOK_EVERY, connections_of
+from lockmgr.postgres._deadlock import (
+    LOOK_EVERY,
+    PUBLISHABLE_PIDS,
+    PUBLISHED,
+    Lookout,
+    connections_of,
+)
 from lockmgr.postgres._engine import _PgEngine
-from pg_support import child, expect, finish
+from pg_support import child, expect, finish, run, until
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -534,3 +540,71 @@ def test_a_cycle_through_a_manager_of_the_same_server_under_another_dsn_is_found
         assert isinstance(outcome, DeadlockError), outcome
     finally:
         spelled_otherwise.close()
+
+
+def published_waits(dsn: str) -> int:
+    """How many waits in process are published on the server (lockmgr's reserved keys)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            f" AND classid::bigint >= {PUBLISHED}"
+            f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}").fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_the_waiters_of_a_hot_key_share_one_connection_for_their_looks(
+        pg_locks, dsn, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Ten threads, each holding a key, wait in process for one held key: their looks
+    publish one wait each (to the holder) on one connection of the manager's, which
+    closes, with what it published, once they are served."""
+    looked = counting_looks(monkeypatch)
+    holder = workers("holder")
+    holder.run(lambda: pg_locks.acquire("hot"))
+    waiters = [workers(f"waiter {number}") for number in range(10)]
+    for number, waiter in enumerate(waiters):
+        waiter.run(lambda number=number: pg_locks.acquire(f"own {number}"))  # type: ignore[misc]
+    waiting = [waiter.submit(lambda: outcome_of(pg_locks, "hot")) for waiter in waiters]
+    for _ in range(2 * len(waiters)):  # each has looked (about) twice
+        assert looked.acquire(timeout=PATIENCE)
+    assert published_waits(dsn) == len(waiters)
+    lookout_backend = pg_locks._lookout.link.backend
+    assert lookout_backend not in {pid for _, pid, _ in connections_of(pg_locks)}
+    holder.run(pg_locks.release_all)
+    assert [wait.result() for wait in waiting] == [True] * len(waiters)  # each let go of all
+    assert pg_locks._lookout.link is None and published_waits(dsn) == 0
+
+
+def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
+        pg_locks, dsn, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A task's look runs in a thread of its loop's executor: cancelled meanwhile, the
+    task's wait ends, and the look, coming after, publishes nothing for it."""
+    entered, go_on = threading.Event(), threading.Event()
+    look = Lookout.look
+
+    def held_look(self: Lookout, *args: Any) -> bool:
+        entered.set()
+        assert go_on.wait(PATIENCE)
+        return look(self, *args)
+
+    monkeypatch.setattr(Lookout, "look", held_look)
+    holder = workers("holder")
+    holder.run(lambda: pg_locks.acquire("hot"))
+    looked: list[bool] = []
+
+    async def main() -> None:
+        await pg_locks.aio.acquire("own")
+        waiting = asyncio.create_task(pg_locks.aio.acquire("hot"))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, PATIENCE)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        go_on.set()
+        await until(lambda: not looked and pg_locks._lookout.lock.acquire(blocking=False)
+                    and (pg_locks._lookout.lock.release() or True), "the look ended")
+        looked.append(True)
+        await pg_locks.aio.release("own")
+
+    run(main)
+    assert pg_locks._lookout.link is None and not pg_locks._lookout.published
+    assert published_waits(dsn) == 0
+    holder.run(pg_locks.release_all)

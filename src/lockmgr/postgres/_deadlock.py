@@ -68,8 +68,9 @@ Owner = Hashable  # a thread's ident or an asyncio task, as ``snapshot()`` names
 
 class Look:
     """One wait's looks: what it waits for, when the next look is due, whether the last
-    one found a cycle, and whether it published its waits (through its manager's
-    ``Lookout``, which takes them back when the wait ends: ``stop``).
+    one found a cycle, and the ``Lookout`` its looks publish its waits through, with the
+    owner they are published as (set before the first look; ``stop`` takes them back when
+    the wait ends, and keeps a look still under way from publishing them).
 
     A cycle must be found by two looks in a row, ``LOOK_EVERY`` apart. A look puts together
     the waits of this process of a moment before and the server's as they are, and other
@@ -77,13 +78,15 @@ class Look:
     could make a cycle that was never all there at once. A deadlock stays; by the next
     look every waiter of it has published again."""
 
-    __slots__ = ("due", "found", "items", "published")
+    __slots__ = ("due", "found", "items", "lookout", "owner", "stopped")
 
     def __init__(self, items: Sequence[tuple[Hashable, int]]) -> None:
         self.items = items
         self.due = time.monotonic() + LOOK_EVERY
         self.found = False
-        self.published: tuple[Lookout, Owner] | None = None
+        self.lookout: Lookout | None = None
+        self.owner: Owner = None
+        self.stopped = False
 
     def confirms(self, found: bool) -> bool:
         """Whether this look's answer, ``found``, confirms the last one's: a deadlock."""
@@ -91,10 +94,9 @@ class Look:
         return confirmed
 
     def stop(self) -> None:
-        if self.published is not None:
-            lookout, owner = self.published
-            self.published = None
-            lookout.leave(owner)
+        self.stopped = True  # first: a look under way (a task's, in a thread) sees it
+        if self.lookout is not None:
+            self.lookout.leave(self.owner)
 
 
 class Lookout:
@@ -109,22 +111,29 @@ class Lookout:
         self.link: _Link | None = None  # changed under ``lock``
         self.published: dict[Owner, list[tuple[int, int]]] = {}  # by owner; changed under lock
 
-    def look(self, manager: _PgEngine[Any], owner: Owner, look: Look) -> bool:
-        """One look of ``owner``'s wait (``look``), waiting in ``manager``: its waits
-        published anew and the question answered; whether it found a cycle (a busy or
-        silent server: no). Blocking: a task runs it in a thread."""
+    def look(self, manager: _PgEngine[Any], look: Look) -> bool:
+        """One look of the wait ``look`` (of ``look.owner``, in ``manager``, through this
+        lookout): its waits published anew and the question answered; whether it found a
+        cycle (a busy or silent server: no). Blocking: a task runs it in a thread."""
         if not self.lock.acquire(timeout=LOOK_FOR):
             return False  # the looks ahead take long: the server is slow; no answer
         try:
+            if look.stopped:
+                return False
+            owner = look.owner
             found = look_sql(manager, owner)
             if found is None:
                 self.published.pop(owner, None)
-                self._publish_or_close(manager, None)
-                return False
+                return self._publish_or_close(manager, None)
             pairs, question = found
             self.published[owner] = pairs
-            look.published = (self, owner)
-            return self._publish_or_close(manager, question)
+            answer = self._publish_or_close(manager, question)
+            if look.stopped:  # its wait ended meanwhile (a task's, in another thread)
+                self.published.pop(owner, None)
+                if not self.published:
+                    self._close()
+                return False
+            return answer
         finally:
             self.lock.release()
 
@@ -150,7 +159,7 @@ class Lookout:
         try:
             if self.link is None:
                 self.link, _ = manager._borrow(own=False)
-            result = self.link.run(publish_sql(self.published.values())
+            result = self.link.run(publish_sql(list(self.published.values()))
                                    + (question or " SELECT false"), time.monotonic() + LOOK_FOR)
         except psycopg.Error:
             self._close()  # unanswered: nothing published (the next look publishes again)

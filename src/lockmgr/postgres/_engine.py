@@ -500,7 +500,8 @@ class _PgEngine(Generic[K]):
         server, as this look confirms the last one (``Look``): answered within
         ``LOOK_FOR`` seconds or taken as no. On the manager's ``Lookout``, never the
         thread's connection, which holds its keys: an interrupt there would lose them."""
-        return look.confirms(self._lookout.look(self, threading.get_ident(), look))
+        look.lookout, look.owner = self._lookout, threading.get_ident()
+        return look.confirms(self._lookout.look(self, look))
 
     def _acquired_in_process(self, session: _Session, items: Sequence[tuple[Hashable, int]]) -> bool:
         """Whether the in-process engine holds every one of ``items`` for the calling

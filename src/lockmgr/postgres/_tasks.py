@@ -147,8 +147,9 @@ class _Tasks:
         self.sweep_closed_loops()
         task = current_task_or_raise()
         manager = self.manager
+        look.lookout, look.owner = manager._lookout, task
         found = await asyncio.get_running_loop().run_in_executor(
-            None, manager._lookout.look, manager, task, look)  # (a round trip: not on the loop)
+            None, manager._lookout.look, manager, look)  # (a round trip: not on the loop)
         if look.confirms(found):
             raise deadlock_through_server(task, look.items)
 
