@@ -22,11 +22,11 @@ import pytest
 from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
 from lockmgr import DeadlockError, postgres
+from lockmgr.postgres import _deadlock
 from lockmgr.postgres._deadlock import (
     LOOK_EVERY,
     PUBLISHABLE_PIDS,
     PUBLISHED,
-    Lookout,
     connections_of,
 )
 from lockmgr.postgres._engine import _PgEngine
@@ -576,24 +576,32 @@ def test_the_waiters_of_a_hot_key_share_one_connection_for_their_looks(
 
 def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
         pg_locks, dsn, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A task's look runs in a thread of its loop's executor: cancelled meanwhile, the
-    task's wait ends, and the look, coming after, publishes nothing for it."""
+    """A task's look runs in a thread of its loop's executor: the task, cancelled once
+    the look has read what to publish, ends its wait before the look publishes; the look
+    then takes it back, and nothing stays published."""
     entered, go_on = threading.Event(), threading.Event()
-    look = Lookout.look
+    look_sql = _deadlock.look_sql
 
-    def held_look(self: Lookout, *args: Any) -> bool:
+    def held_look_sql(*args: Any) -> Any:
+        found = look_sql(*args)
         entered.set()
         assert go_on.wait(PATIENCE)
-        return look(self, *args)
+        return found
 
-    monkeypatch.setattr(Lookout, "look", held_look)
+    monkeypatch.setattr(_deadlock, "look_sql", held_look_sql)
     holder = workers("holder")
     holder.run(lambda: pg_locks.acquire("hot"))
     looked: list[bool] = []
 
-    async def main() -> None:
+    async def waits_holding_a_key() -> None:
         await pg_locks.aio.acquire("own")
-        waiting = asyncio.create_task(pg_locks.aio.acquire("hot"))
+        try:
+            await pg_locks.aio.acquire("hot")
+        finally:
+            await pg_locks.aio.release("own")
+
+    async def main() -> None:
+        waiting = asyncio.create_task(waits_holding_a_key())
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, PATIENCE)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -602,7 +610,6 @@ def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
         await until(lambda: not looked and pg_locks._lookout.lock.acquire(blocking=False)
                     and (pg_locks._lookout.lock.release() or True), "the look ended")
         looked.append(True)
-        await pg_locks.aio.release("own")
 
     run(main)
     assert pg_locks._lookout.link is None and not pg_locks._lookout.published
