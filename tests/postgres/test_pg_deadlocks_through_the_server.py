@@ -10,6 +10,7 @@ test's own): to the managers it is just that."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from lockmgr.postgres._deadlock import (
     LOOK_EVERY,
     PUBLISHABLE_PIDS,
     PUBLISHED,
+    Lookout,
     connections_of,
 )
 from lockmgr.postgres._engine import _PgEngine
@@ -224,12 +226,16 @@ def test_a_chain_through_the_server_that_does_not_come_back_is_waited_out(
 
 def test_a_task_whose_wait_in_process_closes_the_cycle_gets_deadlock_error(
         pg_locks, other, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
-    """The waiter in process is a task: it looks too, on its loop, while it waits."""
+    """The waiter in process is a task: it looks too, while it waits, in a thread of the
+    manager's (its loop's default executor is shut down here: the look does not need it)."""
     c = workers("C")
     c.run(lambda: pg_locks.acquire("c"))
     other.hold("b")
 
     async def main() -> Any:
+        shut_down = concurrent.futures.ThreadPoolExecutor(1)
+        shut_down.shutdown()
+        asyncio.get_running_loop().set_default_executor(shut_down)
         await pg_locks.aio.acquire("a")
         other.wait_for("a")  # (blocking the loop: nothing else is to run on it meanwhile)
         c_waits = c.submit(lambda: pg_locks.acquire("b"))
@@ -510,13 +516,17 @@ def test_a_publication_that_no_longer_holds_makes_no_cycle(
     assert outcomes == {"W": True, "V": True, "H1": True}, outcomes
 
 
+@pytest.mark.parametrize("otherwise", ["application name", "time zone"])
 def test_a_cycle_through_a_manager_of_the_same_server_under_another_dsn_is_found(
-        pg_locks, other, dsn, namespace, deadlock_timeout, workers) -> None:  # type: ignore[no-untyped-def]
+        pg_locks, other, dsn, namespace, deadlock_timeout, workers, otherwise) -> None:  # type: ignore[no-untyped-def]
     """The first cycle of this module, C's wait on the server made through a second
     manager of the same namespace on the same server, whose DSN names an
-    application_name: the same server, the same locks, the same cycle."""
+    application_name, or whose sessions have another time zone: the same server, the
+    same locks, the same cycle."""
     spelled_otherwise: postgres.PgLockManager[Any] = postgres.PgLockManager(
-        dsn + "?application_name=another-spelling", namespace=namespace)
+        dsn + "?application_name=another-spelling", namespace=namespace
+    ) if otherwise == "application name" else postgres.PgLockManager(
+        dsn, namespace=namespace, connect_kwargs={"options": "-c TimeZone=Asia/Tokyo"})
     a, c = workers("A"), workers("C")
     try:
         a.run(lambda: pg_locks.acquire("a"))
@@ -553,20 +563,17 @@ def published_waits(dsn: str) -> int:
 
 
 def test_the_waiters_of_a_hot_key_share_one_connection_for_their_looks(
-        pg_locks, dsn, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        pg_locks, dsn, workers) -> None:  # type: ignore[no-untyped-def]
     """Ten threads, each holding a key, wait in process for one held key: their looks
     publish one wait each (to the holder) on one connection of the manager's, which
     closes, with what it published, once they are served."""
-    looked = counting_looks(monkeypatch)
     holder = workers("holder")
     holder.run(lambda: pg_locks.acquire("hot"))
     waiters = [workers(f"waiter {number}") for number in range(10)]
     for number, waiter in enumerate(waiters):
         waiter.run(lambda number=number: pg_locks.acquire(f"own {number}"))  # type: ignore[misc]
     waiting = [waiter.submit(lambda: outcome_of(pg_locks, "hot")) for waiter in waiters]
-    for _ in range(2 * len(waiters)):  # each has looked (about) twice
-        assert looked.acquire(timeout=PATIENCE)
-    assert published_waits(dsn) == len(waiters)
+    wait_until(lambda: published_waits(dsn) == len(waiters), "each waiter published its wait")
     lookout_backend = pg_locks._lookout.link.backend
     assert lookout_backend not in {pid for _, pid, _ in connections_of(pg_locks)}
     holder.run(pg_locks.release_all)
@@ -574,21 +581,26 @@ def test_the_waiters_of_a_hot_key_share_one_connection_for_their_looks(
     assert pg_locks._lookout.link is None and published_waits(dsn) == 0
 
 
+@pytest.mark.parametrize("held", ["before it publishes", "after its round trip"])
 def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
-        pg_locks, dsn, workers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A task's look runs in a thread of its loop's executor: the task, cancelled once
-    the look has read what to publish, ends its wait before the look publishes; the look
-    then takes it back, and nothing stays published."""
+        pg_locks, dsn, workers, monkeypatch, held) -> None:  # type: ignore[no-untyped-def]
+    """A task's look runs in a thread of the manager's: the task, cancelled once the look
+    has read what to publish, or once it has published it and checked its wait, ends its
+    wait meanwhile. The look takes it back, and the connection closes: nothing stays
+    published."""
     entered, go_on = threading.Event(), threading.Event()
-    look_sql = _deadlock.look_sql
 
-    def held_look_sql(*args: Any) -> Any:
-        found = look_sql(*args)
+    def hold(found: Any) -> Any:
         entered.set()
         assert go_on.wait(PATIENCE)
         return found
 
-    monkeypatch.setattr(_deadlock, "look_sql", held_look_sql)
+    if held == "before it publishes":
+        look_sql = _deadlock.look_sql
+        monkeypatch.setattr(_deadlock, "look_sql", lambda *args: hold(look_sql(*args)))
+    else:
+        look = Lookout._look
+        monkeypatch.setattr(Lookout, "_look", lambda *args: hold(look(*args)))
     holder = workers("holder")
     holder.run(lambda: pg_locks.acquire("hot"))
     looked: list[bool] = []

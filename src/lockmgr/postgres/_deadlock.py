@@ -9,16 +9,16 @@ without a timeout every member would wait for ever.
 
 So a thread or task that has waited in process for ``LOOK_EVERY`` seconds looks for that
 cycle (its wait check: ``lockmgr._owners.WAIT_CHECK``, ``TASK_WAIT_CHECK``), and again every
-``LOOK_EVERY`` seconds while it waits. One round trip does it (``look_sql``), on a
-connection the wait borrows for its looks and closes when it ends:
+``LOOK_EVERY`` seconds while it waits. One round trip does it (``look_sql``), on its
+manager's ``Lookout`` connection:
 
 - It *publishes* the waiter's own in-process waits, as pairs of backend pids (its
   connections', those of the owners it waits for), for the looks of other processes: each
   pair is a shared advisory lock of two int keys, ``(PUBLISHED + waiter's pid, the other
-  pid)``, held by that connection. The looks' connection closing takes them back.
+  pid)``, held by that connection until the waiter's wait ends.
 - It *asks*: from the connections of the owners the waiter waits for (in process, directly
   or not), following ``pg_blocking_pids`` on the server, the in-process waits of this
-  process (handed over as pairs) and those every process published, to a fixed point, is a
+  process (handed over as pairs) and those other processes published, to a fixed point, is a
   connection of the waiter's own reached?
 
 A member of any such cycle that waits in process finds it within ``LOOK_EVERY`` seconds of
@@ -34,6 +34,7 @@ managers' (a plain ``LockManager``), and the waits of a backend whose pid is not
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import weakref
@@ -88,8 +89,11 @@ class Look:
         self.owner: Owner = None
         self.stopped = False
 
-    def confirms(self, found: bool) -> bool:
-        """Whether this look's answer, ``found``, confirms the last one's: a deadlock."""
+    def confirms(self, found: bool | None) -> bool:
+        """Whether this look's answer, ``found``, confirms the last one's: a deadlock. A
+        look without an answer (None) neither confirms nor forgets."""
+        if found is None:
+            return False
         confirmed, self.found = found and self.found, found
         return confirmed
 
@@ -104,58 +108,72 @@ class Lookout:
     publishes the waits of those that hold keys on the server (the only ones that can be in
     a cycle): one connection, whatever the number of waiters. Borrowed from the manager's
     idle connections at the first look; closed once no waiter's waits are published,
-    which takes them back. A look talks on it under ``lock``, for one round trip."""
+    which takes them back.
+
+    A look talks on it under ``lock``, for one round trip; a look that finds it taken
+    comes again later. ``lock`` is taken only by ``with`` (a signal handler's exception
+    cannot come between taking it and the block that gives it back). Whoever gives it
+    back closes the connection if nothing is published any more (``_close_if_idle``):
+    a wait that ended while the lock was taken took its waits out without it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.link: _Link | None = None  # changed under ``lock``
-        self.published: dict[Owner, list[tuple[int, int]]] = {}  # by owner; changed under lock
+        # By owner; changed under ``lock``, or popped by a leaving waiter without it.
+        self.published: dict[Owner, list[tuple[int, int]]] = {}
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None  # tasks' looks
 
-    def look(self, manager: _PgEngine[Any], look: Look) -> bool:
-        """One look of the wait ``look`` (of ``look.owner``, in ``manager``, through this
-        lookout): its waits published anew and the question answered; whether it found a
-        cycle (a busy or silent server: no). Blocking: a task runs it in a thread."""
-        if not self.lock.acquire(timeout=LOOK_FOR):
-            return False  # the looks ahead take long: the server is slow; no answer
+    def look(self, manager: _PgEngine[Any], look: Look) -> bool | None:
+        """One look of the wait ``look`` (of ``look.owner``, in ``manager``): its waits
+        published anew and the question answered; whether it found a cycle, or None
+        without an answer (another look under way, the server silent or refusing).
+        Blocking: a task runs it in ``executor``."""
+        if self.lock.locked():
+            return None
         try:
-            if look.stopped:
-                return False
-            owner = look.owner
-            found = look_sql(manager, owner)
-            if found is None:
-                self.published.pop(owner, None)
-                return self._publish_or_close(manager, None)
-            pairs, question = found
-            self.published[owner] = pairs
-            answer = self._publish_or_close(manager, question)
-            if look.stopped:  # its wait ended meanwhile (a task's, in another thread)
-                self.published.pop(owner, None)
-                if not self.published:
-                    self._close()
-                return False
-            return answer
+            with self.lock:
+                return self._look(manager, look)
         finally:
-            self.lock.release()
+            self._close_if_idle()
+
+    def _look(self, manager: _PgEngine[Any], look: Look) -> bool | None:
+        if look.stopped:
+            return None
+        owner = look.owner
+        found = look_sql(manager, owner)
+        if found is None:
+            self.published.pop(owner, None)
+            self._publish(manager, None)
+            return None
+        pairs, question = found
+        self.published[owner] = pairs
+        answer = self._publish(manager, question)
+        if look.stopped:  # its wait ended meanwhile (a task's, in another thread)
+            self.published.pop(owner, None)
+            return None
+        return answer
 
     def leave(self, owner: Owner) -> None:
-        """``owner``'s wait ended: its waits are published no more. With nobody's left,
-        the connection closes at once; else the next look publishes without them (or
-        this one does, if nobody looks now)."""
-        if not self.lock.acquire(blocking=False):
-            self.published.pop(owner, None)  # (the look under way publishes for everyone)
-            return
-        try:
-            if self.published.pop(owner, None) is not None and not self.published:
-                self._close()
-        finally:
-            self.lock.release()
+        """``owner``'s wait ended: its waits are published no more (the next look
+        publishes without them; with nobody's left, the connection closes now)."""
+        self.published.pop(owner, None)
+        self._close_if_idle()
 
-    def _publish_or_close(self, manager: _PgEngine[Any], question: str | None) -> bool:
+    def _close_if_idle(self) -> None:
+        """Close the connection if nothing is published, unless a look has the lock: it
+        checks again when it gives it back."""
+        if self.published or self.link is None or self.lock.locked():
+            return
+        with self.lock:
+            if not self.published:
+                self._close()
+
+    def _publish(self, manager: _PgEngine[Any], question: str | None) -> bool | None:
         """Publish every waiter's waits and answer ``question`` (None: no question), in
-        one round trip; or, with nothing to publish, close. Under ``lock``."""
+        one round trip, under ``lock``: the answer, or None if there is none."""
         if not self.published:
             self._close()
-            return False
+            return None
         try:
             if self.link is None:
                 self.link, _ = manager._borrow(own=False)
@@ -163,13 +181,23 @@ class Lookout:
                                    + (question or " SELECT false"), time.monotonic() + LOOK_FOR)
         except psycopg.Error:
             self._close()  # unanswered: nothing published (the next look publishes again)
-            return False
+            return None
         return bool(result.get_value(0, 0) == b"t")
 
     def _close(self) -> None:
         link, self.link = self.link, None
         if link is not None:
             link.close()
+
+    def task_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Where tasks' looks run: a thread of this lookout's own (a look must not wait
+        behind the loop's other blocking work, nor fail once the loop's default
+        executor is shut down)."""
+        executor = self.executor
+        if executor is None:
+            executor = self.executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="lockmgr-look")
+        return executor
 
 
 def waits_in_process(states: Iterable[KeyState]) -> dict[Owner, set[Owner]]:
@@ -214,18 +242,20 @@ def blocking_connections(waits: dict[Owner, set[Owner]], backends: dict[Owner, s
 
 
 def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
-                   backends: dict[Owner, set[int]]
+                   backends: dict[Owner, set[int]], transactions: Iterable[int] = ()
                    ) -> tuple[list[tuple[int, int]], str] | None:
     """The waiter's waits to publish (two int keys each), and the question whose answer is
     whether it is in a cycle through the server (``backends``: each owner's connections'
-    backend pids). None when it cannot be (it waits in process for no owner with a
-    connection, or has none itself): nothing to publish."""
-    mine = backends.get(waiter, set())
+    backend pids; ``transactions``: those of the waiter's open xact_lock transactions,
+    asked about, never published: this process knows no other owner's). None when it
+    cannot be (it waits in process for no owner with a connection, or has none itself):
+    nothing to publish."""
     start = blocking_connections(waits, backends, waiter)
+    published = sorted((PUBLISHED + pid, other) for pid in backends.get(waiter, ())
+                       if pid < PUBLISHABLE_PIDS for other in start)
+    mine = backends.get(waiter, set()) | set(transactions)
     if not mine or not start:
         return None
-    published = sorted((PUBLISHED + pid, other) for pid in mine if pid < PUBLISHABLE_PIDS
-                       for other in start)
     # This process's waits in process as pairs of connections, as they are now; those it
     # published (up to a look old) are left out, other processes' are followed.
     pairs = sorted({(pid, other) for owner, pids in backends.items() if owner in waits
@@ -313,6 +343,7 @@ def look_sql(manager: _PgEngine[Any], owner: Owner
     if server is None:
         return None  # no owner of it has a connection: no cycle goes through the server
     backends: dict[Owner, set[int]] = {}
+    transactions: list[int] = []
     for other, links in connections:
         for waiter, ahead in waits_in_process(other._engine.snapshot()).items():
             waits.setdefault(waiter, set()).update(ahead)
@@ -320,21 +351,23 @@ def look_sql(manager: _PgEngine[Any], owner: Owner
             if on == server:
                 backends.setdefault(holder, set()).add(pid)
         if other is manager or any(on == server for _, _, on in links):
-            backends.setdefault(owner, set()).update(xact_backends(other, owner))
-    return cycle_question(owner, waits, backends)
+            transactions += xact_backends(other, owner)
+    return cycle_question(owner, waits, backends, transactions)
 
 
 def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int, bytes]]:
     """(owner, backend pid, server) of each connection a thread or task of ``manager``
     has."""
     with manager._guard:
+        # (each link read once: its owner may drop it meanwhile, outside the guard)
         links: list[tuple[Owner, int, bytes]] = [
-            (session.ident, session.link.backend, session.link.server)
-            for session in manager._sessions if session.link is not None]
+            (session.ident, link.backend, link.server)
+            for session in manager._sessions if (link := session.link) is not None]
         tasks = manager._tasks
         if tasks is not None:
-            links += [(task, session.link.backend, session.link.server)
-                      for task, session in tasks.sessions.items() if session.link is not None]
+            links += [(task, link.backend, link.server)
+                      for task, session in tasks.sessions.items()
+                      if (link := session.link) is not None]
     return links
 
 

@@ -488,11 +488,13 @@ class _PgEngine(Generic[K]):
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()
-        now = time.monotonic()
-        if now < look.due:
+        if time.monotonic() < look.due:
             return
-        look.due = now + LOOK_EVERY
-        if self._in_cycle_through_server(look):
+        try:
+            found = self._in_cycle_through_server(look)
+        finally:  # from its end: two looks that confirm each other are LOOK_EVERY apart
+            look.due = time.monotonic() + LOOK_EVERY
+        if found:
             raise deadlock_through_server(threading.get_ident(), look.items)
 
     def _in_cycle_through_server(self, look: Look) -> bool:

@@ -23,9 +23,11 @@ from .._errors import LockError
 # - standard_conforming_strings: the fence table's name is quoted in a literal.
 # A session-level SET outranks every default, and a later ALTER ROLE or ALTER SYSTEM
 # changes only new sessions (which are set up again).
-# The third column names the server (its start and port): backend pids are its own.
+# The third column names the server (its start, in seconds since 1970 whatever the session's
+# time zone and date style, and its port): backend pids are its own.
 _WHO_IS_THIS = ("SELECT pg_is_in_recovery(), pg_backend_pid(),"
-                " pg_postmaster_start_time()::text || ' port ' || current_setting('port')")
+                " extract(epoch FROM pg_postmaster_start_time())::text || ' port '"
+                " || current_setting('port')")
 _PINNED = ("lock_timeout = 0", "statement_timeout = 0", "idle_in_transaction_session_timeout = 0",
            "default_transaction_isolation = 'read committed'",
            "default_transaction_read_only = off", "standard_conforming_strings = on")

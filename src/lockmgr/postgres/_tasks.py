@@ -147,9 +147,13 @@ class _Tasks:
         self.sweep_closed_loops()
         task = current_task_or_raise()
         manager = self.manager
-        look.lookout, look.owner = manager._lookout, task
-        found = await asyncio.get_running_loop().run_in_executor(
-            None, manager._lookout.look, manager, look)  # (a round trip: not on the loop)
+        lookout = look.lookout = manager._lookout
+        look.owner = task
+        try:  # (a round trip: not on the loop)
+            found = await asyncio.get_running_loop().run_in_executor(
+                lookout.task_executor(), lookout.look, manager, look)
+        except RuntimeError:  # the interpreter is shutting down: no thread starts any more
+            found = None
         if look.confirms(found):
             raise deadlock_through_server(task, look.items)
 
