@@ -350,7 +350,7 @@ def test_a_task_that_ends_holding_keys_releases_them_with_a_warning(impl) -> Non
         async def forgetful() -> None:
             await locks.aio.acquire("a")
             await locks.aio.acquire("a")
-            await rw.aio.acquire_read("b")
+            await rw.aio.acquire_read("b", timeout=PATIENCE)
 
         task = asyncio.create_task(forgetful(), name="forgetful")
         waiter, box = in_thread(lambda: (locks.acquire("a", timeout=PATIENCE), locks.release("a")))
@@ -928,3 +928,27 @@ def test_a_queued_wait_dropped_in_a_reference_cycle_is_left_safely(impl) -> None
 
     run(main)
     assert len(locks) == 0
+
+
+def test_a_tasks_read_behind_a_waiting_sets_read_is_a_deadlock_edge(impl) -> None:
+    # As with threads (test_rwlock): a task's read queued behind a waiting set's read node
+    # waits for the whole set, so closing a cycle through it is refused at once.
+    rw = impl.RWLockManager()
+
+    async def take_the_set() -> tuple[int, bool]:
+        await rw.aio.acquire_many(reads=["b"], writes=["c"])
+        took = rw.readers("b"), rw.write_locked("c")
+        rw.aio.release_many(reads=["b"], writes=["c"])
+        return took
+
+    async def main() -> None:
+        await rw.aio.acquire_write("c")
+        waiting = asyncio.ensure_future(take_the_set())
+        await until(lambda: rw.stats().waiting == 1, "the set waits for c")
+        with pytest.raises(DeadlockError):
+            await rw.aio.acquire_read("b", timeout=PATIENCE)
+        rw.aio.release_write("c")
+        assert await asyncio.wait_for(waiting, PATIENCE) == (1, True)
+
+    asyncio.run(main())
+    assert len(rw) == 0

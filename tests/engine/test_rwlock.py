@@ -289,3 +289,26 @@ def test_a_reader_that_ends_is_released(rw) -> None:
         f"thread {thread.ident} ended holding key 'k'; released it"]
     writing.join(PATIENCE)
     assert not writing.is_alive() and len(rw) == 0
+
+
+@pytest.mark.parametrize("upgrading", [False, True], ids=["plain", "with-an-upgrade"])
+def test_a_read_queued_behind_a_waiting_sets_read_is_a_deadlock_edge(rw, workers,
+                                                                    upgrading) -> None:
+    # The set waits for "c"; its read of the free key "b" heads b's queue, and a read queued
+    # behind it waits for the whole set, though both are reads: closing that cycle is
+    # refused at once (it waited for ever before), and the set then gets every key.
+    first, second = workers("first"), workers("second")
+    first.run(lambda: rw.acquire_write("c"))
+    writes = ["c"]
+    if upgrading:  # the set also upgrades a key its thread reads: that node heads its queue
+        second.run(lambda: rw.acquire_read("a"))
+        writes.append("a")
+    waiting = second.submit(lambda: rw.acquire_many(reads=["b"], writes=writes))
+    wait_until(lambda: rw.stats().waiting == 1, "the set waits for c")
+    with pytest.raises(DeadlockError):
+        first.run(lambda: rw.acquire_read("b", timeout=PATIENCE))
+    assert rw.stats().waiting == 1 and rw.readers("b") == 0
+    first.run(rw.release_all)
+    assert waiting.result() is True
+    assert second.run(rw.release_all) == (3 if upgrading else 2)
+    assert len(rw) == 0

@@ -29,7 +29,22 @@ cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_fo
 
 cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint enqueued) noexcept nogil:
     """Reach every thread a request (node) of ``thread`` waits for: the holders it conflicts
-    with (hard edges), then the conflicting requests queued ahead of it (soft edges)."""
+    with (hard edges), then the requests queued ahead of it that ``pass_on`` must grant
+    before it (soft edges).
+
+    The edges are exactly what the grant rules (``grantable``, ``pass_on``,
+    ``group_grantable`` in table.pxi) make a request wait for:
+
+    - the key's writer, unless it is the request's own thread (a re-entry);
+    - for a write, every other reader;
+    - unless it is an upgrade (queued at the head, nothing is ahead of it), every request
+      ahead of it when either of the two is a write (a write is granted alone), or when
+      either belongs to a set: a set is granted only once its node heads every queue it is
+      in, so whatever is ahead of one of its nodes is waited for whatever the modes, and a
+      request behind a set's node waits until the whole set is granted. A single read
+      behind a single read is granted with it or before it: no edge.
+
+    The pure twin's ``_find_cycle`` (``_pure/_operations.py``) follows the same list."""
     cdef Entry *waits_for = touched(node.entry)
     cdef Hold *hold = waits_for.readers
     cdef Request *ahead = waits_for.head
@@ -44,7 +59,8 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     if node.at_head:
         return False
     while ahead is not NULL and ahead != own_place:
-        if (node.mode == WRITE or ahead.mode == WRITE) and reach(search, thread, ahead.token, waits_for):
+        if (node.mode == WRITE or ahead.mode == WRITE or node.lead is not NULL
+                or ahead.lead is not NULL) and reach(search, thread, ahead.token, waits_for):
             return True
         ahead = ahead.next
     return False

@@ -276,10 +276,10 @@ class _Operations(_Table):
     def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[Any, Hashable]] | None:
         """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
-        A waiting request waits for the holders it conflicts with and for the conflicting
-        requests queued ahead of it (PostgreSQL's hard and soft edges), in any manager of
-        this engine; see the compiled core's ``find_cycle``, which this follows step for
-        step.
+        A waiting request waits for the holders it conflicts with and for the requests
+        queued ahead of it that ``_pass_on`` grants first (PostgreSQL's hard and soft edges),
+        in any manager of this engine: exactly the list beside the compiled core's
+        ``reach_waited_for``, which this follows step for step.
         """
         if type(me) is _TaskToken and not me.held and not me.reads:
             return None  # nobody can wait for a task that holds nothing (see _core)
@@ -298,7 +298,8 @@ class _Operations(_Table):
             return False
 
         def reach_waited_for(
-            thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool
+            thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool,
+            in_set: bool,
         ) -> bool:
             successors = [waits_for.owner]
             if mode == _WRITE:
@@ -307,14 +308,15 @@ class _Operations(_Table):
                 for ahead in waits_for.queue:
                     if ahead is own:
                         break
-                    if mode == _WRITE or ahead.mode == _WRITE:
+                    if (mode == _WRITE or ahead.mode == _WRITE or in_set
+                            or ahead.lead is not None):
                         successors.append(ahead.token)
             return any(reach(thread, successor, waits_for) for successor in successors)
 
         def reach_request(thread: _Token, request: _Request, enqueued: bool) -> bool:
             return any(
                 reach_waited_for(thread, node.entry, node.mode, node if enqueued else None,
-                                 node.at_head)
+                                 node.at_head, node.lead is not None)
                 for node in request.members() if node.queued
             )
 
