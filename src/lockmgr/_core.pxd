@@ -242,7 +242,9 @@ cdef struct CycleStep:
 cdef struct After:
     # What a section left for its finish; on the caller's C stack.
     Entry *retired               # entries unlinked from their table (bucket_next list)
-    Request *woken               # requests to post (wake_next list)
+    Request *woken               # requests to post (wake_next list), in the order woken:
+                                 # tasks granted one read together resume in arrival order
+    Request *woken_last          # the last of them (NULL when none), where wake appends
     CycleStep *cycle             # DEADLOCK: the cycle, refused request first
     Py_ssize_t cycle_length      # DEADLOCK/LONG_CYCLE: how many steps the cycle has
     Py_ssize_t cycle_room        # how many steps ``cycle`` has room for

@@ -952,3 +952,45 @@ def test_a_tasks_read_behind_a_waiting_sets_read_is_a_deadlock_edge(impl) -> Non
 
     asyncio.run(main())
     assert len(rw) == 0
+
+
+@pytest.mark.parametrize("releaser", ["task", "another-thread"])
+def test_tasks_granted_one_read_together_resume_in_arrival_order(impl, releaser) -> None:
+    # Both engines wake the readers a release lets in together in the order they queued, so
+    # the tasks run on in that order (the compiled core woke the newest first).
+    rw = impl.RWLockManager()
+    resumed: list[str] = []
+    holding, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with rw.write("k"):
+            holding.set()
+            release.wait(PATIENCE)
+
+    thread = threading.Thread(target=writer)
+
+    async def reader(name: str) -> None:
+        async with rw.aio.read("k"):
+            resumed.append(name)
+
+    async def main() -> None:
+        if releaser == "task":
+            await rw.aio.acquire_write("k")
+        else:
+            thread.start()
+            assert await asyncio.to_thread(holding.wait, PATIENCE)
+        readers = []
+        for count, name in enumerate(["first", "second", "third"], 1):
+            readers.append(asyncio.ensure_future(reader(name)))
+            await until(lambda count=count: rw.stats().waiting == count, f"{name} queues")
+        if releaser == "task":
+            rw.aio.release_write("k")
+        else:
+            release.set()
+        await asyncio.wait_for(asyncio.gather(*readers), PATIENCE)
+
+    asyncio.run(main())
+    if releaser != "task":
+        thread.join(PATIENCE)
+    assert resumed == ["first", "second", "third"]
+    assert len(rw) == 0

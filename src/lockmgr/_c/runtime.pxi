@@ -22,6 +22,7 @@ cdef inline void unlock() noexcept:
 cdef inline void after_init(After *after, CycleStep *cycle, Py_ssize_t room) noexcept:
     after.retired = NULL
     after.woken = NULL
+    after.woken_last = NULL
     after.cycle = cycle
     after.cycle_length = 0
     after.cycle_room = room
@@ -38,6 +39,7 @@ cdef int finish(After *after, Token *keeper) except -1:
     cdef PyThread_type_lock wakeup
     cdef object failure = None
     after.woken = NULL
+    after.woken_last = NULL
     while request is not NULL:
         following = request.wake_next  # read first: once posted, the request may be gone
         if request.waiter is not NULL:

@@ -387,8 +387,12 @@ cdef inline void wake(Request *request, After *after) noexcept nogil:
     if request.waiter is not NULL:  # a task's: its memory lives until the finish posted it
         lockmgr_incref(request.waiter)
     request.post_owed = True
-    request.wake_next = after.woken
-    after.woken = request
+    request.wake_next = NULL
+    if after.woken_last is NULL:
+        after.woken = request
+    else:
+        after.woken_last.wake_next = request
+    after.woken_last = request
 
 
 cdef void grant(Table *table, Entry *entry, Request *request) noexcept nogil:
