@@ -155,6 +155,7 @@ from cpython.pythread cimport (
     PyThread_type_lock,
 )
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from libc.math cimport ceil
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 

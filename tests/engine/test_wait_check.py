@@ -7,6 +7,9 @@ there."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from types import ModuleType
@@ -87,6 +90,67 @@ def test_what_the_check_raises_ends_the_wait_with_nothing_queued_or_held(
     assert len(manager) == 0
     assert worker.run(lambda: call(manager, 0)) is True  # nothing of the refused wait is in the way
     worker.run(lambda: release(manager))
+
+
+#: Waits whose slices outlast the test: the waiter wakes only for a post (a grant) or at
+#: its deadline, so whether the check runs after that wake-up is decided, not raced.
+CHECK_AFTER_THE_WAIT_ENDS = """
+import sys, threading
+from lockmgr import _tuning
+_tuning.MAIN_THREAD_SLICE = 600.0
+import importlib
+from lockmgr._owners import WAIT_CHECK
+engine = importlib.import_module(sys.argv[1])
+from lockmgr._pure import _operations
+_operations._WAIT_SLICE = _tuning.MAIN_THREAD_SLICE  # imported with lockmgr, before the line above
+
+class Refused(Exception):
+    pass
+
+def check():
+    raise Refused("the check ran after the wait ended")
+
+def wait_with_check(call):
+    WAIT_CHECK.call = check
+    try:
+        outcome.append(call())
+    except BaseException as error:
+        outcome.append(error)
+    finally:
+        WAIT_CHECK.call = None
+    if locks.owner("k") == threading.get_ident():
+        outcome.append("kept")
+        locks.release("k")
+
+locks = engine.LockManager()
+locks.acquire("k")
+outcome = []
+timed = threading.Thread(target=wait_with_check, args=(lambda: locks.acquire("k", timeout=0.2),))
+timed.start()
+timed.join(60)
+print("timed out:", *outcome)
+outcome.clear()
+granted = threading.Thread(target=wait_with_check, args=(lambda: locks.acquire("k"),))
+granted.start()
+while locks.stats().waiting != 1:
+    threading.Event().wait(0.001)
+locks.release("k")
+granted.join(60)
+print("granted:", *outcome)
+"""
+
+
+def test_a_wait_that_ended_returns_without_running_the_check(impl: ModuleType) -> None:
+    # The check runs only while the request still waits after its section: a wait that
+    # timed out, or that the grant woke, returns without it (the twin ran it first, and a
+    # check raising then gave the grant back).
+    # LOCKMGR_NO_EXTENSIONS=1: importing lockmgr leaves the compiled core alone, so it reads
+    # the slice the child sets when the child imports it.
+    done = subprocess.run([sys.executable, "-c", CHECK_AFTER_THE_WAIT_ENDS, impl.__name__],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LOCKMGR_NO_EXTENSIONS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["timed out: False", "granted: True kept"]
 
 
 def test_an_acquisition_that_does_not_wait_never_runs_the_check(

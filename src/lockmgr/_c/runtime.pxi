@@ -364,4 +364,6 @@ cdef inline PY_TIMEOUT_T sleep_microseconds(double deadline) noexcept:
     cdef double seconds = wait_slice
     if deadline >= 0:
         seconds = min(max(deadline - lockmgr_monotonic(), 0.0), wait_slice)
-    return <PY_TIMEOUT_T>(seconds * 1e6)
+    # Rounded up, as CPython rounds a lock's timeout: a sleep that ends before the deadline
+    # would find the wait not yet timed out and run the wait check once more.
+    return <PY_TIMEOUT_T>ceil(seconds * 1e6)

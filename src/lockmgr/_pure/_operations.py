@@ -347,22 +347,16 @@ class _Operations(_Table):
 
     def _wait(self, request: _Request, seconds: float) -> bool:
         """Sleep until ``request`` (queued) is granted or its time runs out. The request
-        stays ``token.request`` until the acquiring call has its outcome (see _acquired)."""
+        stays ``token.request`` until the acquiring call has its outcome (see _acquired).
+
+        The compiled core's ``_wait`` step for step: sleep a slice, settle in a section, and
+        run the wait check (``lockmgr._owners.WAIT_CHECK``) only if the request still waits:
+        a wait that was granted or timed out returns without it."""
         deadline = None if seconds < 0 else request.since + seconds
         log_at = None if self._log_after < 0 else request.since + self._log_after
         logged = False
         wakeup = request.token.wakeup
         while True:
-            outcome = _section(self._check_wait_section, request, deadline)
-            if outcome is not None:
-                # An exception from here on gives the key back (_acquire).
-                if outcome:
-                    self._observe_wait(request)
-                if logged:
-                    self._log_wait_end(request, outcome)
-                if outcome:
-                    _section(self._complete_section, request)
-                return outcome
             # In slices, on every thread: on the main thread a slice bounds how late a
             # signal's handler runs; everywhere it bounds how late the waiter sees that its
             # request became grantable without a post (code that ran inside its own wait
@@ -372,17 +366,28 @@ class _Operations(_Table):
             if deadline is not None:
                 remaining = min(max(0.0, deadline - now), _WAIT_SLICE)
             if log_at is not None and not logged:
-                if now >= log_at:
-                    logged = True
-                    self._log_slow_wait(request)
-                else:
-                    remaining = min(remaining, log_at - now)
+                remaining = min(remaining, max(0.0, log_at - now))
             # Signal handlers (main thread) and finalizers run around this sleep and may
             # call the manager, or raise (the acquiring call then abandons the request).
             wakeup.acquire(timeout=remaining)
+            outcome = _section(self._check_wait_section, request, deadline)
+            if outcome is False:
+                break
+            if outcome:  # an exception from here on gives the key back (_acquire)
+                self._observe_wait(request)
+                if logged:
+                    self._log_wait_end(request, True)
+                _section(self._complete_section, request)
+                return True
             check = WAIT_CHECK.call  # lockmgr._owners: raising ends the wait
             if check is not None:
                 check()
+            if log_at is not None and not logged and time.monotonic() >= log_at:
+                logged = True
+                self._log_slow_wait(request)
+        if logged:
+            self._log_wait_end(request, False)
+        return False
 
     def _check_wait_section(self, request: _Request, deadline: float | None) -> bool | None:
         """After a wake-up: True (granted), False (timed out) or None (sleep again)."""
