@@ -195,7 +195,14 @@ from lockmgr._errors import (
     timed_out,
     warn_abandoned,
 )
-from lockmgr._owners import AWAIT_POST, LOOP_THREAD, WAIT_CHECK, Waker, not_in_task
+from lockmgr._owners import (
+    AWAIT_POST,
+    LOOP_THREAD,
+    POST_ATTEMPTS,
+    WAIT_CHECK,
+    Waker,
+    not_in_task,
+)
 from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table
 from lockmgr._views import PICKLE_ERROR, LockStats, key_lock_repr, manager_repr, synchronized
 

@@ -84,38 +84,64 @@ def running_loop() -> Any:
     return sys.modules["asyncio"].get_running_loop()
 
 
+#: How many times an engine delivers one post before it gives up (``Waker``): each attempt
+#: cut short by a signal handler's exception ran that handler, so a retry meets fewer.
+POST_ATTEMPTS = 64
+
+
 class Waker:
     """How a lock table wakes one waiting task: the task sleeps on a future of its loop; a
     grant or wake-up *posts* (from any thread, never inside a section); the task takes the
     post before it looks at its request again. A binary semaphore, like a waiting thread's
-    wakeup lock, whose count is touched on the loop's thread only."""
+    wakeup lock, whose count is touched on the loop's thread only.
 
-    __slots__ = ("future", "loop", "lost", "posts", "thread")
+    A post is numbered (``next_post``) and then delivered (``deliver``), which the engines
+    repeat until it returns: a signal handler's exception may cut a delivery short anywhere,
+    and a post delivered twice is counted once. A post the loop drops unrun (the loop was
+    closed with it in its ready queue) ends the task as a closed loop's grant does
+    (``lost``): the task can never run again to take what it was granted."""
+
+    __slots__ = ("delivered", "future", "loop", "lost", "numbered", "posts", "thread")
 
     def __init__(self, loop: Any) -> None:
         self.loop = loop
         self.thread = threading.get_ident()  # the thread running the task (and its loop)
         self.posts = 0  # loop thread only
+        self.numbered = 0  # the posters: the number of the newest post (one is due at a time)
+        self.delivered = 0  # loop thread only: the number of the newest post counted
         self.future: Any = None  # loop thread only: what the task sleeps on
         # Set by the engine while the task waits: what to do if its loop is closed (the
         # task can never run again): leave the queues, release what the task holds.
         self.lost: Callable[[], object] | None = None
 
-    def post(self) -> None:
-        """Wake the task (any thread; it runs in a releasing call's finish)."""
+    def next_post(self) -> int:
+        """Number a post (any thread; once per grant or wake-up the task has to see)."""
+        number = self.numbered = self.numbered + 1
+        return number
+
+    def deliver(self, number: int) -> None:
+        """Wake the task with post ``number`` (any thread; it runs in a releasing call's
+        finish). Delivering the same number again does nothing more."""
         try:
             if self.loop.is_closed():
                 raise RuntimeError("its event loop is closed")
             if threading.get_ident() == self.thread:
-                self._post_here()
+                self._count(number)
             else:
-                self.loop.call_soon_threadsafe(self._post_here)
+                self.loop.call_soon_threadsafe(_Delivery(self, number))
         except RuntimeError:  # closed (maybe just now): the task never runs again
-            lost, self.lost = self.lost, None
-            if lost is not None:
-                lost()
+            self.end_lost()
 
-    def _post_here(self) -> None:
+    def end_lost(self) -> None:
+        """The task can never run again: end its wait as ``lost`` says (once)."""
+        lost, self.lost = self.lost, None
+        if lost is not None:
+            lost()
+
+    def _count(self, number: int) -> None:
+        if number <= self.delivered:
+            return
+        self.delivered = number
         self.posts += 1
         future = self.future
         if future is not None and not future.done():
@@ -133,6 +159,8 @@ class Waker:
         between (a signal handler's release, a collection's finalizer) is counted before
         the check, or finds the future to resolve after it."""
         future = self.future = self.loop.create_future()
+        # Dropped unrun (the loop closed before the task resumed), it ends the task's wait.
+        future.add_done_callback(_Resumption(self))
         if self.posts:
             self.future = None
             return
@@ -146,6 +174,40 @@ class Waker:
             self.future = None
             if timer is not None:
                 timer.cancel()
+
+
+class _Resumption:
+    """A callback the loop runs before a woken task resumes (a delivery, or the callback of
+    the future it sleeps on). The loop drops what it has not run when it is closed: the task
+    then never resumes, so it is ended here (``Waker.lost``), in whichever thread closed the
+    loop, as the grant that finds the loop closed would have ended it."""
+
+    __slots__ = ("ran", "waker")
+
+    def __init__(self, waker: Waker) -> None:
+        self.waker = waker
+        self.ran = False
+
+    def __call__(self, *_: object) -> None:
+        self.ran = True
+
+    def __del__(self) -> None:
+        if not self.ran and self.waker.loop.is_closed():
+            self.waker.end_lost()
+
+
+class _Delivery(_Resumption):
+    """A post delivered from another thread: counted on the loop's thread."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, waker: Waker, number: int) -> None:
+        super().__init__(waker)
+        self.number = number
+
+    def __call__(self, *_: object) -> None:
+        self.ran = True
+        self.waker._count(self.number)
 
 
 def _settle_future(future: Any) -> None:

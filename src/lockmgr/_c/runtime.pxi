@@ -68,17 +68,30 @@ cdef int finish(After *after, Token *keeper) except -1:
 
 
 cdef object post_task(PyObject *waiter, object failure):
-    """Post a task's wait (its Waker never raises, but a signal handler may run inside it:
-    every other post is made all the same, and the first such exception is raised after);
-    drop the reference the waking section took, which may free the wait."""
+    """Post a task's wait, then drop the reference the waking section took (which may free
+    the wait). Its Waker never raises, but a signal handler may run inside it and raise
+    anywhere: the post is delivered again until a delivery returns (the Waker counts a
+    number once), every other post is made all the same, and the first such exception is
+    raised after. The retries are bounded, so a loop whose every call raises cannot hold
+    the releasing thread for ever."""
+    cdef int attempts = 0
+    cdef long long number = 0
+    waker = (<_TaskWait>waiter).waker
     try:
-        (<_TaskWait>waiter).waker.post()
-    except BaseException as error:
-        if failure is None:
-            failure = error
+        while True:
+            try:
+                if number == 0:
+                    number = waker.next_post()
+                waker.deliver(number)
+                return failure
+            except BaseException as error:
+                if failure is None:
+                    failure = error
+                attempts += 1
+                if attempts == post_attempts:
+                    return failure
     finally:
         Py_DECREF(<object>waiter)
-    return failure
 
 
 cdef void resize_shards(Table *table) noexcept:

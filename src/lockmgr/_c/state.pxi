@@ -3,6 +3,7 @@
 
 cdef double handoff_after = HANDOFF_AFTER
 cdef double wait_slice = MAIN_THREAD_SLICE
+cdef int post_attempts = POST_ATTEMPTS
 cdef object FOREVER = -1  # the default timeout object, so the fast path can test identity
 
 cdef lockmgr_mutex engine_mutex           # see the module docstring

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from .._args import READ, WRITE
 from .._errors import count_overflow, deadlock, nested_wait, not_owned, pinned
 from .._observe import HOT_KEY_SLOTS
-from .._owners import LOOP_THREAD, Waker
+from .._owners import LOOP_THREAD, POST_ATTEMPTS, Waker
 from .._tuning import MAIN_THREAD_SLICE
 
 if TYPE_CHECKING:
@@ -137,15 +137,24 @@ def _run_section(ident: int, run: Callable[..., R], args: tuple[Any, ...]) -> R:
 
 
 def _post_all(woken: list[Waker]) -> None:
-    """Post every task a section woke; a post may run Python code that raises (ending a task
-    whose loop is closed warns): the others are posted all the same, then it is raised."""
+    """Post every task a section woke, as the compiled core's ``post_task`` does: a post may
+    run Python code that raises (a signal handler; ending a task whose loop is closed
+    warns), so each is delivered again until a delivery returns (``Waker`` counts a number
+    once, at most ``POST_ATTEMPTS`` times), the others are posted all the same, and the
+    first exception is raised after."""
     failure: BaseException | None = None
     for waker in woken:
-        try:
-            waker.post()
-        except BaseException as error:
-            if failure is None:
-                failure = error
+        number = attempts = 0
+        while attempts < POST_ATTEMPTS:
+            try:
+                if not number:
+                    number = waker.next_post()
+                waker.deliver(number)
+                break
+            except BaseException as error:
+                if failure is None:
+                    failure = error
+                attempts += 1
     if failure is not None:
         raise failure
 
