@@ -28,7 +28,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 import lockmgr._core
 import lockmgr._pure
@@ -37,7 +37,7 @@ from lockmgr._owners import WAIT_CHECK
 
 pytestmark = pytest.mark.compiled
 
-EXAMPLES = int(os.environ.get("LOCKMGR_FUZZ_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("LOCKMGR_FUZZ_EXAMPLES", "300"))
 
 THREADS = ("T0", "T1", "T2")
 TASKS = ("A0", "A1")
@@ -85,7 +85,8 @@ class Step:
 
 keys = st.sampled_from(KEYS)
 some_keys = st.lists(keys, unique=True, max_size=2).map(tuple)
-hows = st.sampled_from(sorted(HOW))
+#: Mostly calls that may wait: the interesting states are queues.
+hows = st.sampled_from(["wait", "wait", "wait", "try", "zero", "timed"])
 
 
 def _common_ops() -> st.SearchStrategy[Op]:
@@ -109,7 +110,7 @@ def _block_ops() -> st.SearchStrategy[Op]:
                       st.tuples(st.just("hold_many"), some_keys, some_keys))
     return st.one_of(
         st.builds(lambda slot, kind, how: Op("block", (slot, kind), how), slots, kinds,
-                  st.sampled_from(["wait", "zero", "timed"])),
+                  st.sampled_from(["wait", "wait", "zero", "timed"])),
         st.builds(lambda slot: Op("enter", (slot,)), slots),
         st.builds(lambda slot: Op("exit", (slot,)), slots),
     )
@@ -373,12 +374,23 @@ def run_program(core: Arena, twin: Arena, program: list[Step]) -> None:
 #: ends with its counterexample, not with pytest-timeout's 300 s.
 @pytest.mark.timeout(900 + EXAMPLES)
 def test_engines_agree_on_random_programs_of_threads_and_tasks() -> None:
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    programs = failed = 0
+
+    # No "explain" phase: its notes repeat a long failing program in another, noisier form.
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+              phases=[p for p in Phase if p is not Phase.explain])
     @given(st.lists(steps, max_size=25))
     def program_runs_alike(program: list[Step]) -> None:
+        nonlocal programs, failed
+        programs += 1
         core, twin = Arena(lockmgr._core), Arena(lockmgr._pure)
         try:
             run_program(core, twin, program)
+        except AssertionError:
+            if not failed:  # how hard the search was, in the failure's captured output
+                failed = programs
+                print(f"the first failing program was program {programs}")
+            raise
         finally:
             core.close()
             twin.close()
