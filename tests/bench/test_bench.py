@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -52,17 +53,30 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_rewrites_one_line_on_a_terminal_and_is_quiet_elsewhere() -> None:
-    terminal, log = _Terminal(), io.StringIO()
-    for stream in (terminal, log):
-        with _measure.Progress(2, stream) as shown:
-            shown.step("uncontended: lockmgr")
-            shown.step("hot-key: lockmgr")
-    assert log.getvalue() == ""
+def test_progress_rewrites_one_line_on_a_terminal() -> None:
+    terminal = _Terminal()
+    with _measure.Progress(2, terminal) as shown:
+        shown.step("uncontended: lockmgr")
+        shown.step("hot-key: lockmgr")
     lines = terminal.getvalue().split("\r\x1b[K")
     assert lines[0] == "" and lines[1].startswith("[lockmgr-bench] 1/2 uncontended: lockmgr (0:0")
     assert lines[2].startswith("[lockmgr-bench] 2/2 hot-key: lockmgr (0:0")
     assert lines[2].endswith(")\n")  # the line is ended when the run is
+
+
+def test_progress_writes_a_line_per_step_with_its_time_where_not_a_terminal() -> None:
+    """A log or a pipe (CI) gets each step as it starts, with the run's time so far, then the
+    total: plain lines, no terminal control characters."""
+    log = io.StringIO()
+    with _measure.Progress(2, log) as shown:
+        shown.step("uncontended: lockmgr")
+        shown.step("hot-key: lockmgr")
+    lines = log.getvalue().splitlines()
+    assert [re.sub(r"\(\d+:\d\d\)$", "(TIME)", line) for line in lines[:2]] == [
+        "[lockmgr-bench] 1/2 uncontended: lockmgr (TIME)",
+        "[lockmgr-bench] 2/2 hot-key: lockmgr (TIME)"]
+    assert re.fullmatch(r"\[lockmgr-bench\] 2 steps in \d+:\d\d", lines[2]) and len(lines) == 3
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
 
 
 def test_a_run_counts_its_steps_and_refuses_bad_options_before_measuring(
