@@ -1,0 +1,88 @@
+"""The API reference (docs/api.md) names every public name: each module's ``__all__`` and
+every public method and attribute of each public class, of lockmgr, lockmgr.postgres and
+lockmgr.otel.
+
+A name counts as documented when docs/api.md has an autodoc directive for it
+(``.. autoclass:: lockmgr.LockManager``) or lists it in the ``:members:`` of its class's
+directive (an explicit list: a member added to a class, and to no list, fails here rather
+than going missing from the site). A name a module re-exports from another (``lockmgr.postgres.LockLost``
+is ``lockmgr.LockLost``) counts when the page names it. What a class has from a built-in
+base (an exception's ``args``, ``TimeoutError``'s ``errno``) is Python's, not lockmgr's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+import re
+from collections.abc import Iterator
+
+import pytest
+from conftest import TESTS
+
+API = pathlib.Path(TESTS).parent / "docs" / "api.md"
+MODULES = ("lockmgr", "lockmgr.postgres", "lockmgr.otel")
+DIRECTIVE = re.compile(r"^\.\. auto(?P<kind>\w+):: (?P<name>[\w.]+)")
+MEMBERS = re.compile(r"^   :members: (?P<names>.+)$")
+CONTINUED = re.compile(r"^ {4,}[\w, ]+$")
+
+
+def public_names() -> Iterator[tuple[str, object]]:
+    """Each public name with its object: the modules' ``__all__``, then their classes'."""
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            yield f"{module_name}.{name}", value
+            if inspect.isclass(value):
+                builtin = {attribute for base in value.__mro__ if base.__module__ == "builtins"
+                           for attribute in dir(base)}
+                for attribute in dir(value):
+                    if not attribute.startswith("_") and attribute not in builtin:
+                        yield f"{module_name}.{name}.{attribute}", value
+
+
+def documented_names() -> set[str]:
+    """The names docs/api.md documents: its directives' and their explicit members (a
+    ``:members:`` list may go on over lines indented deeper than the option)."""
+    named: set[str] = set()
+    documenting = None
+    listing = False
+    for line in API.read_text(encoding="utf-8").splitlines():
+        directive = DIRECTIVE.match(line)
+        members = MEMBERS.match(line)
+        if directive:
+            named.add(directive["name"])
+            documenting, listing = directive["name"], False
+        elif members and documenting:
+            names, listing = members["names"], True
+        elif listing and CONTINUED.match(line):
+            names = line
+        else:
+            listing = False
+            continue
+        if listing:
+            named.update(f"{documenting}.{member.strip()}"
+                         for member in names.split(",") if member.strip())
+    return named
+
+
+def test_the_api_reference_names_every_public_name() -> None:
+    documented = documented_names()
+    text = API.read_text(encoding="utf-8")
+    missing = []
+    for name, value in public_names():
+        if name in documented:
+            continue
+        _, _, short = name.rpartition(".")
+        reexported = inspect.isclass(value) and f"{value.__module__}.{short}" != name
+        if not (reexported and f"`{name}`" in text):
+            missing.append(name)
+    assert not missing, f"docs/api.md does not document: {', '.join(missing)}"
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_every_module_named_has_public_names(module_name: str) -> None:
+    """The lists this test walks are there (a module without ``__all__`` would pass empty)."""
+    assert importlib.import_module(module_name).__all__
