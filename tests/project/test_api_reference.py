@@ -86,3 +86,25 @@ def test_the_api_reference_names_every_public_name() -> None:
 def test_every_module_named_has_public_names(module_name: str) -> None:
     """The lists this test walks are there (a module without ``__all__`` would pass empty)."""
     assert importlib.import_module(module_name).__all__
+
+
+def _calls(module_names: tuple[str, ...]) -> Iterator[tuple[str, object]]:
+    """The public functions and methods among ``public_names`` of ``module_names``."""
+    for name, value in public_names():
+        if not name.startswith(tuple(f"{module}." for module in module_names)):
+            continue
+        if name.rpartition(".")[0] in module_names:  # a module's own name
+            if inspect.isfunction(value):
+                yield name, value
+            continue
+        member = inspect.getattr_static(value, name.rpartition(".")[2])
+        if inspect.isfunction(member):
+            yield name, member
+
+
+def test_every_public_call_of_the_postgres_and_otel_modules_says_what_it_raises() -> None:
+    """Its docstring says what it raises ("Raises nothing" included, or "raises what
+    ``acquire`` raises")."""
+    silent = [name for name, call in _calls(("lockmgr.postgres", "lockmgr.otel"))
+              if not re.search(r"\braises\b", inspect.getdoc(call) or "", re.IGNORECASE)]
+    assert not silent, f"no word on what they raise: {', '.join(silent)}"
