@@ -65,8 +65,9 @@ class PgLockManager(_PgEngine[K]):
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
-        """This manager with the current asyncio task as owner (see ``lockmgr.postgres._aio``):
-        tasks and threads of this process exclude each other per key."""
+        """This manager with the current asyncio task as owner: the same methods, acquiring
+        and releasing awaited (a release talks to the server); tasks and threads of this
+        process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
         return PgAsyncLockManager(self, self._task_sessions())
