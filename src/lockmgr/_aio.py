@@ -274,10 +274,12 @@ class _AsyncEngineView:
         return self._manager
 
     def release_all(self) -> int:
-        """Release every key of this manager the current task holds, all levels; how many."""
+        """Release every key of this manager the current task holds, all levels; how many.
+        Raises RuntimeError outside a running asyncio task."""
         return int(self._manager._task_release_all())
 
     def stats(self) -> LockStats:
+        """The manager's counters (threads and tasks alike). Raises nothing."""
         return self._manager.stats()
 
     def __len__(self) -> int:
@@ -302,6 +304,10 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
       meanwhile; a cancellation leaves nothing acquired.
     - ``aio.release(key)``: undo one ``acquire`` (NotOwnedError if the current task does
       not hold ``key``).
+
+    What they raise: ``acquire`` TypeError/ValueError for bad ``blocking``/``timeout`` and
+    TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
+    tasks and threads, nothing acquired in each case; both raise RuntimeError outside a running asyncio task.
 
     Both are the engine's own methods, bound here: the compiled core's ``acquire`` answers
     a coroutine of its own, so the uncontended pair runs no Python frame. Never use
@@ -329,7 +335,11 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
             self.release = manager._task_release_write
 
     def hold(self, key: K, timeout: float | None = None) -> AsyncBlock:
-        """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
+        """``async with aio.hold(key, timeout=...)``: the key for the block.
+
+        Entering raises LockTimeout if not acquired in time, what ``acquire`` raises, and
+        RuntimeError if another task is inside this object when it would enter; leaving
+        raises RuntimeError if no task is inside it."""
         return self._manager._task_hold(key, hold_seconds(timeout), WRITE)
 
     def __getitem__(self, key: K) -> AsyncKeyLock[K]:
@@ -337,36 +347,44 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
 
     async def acquire_many(self, keys: Iterable[K], blocking: bool = True,
                            timeout: float = -1) -> bool:
-        """Lock every key of ``keys`` at once, or none (as ``LockManager.acquire_many``)."""
+        """Lock every key of ``keys`` at once, or none (as ``LockManager.acquire_many``).
+        Raises what ``acquire`` raises, nothing acquired."""
         manager = self._manager
         return await _take(manager, manager._task_enter_many,
                            many_items(keys, manager._table_key), wait_seconds(blocking, timeout),
                            False)
 
     def release_many(self, keys: Iterable[K]) -> None:
+        """Undo one ``acquire_many`` of ``keys``. Raises NotOwnedError, nothing released, if
+        the current task does not hold them all; RuntimeError outside a running asyncio task."""
         self._manager._task_release_many(many_items(keys, self._manager._table_key))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.hold_many(keys, timeout=...)``: every key for the block; raises
+        what ``hold`` raises."""
         return self._manager._task_hold_many(
             many_items(keys, self._manager._table_key), hold_seconds(timeout))
 
     def locked(self, key: K) -> bool:
-        """Whether any thread or task holds ``key``."""
+        """Whether any thread or task holds ``key``. Raises TypeError for an unhashable key."""
         return bool(self._manager.locked(key))
 
     def owned(self, key: K) -> bool:
-        """Whether the current task holds ``key``."""
+        """Whether the current task holds ``key``. Raises RuntimeError outside a running asyncio task."""
         return bool(self._manager._task_levels(key)[0])
 
     def recursion_count(self, key: K) -> int:
-        """How many times the current task holds ``key`` (0 if it does not)."""
+        """How many times the current task holds ``key`` (0 if it does not). Raises
+        RuntimeError outside a running asyncio task."""
         return int(self._manager._task_levels(key)[0])
 
     def synchronized(self, key_func: Callable[..., Hashable]
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
         """Decorator for coroutine functions: each call holds ``key_func(*args, **kwargs)``
-        for the current task while it runs."""
+        for the current task while it runs. A call raises what ``hold`` raises around the
+        function's own errors; a ``key_func`` that is not callable, and decorating a
+        plain function, raise TypeError."""
         return _synchronized(self, key_func)
 
     def __repr__(self) -> str:
@@ -403,46 +421,62 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
             self.release_write = manager._task_release_write
 
     def read(self, key: K, timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.read(key, timeout=...)``: ``key`` shared for the block; raises
+        what ``AsyncLockManager.hold`` raises."""
         return self._manager._task_hold(key, hold_seconds(timeout), READ)
 
     def write(self, key: K, timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.write(key, timeout=...)``: ``key`` exclusive for the block;
+        raises what ``AsyncLockManager.hold`` raises."""
         return self._manager._task_hold(key, hold_seconds(timeout), WRITE)
 
     async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                            blocking: bool = True, timeout: float = -1) -> bool:
+        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written).
+        Raises what ``AsyncLockManager.acquire`` raises, nothing acquired."""
         manager = self._manager
         return await _take(manager, manager._task_enter_many,
                            rw_items(reads, writes, manager._table_key),
                            wait_seconds(blocking, timeout), False)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        """Undo one ``acquire_many``. Raises NotOwnedError, nothing released, if the current
+        task does not hold them so; RuntimeError outside a running asyncio task."""
         self._manager._task_release_many(rw_items(reads, writes, self._manager._table_key))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.hold_many(reads, writes, timeout=...)``: all of them for the
+        block; raises what ``AsyncLockManager.hold`` raises."""
         return self._manager._task_hold_many(
             rw_items(reads, writes, self._manager._table_key), hold_seconds(timeout))
 
     def readers(self, key: K) -> int:
-        """How many threads and tasks hold ``key`` for reading."""
+        """How many threads and tasks hold ``key`` for reading. Raises TypeError for an
+        unhashable key."""
         return int(self._manager.readers(key))
 
     def write_locked(self, key: K) -> bool:
+        """Whether a thread or task holds ``key`` for writing. Raises TypeError for an
+        unhashable key."""
         return bool(self._manager.write_locked(key))
 
     def owned(self, key: K) -> bool:
-        """Whether the current task holds ``key`` (for reading or writing)."""
+        """Whether the current task holds ``key`` (for reading or writing). Raises
+        RuntimeError outside a running asyncio task."""
         write, read = self._manager._task_levels(key)
         return bool(write or read)
 
     def recursion_count(self, key: K) -> int:
-        """How many times the current task holds ``key`` for writing (0 if it does not)."""
+        """How many times the current task holds ``key`` for writing (0 if it does not).
+        Raises RuntimeError outside a running asyncio task."""
         return int(self._manager._task_levels(key)[0])
 
     def synchronized(self, key_func: Callable[..., Hashable]
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
-        """As ``AsyncLockManager.synchronized``, holding the key for writing."""
+        """As ``AsyncLockManager.synchronized``, holding the key for writing; raises what
+        it raises."""
         return _synchronized(self, key_func)
 
     def __repr__(self) -> str:

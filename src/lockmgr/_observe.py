@@ -118,11 +118,14 @@ class Histogram:
 
     @property
     def mean(self) -> float | None:
+        """The mean duration in seconds, None if nothing was measured."""
         return self.sum / self.count if self.count else None
 
     def quantile(self, q: float) -> float | None:
         """An upper estimate of the ``q`` quantile (0 < q <= 1): the bound of the bucket it
-        falls in (``max`` for the last bucket), None if nothing was measured."""
+        falls in (``max`` for the last bucket), None if nothing was measured.
+
+        Raises ValueError for a ``q`` outside (0, 1]."""
         if not 0 < q <= 1:
             raise ValueError("q must be in (0, 1]")
         if not self.count:

@@ -128,7 +128,7 @@ class Instrumentation:
         self._instruments.waits.record(seconds, self.attributes)
 
     def uninstrument(self) -> None:
-        """Stop reporting this manager."""
+        """Stop reporting this manager (again: nothing more happens). Raises nothing."""
         self._instruments.leave(self)
         engine = self._engine()
         if engine is not None:
@@ -138,7 +138,11 @@ class Instrumentation:
 def instrument(manager: Any, *, name: str = "lockmgr", meter_provider: Any = None) -> Instrumentation:
     """Report ``manager`` (any lockmgr manager, PostgreSQL ones included) through
     OpenTelemetry, as ``name`` (one name per manager on a meter provider); ``meter_provider``
-    defaults to the global one."""
+    defaults to the global one.
+
+    Raises TypeError for something that is not a lockmgr manager or a ``name`` that is not
+    a str, and ValueError if a manager of that ``name`` is instrumented on that meter
+    provider already."""
     if not callable(getattr(manager, "stats", None)) or not hasattr(
             getattr(manager, "_engine", manager), "_add_wait_observer"):
         raise TypeError(f"instrument() takes a lockmgr manager, not {type(manager).__name__}")

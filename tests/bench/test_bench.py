@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -52,17 +53,30 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_progress_rewrites_one_line_on_a_terminal_and_is_quiet_elsewhere() -> None:
-    terminal, log = _Terminal(), io.StringIO()
-    for stream in (terminal, log):
-        with _measure.Progress(2, stream) as shown:
-            shown.step("uncontended: lockmgr")
-            shown.step("hot-key: lockmgr")
-    assert log.getvalue() == ""
+def test_progress_rewrites_one_line_on_a_terminal() -> None:
+    terminal = _Terminal()
+    with _measure.Progress(2, terminal) as shown:
+        shown.step("uncontended: lockmgr")
+        shown.step("hot-key: lockmgr")
     lines = terminal.getvalue().split("\r\x1b[K")
     assert lines[0] == "" and lines[1].startswith("[lockmgr-bench] 1/2 uncontended: lockmgr (0:0")
     assert lines[2].startswith("[lockmgr-bench] 2/2 hot-key: lockmgr (0:0")
     assert lines[2].endswith(")\n")  # the line is ended when the run is
+
+
+def test_progress_writes_a_line_per_step_with_its_time_where_not_a_terminal() -> None:
+    """A log or a pipe (CI) gets each step as it starts, with the run's time so far, then the
+    total: plain lines, no terminal control characters."""
+    log = io.StringIO()
+    with _measure.Progress(2, log) as shown:
+        shown.step("uncontended: lockmgr")
+        shown.step("hot-key: lockmgr")
+    lines = log.getvalue().splitlines()
+    assert [re.sub(r"\(\d+:\d\d\)$", "(TIME)", line) for line in lines[:2]] == [
+        "[lockmgr-bench] 1/2 uncontended: lockmgr (TIME)",
+        "[lockmgr-bench] 2/2 hot-key: lockmgr (TIME)"]
+    assert re.fullmatch(r"\[lockmgr-bench\] 2 steps in \d+:\d\d", lines[2]) and len(lines) == 3
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
 
 
 def test_a_run_counts_its_steps_and_refuses_bad_options_before_measuring(
@@ -229,12 +243,80 @@ def test_ratios_and_the_plot_take_zeros_wherever_they_are(tmp_path: Path) -> Non
     found = _output.panels(results, impls)
     assert [panel.scenario for panel in found] == ["asyncio-hot-key", "fairness", "uncontended"]
     summary = {panel.scenario: ratios for panel, ratios in _output.ratios(found)}
-    assert summary == {"uncontended": {"lockmgr-pure": 180.0}}
+    assert summary == {"uncontended": {"lockmgr": 0.0, "lockmgr-pure": 180.0}}
     if importlib.util.find_spec("matplotlib") is None:  # free-threaded builds: no wheel
         return
     picture = tmp_path / "zeros.png"
     _output.plot(results, impls, str(picture))
     assert picture.stat().st_size > 0
+
+
+def test_each_implementation_has_a_colour_of_its_own_and_lockmgr_is_red() -> None:
+    impls = ["threading.Lock", "lockmgr", "lockmgr-unfair", "striped", "lockmgr-pure",
+             "rwlock", "threading.RLock", "dict-of-locks", "asyncio.Lock"]
+    colours = _output.colours(impls)
+    assert colours["lockmgr"] == _output.LOCKMGR_RED
+    assert len(set(colours.values())) == len(impls)
+
+
+_FAIRNESS = (
+    ("fairness", "lockmgr", "max-overtaken", 0.0, "times"),
+    ("fairness", "threading.Lock", "max-overtaken", 40.0, "times"),
+    ("fairness", "lockmgr-pure", "max-overtaken", 2.0, "times"),
+    ("hot-key", "lockmgr", "throughput", 2e6, "acq/s"),
+    ("hot-key", "threading.Lock", "throughput", 1e6, "acq/s"),
+)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib (lockmgr[plot]) has no wheel here")
+def test_a_ratio_of_zero_is_drawn_at_the_summary_axis_floor_marked_0() -> None:
+    """0 overtakes against threading.Lock's 40 is a ratio of 0, which a log axis has no
+    place for: it is drawn at the axis floor, left of every other ratio, and marked 0."""
+    impls = ["lockmgr", "lockmgr-pure", "threading.Lock"]
+    figure = _output.draw(_results(*_FAIRNESS), impls)
+    try:
+        summary = figure.axes[0]
+        points = [(tuple(collection.get_offsets()[0]), collection.get_label())
+                  for collection in summary.collections]
+        floor = _output.zero_floor(_output.ratios(_output.panels(_results(*_FAIRNESS), impls)))
+        assert ((floor, 0.0), "lockmgr") in points  # row 0: fairness
+        assert floor < min(x for (x, _), _ in points if x != floor)
+        assert summary.get_xlim()[0] < floor
+        ticks = dict(zip(summary.get_xticks(), (label.get_text() for label in summary.get_xticklabels())))
+        assert ticks[floor] == "0"
+    finally:
+        importlib.import_module("matplotlib.pyplot").close(figure)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib (lockmgr[plot]) has no wheel here")
+def test_plot_of_a_saved_run_draws_it_without_measuring(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "run.json"
+    about = _output.machine()
+    saved.write_text(json.dumps({"machine": about, "results": [
+        {"scenario": scenario, "impl": impl, "metric": metric, "value": value, "unit": unit}
+        for scenario, impl, metric, value, unit in _FAIRNESS]}))
+    monkeypatch.setattr(_cli, "_plan", lambda *args: pytest.fail("measured"))
+    assert bench.main(["--plot", str(saved), "--impl", "lockmgr", "--impl", "threading.Lock"]) == 0
+    assert (tmp_path / "run.png").stat().st_size > 0
+    printed = capsys.readouterr()
+    assert printed.out.splitlines()[0] == _output.header(about)
+    assert "| scenario | metric | lockmgr | threading.Lock |" in printed.out
+    assert "| fairness | max-overtaken (times) | 0 (0.00x) | 40 |" in printed.out
+    assert f"wrote {tmp_path / 'run.png'}" in printed.err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib (lockmgr[plot]) has no wheel here")
+def test_plot_of_a_file_that_is_not_a_saved_run_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "run.json"
+    saved.write_text('{"results": []}')
+    assert bench.main(["--plot", str(saved)]) == 2
+    assert f"--plot {saved}: not a run saved by --json" in capsys.readouterr().err
+    assert not (tmp_path / "run.png").exists()
 
 
 def test_contention_report_draws_or_needs_matplotlib(tmp_path: Path,

@@ -96,7 +96,7 @@ def test_every_file_has_its_examples_found() -> None:
     """The pages with code still have it, as fences this module reads."""
     with_examples = {example.path.name for example in EXAMPLES}
     expected = {"README.md", "getting-started.md", "asyncio.md", "readers-writers.md",
-                "many-keys.md", "postgres.md", "contention.md"}
+                "many-keys.md", "postgres.md", "contention.md", "recipes.md"}
     assert expected <= with_examples, expected - with_examples
 
 

@@ -1,7 +1,9 @@
 """``lockmgr-bench``: lockmgr against threading.Lock and friends, side by side in one run.
 
 Run ``lockmgr-bench --quick`` (or ``python -m lockmgr.bench --quick``); ``--help`` lists the
-scenarios and options. The table goes to stdout, progress to stderr.
+scenarios and options. The table goes to stdout, progress to stderr (a line rewritten in
+place on a terminal, a line per step elsewhere). ``--plot SAVED.json`` draws a run that
+``--json`` saved, without measuring.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
         prog="lockmgr-bench",
         description="Compare lockmgr with threading.Lock and friends on this machine.",
     )
-    parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in under a minute")
+    parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in about 2 minutes on a 2-core "
+                             "machine (more when it is busy)")
     parser.add_argument("--scenario", action="append",
                         choices=[*SCENARIOS, *ASYNC_SCENARIOS, "server-pairs", "distributed"],
                         help="run only this scenario (repeatable; default: all but "
@@ -46,7 +49,11 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--threads", type=_positive, default=4, help="threads for hot-key, many-keys and fairness (default 4; scaling uses 1, 2 and the CPU count)")
     parser.add_argument("--keys", type=_positive, default=1000, help="distinct keys for many-keys (default 1000)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--plot", metavar="PATH.png", help="also draw the results (needs lockmgr[plot])")
+    parser.add_argument("--plot", metavar="PATH.png|SAVED.json",
+                        help="also draw the results into PATH.png (needs lockmgr[plot]); "
+                             "given a run saved by --json instead, measure nothing: print "
+                             "that run's tables and draw it into SAVED.png beside it "
+                             "(--impl picks implementations of it)")
     parser.add_argument("--contention-report", metavar="PATH.png",
                         help="instead of the scenarios: run hot-key and a skewed many-keys "
                              "with lockmgr's metrics on and draw the wait-time histograms and "
@@ -185,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         contention_report(report, args.contention_report)
         progress(f"wrote {args.contention_report}")
         return 0
+    if args.plot and args.plot.endswith(".json"):
+        return _draw_saved(args.plot, args.impl)
     results = Results()
     steps = _plan(args, impls, available, async_available, settings, results)
     if isinstance(steps, str):
@@ -195,28 +204,55 @@ def main(argv: list[str] | None = None) -> int:
             shown.step(label)
             run()
     about = machine()  # after the runs: whether something they imported turned the GIL on
+    columns = _measured_in_order(results, impls)
+    _print_tables(about, results, columns)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump({"machine": about, "results": results.rows}, out, indent=2)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        plot(results, columns, args.plot)
+        progress(f"wrote {args.plot}")
+    return 0
+
+
+def _measured_in_order(results: Results, impls: list[str]) -> list[str]:
+    """The implementations that measured something, in the order asked (those added by
+    the run itself, such as postgres-processes or redis-py, after them)."""
+    measured = {row["impl"] for row in results.rows}
+    return [name for name in dict.fromkeys([*impls, *(row["impl"] for row in results.rows)])
+            if name in measured]
+
+
+def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> None:
+    """The header, then up to three tables: the thread scenarios (ratios to threading.Lock),
+    the asyncio ones (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr
+    over PostgreSQL), each with the implementations it measured as columns."""
     print(header(about))
-    # Up to three tables: the thread scenarios (ratios to threading.Lock), the asyncio ones
-    # (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr over
-    # PostgreSQL), each with the implementations it measured as columns.
     for scenarios, baseline in ((set(SCENARIOS) | {"server-pairs"}, BASELINE),
                                 (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
                                 ({"distributed"}, "lockmgr")):
         rows = [row for row in results.rows if row["scenario"] in scenarios]
         if not rows:
             continue
-        measured = {row["impl"] for row in rows}  # with postgres-processes, redis-py
-        columns = [name for name in dict.fromkeys([*impls, *(row["impl"] for row in rows)])
-                   if name in measured]
         print()
-        print("\n".join(table(results, columns, baseline, scenarios)))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"machine": about, "results": results.rows}, out, indent=2)
-        progress(f"wrote {args.json}")
-    if args.plot:
-        measured = {row["impl"] for row in results.rows}
-        plot(results, [name for name in dict.fromkeys([*impls, *(row["impl"] for row in results.rows)])
-                       if name in measured], args.plot)
-        progress(f"wrote {args.plot}")
+        print("\n".join(table(results, _measured_in_order(Results(rows), impls), baseline,
+                              scenarios)))
+
+
+def _draw_saved(path: str, impls: list[str] | None) -> int:
+    """``--plot SAVED.json``: the tables and the picture of a run ``--json`` saved."""
+    try:
+        with open(path, encoding="utf-8") as saved:
+            report = json.load(saved)
+        about, rows = report["machine"], report["results"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"lockmgr-bench: --plot {path}: not a run saved by --json ({exc})", file=sys.stderr)
+        return 2
+    results = Results([row for row in rows if impls is None or row["impl"] in impls])
+    columns = _measured_in_order(results, impls or [])
+    _print_tables(about, results, columns)
+    picture = path.removesuffix(".json") + ".png"
+    plot(results, columns, picture)
+    progress(f"wrote {picture}")
     return 0

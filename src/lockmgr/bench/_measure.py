@@ -38,9 +38,9 @@ def progress(message: str) -> None:
 
 
 class Progress:
-    """Which step of how many a run is at, and for how long it has run: one line on stderr,
-    rewritten in place, while stderr is a terminal; nothing otherwise (a log or a pipe gets
-    only what ``progress`` prints)."""
+    """Which step of how many a run is at, and how long it has run. On a terminal, one line on
+    stderr rewritten in place; elsewhere (a log, a pipe, CI), a line per step as it starts,
+    with the time the run had taken by then, and a last one with the total, as pip does."""
 
     _shown = False  # a status line is on the terminal, not yet ended
 
@@ -55,23 +55,34 @@ class Progress:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.live and Progress._shown:
-            self.stream.write("\n")
-            self.stream.flush()
-            Progress._shown = False
+        if self.live:
+            if Progress._shown:
+                self.stream.write("\n")
+                self.stream.flush()
+                Progress._shown = False
+        elif exc_info[0] is None:
+            self._line(f"{self.done} steps in {self._elapsed()}")
 
     def step(self, label: str) -> None:
         """Starting step ``label``, the next of ``total``."""
         self.done += 1
+        text = f"{self.done}/{self.total} {label} ({self._elapsed()})"
         if not self.live:
+            self._line(text)
             return
-        elapsed = int(time.monotonic() - self.started)
-        line = (f"[lockmgr-bench] {self.done}/{self.total} {label} "
-                f"({elapsed // 60}:{elapsed % 60:02d})")
         width = shutil.get_terminal_size().columns - 1
-        self.stream.write("\r\x1b[K" + line[:width])
+        self.stream.write("\r\x1b[K" + f"[lockmgr-bench] {text}"[:width])
         self.stream.flush()
         Progress._shown = True
+
+    def _elapsed(self) -> str:
+        """The time since the run started, as m:ss."""
+        elapsed = int(time.monotonic() - self.started)
+        return f"{elapsed // 60}:{elapsed % 60:02d}"
+
+    def _line(self, text: str) -> None:
+        self.stream.write(f"[lockmgr-bench] {text}\n")
+        self.stream.flush()
 
     @staticmethod
     def clear_line() -> None:

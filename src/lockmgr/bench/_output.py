@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import itertools
+import math
 import os
 import platform
 import random
@@ -124,7 +125,8 @@ def baseline_of(scenario: str) -> str:
 
 def ratios(found: list[Panel]) -> list[tuple[Panel, dict[str, float]]]:
     """For the summary panel: each metric's values as ratios to its baseline's
-    (threading.Lock; asyncio.Lock for the asyncio scenarios), where it measured one."""
+    (threading.Lock; asyncio.Lock for the asyncio scenarios), where it measured one. A zero
+    (0 overtakes) stays a ratio of 0: the summary draws it at its axis floor."""
     rows = []
     for panel in found:
         baseline = baseline_of(panel.scenario)
@@ -132,30 +134,56 @@ def ratios(found: list[Panel]) -> list[tuple[Panel, dict[str, float]]]:
         if base <= 0:  # nothing to divide by (asyncio.Lock is never overtaken): no row
             continue
         compared = {impl: value / base for impl, value in panel.values.items()
-                    if impl != baseline and value > 0}
+                    if impl != baseline}
         if compared:
             rows.append((panel, compared))
     return rows
 
 
-def _colour(impl: str) -> str:
-    """lockmgr's compiled engine stands out; its other forms in lighter blues; peers grey."""
-    if impl == "lockmgr":
-        return "#d62728"
-    if impl.startswith(("lockmgr", "striped", "rwlock")):
-        return "#6baed6"
-    return "#9e9e9e"
+LOCKMGR_RED = "#d62728"
+#: One colour per implementation, none of them red (lockmgr's), in the order they come.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#c5b0d5", "#c49c94",
+           "#f7b6d2", "#dbdb8d", "#9edae5")
 
 
-def plot(results: Results, impls: list[str], path: str) -> None:
-    """The results at a glance: first every metric as a ratio to threading.Lock (asyncio
-    ones to asyncio.Lock) on one log axis (lockmgr in red), then one panel per metric, log-scaled where values span more
-    than 10x; each title says whether higher or lower is better."""
+def colours(impls: list[str]) -> dict[str, str]:
+    """A colour per implementation, the same in every panel: lockmgr (the compiled engine,
+    the subject) red, the others distinct from each other while the palette lasts."""
+    others = itertools.cycle(PALETTE)
+    return {impl: LOCKMGR_RED if impl == "lockmgr" else next(others) for impl in impls}
+
+
+def zero_floor(summary: list[tuple[Panel, dict[str, float]]]) -> float:
+    """Where the summary's log axis draws a ratio of 0: a notch left of the smallest
+    ratio above 0 (a log axis has no 0)."""
+    positive = [ratio for _, values in summary for ratio in values.values() if ratio > 0]
+    return min([*positive, 1.0]) / 4
+
+
+def _mark_zero(axis: Any, floor: float) -> None:
+    """The summary's 0: a dotted line at ``floor``, labelled 0 on the axis, which starts
+    there (the decades below it, which no ratio has, would read as values between)."""
+    axis.axvline(floor, color="black", linewidth=0.8, linestyle=":")
+    right = axis.get_xlim()[1]
+    decades = range(math.ceil(math.log10(floor * 2)), math.floor(math.log10(right)) + 1)
+    axis.set_xticks([floor, *(10.0 ** power for power in decades)],
+                    ["0", *(f"$10^{{{power}}}$" for power in decades)])
+    axis.set_xlim(floor / 1.3, right)
+
+
+def draw(results: Results, impls: list[str]) -> Any:
+    """The results at a glance (a matplotlib Figure): first every metric as a ratio to
+    threading.Lock (asyncio ones to asyncio.Lock) on one log axis (lockmgr in red, a ratio
+    of 0 at the axis floor, marked 0), then one panel per metric, log-scaled where values
+    span more than 10x (a 0 there, which has no bar, labelled); each title says whether
+    higher or lower is better, and each implementation keeps its colour throughout."""
     importlib.import_module("matplotlib").use("Agg")  # an optional extra: untyped on purpose
     plt = importlib.import_module("matplotlib.pyplot")
     no_labels = importlib.import_module("matplotlib.ticker").NullFormatter
     found = panels(results, impls)
     summary = ratios(found)
+    colour = colours(impls)
     columns = 3
     rows = (len(found) + columns - 1) // columns
     summary_height = max(2.5, 0.32 * len(summary) + 1.2) if summary else 0.0
@@ -166,16 +194,20 @@ def plot(results: Results, impls: list[str], path: str) -> None:
         axis = figure.add_subplot(grid[0, :])
         labels = [f"{panel.scenario}: {panel.metric} ({'higher' if panel.unit in HIGHER_IS_BETTER else 'lower'} is better)"
                   for panel, _ in summary]
+        floor = zero_floor(summary)
         shown: set[str] = set()
         for row, (_, values) in enumerate(summary):
             for impl, ratio in values.items():
-                axis.scatter([ratio], [row], s=90 if impl == "lockmgr" else 30, color=_colour(impl),
+                axis.scatter([ratio if ratio > 0 else floor], [row],
+                             s=90 if impl == "lockmgr" else 30, color=colour[impl],
                              zorder=3 if impl == "lockmgr" else 2,
                              label=None if impl in shown else impl)
                 shown.add(impl)
         axis.axvline(1.0, color="black", linewidth=0.8)
         axis.set_xscale("log")
         axis.xaxis.set_minor_formatter(no_labels())
+        if any(ratio == 0 for _, values in summary for ratio in values.values()):
+            _mark_zero(axis, floor)
         axis.set_yticks(range(len(labels)), labels, fontsize=7)
         axis.invert_yaxis()
         axis.set_xlabel(f"ratio to {BASELINE} (asyncio scenarios: to {ASYNC_BASELINE}); "
@@ -189,7 +221,7 @@ def plot(results: Results, impls: list[str], path: str) -> None:
         axis = figure.add_subplot(grid[first_row + index // columns, index % columns])
         names = list(panel.values)
         axis.barh(names, [panel.values[name] for name in names],
-                  color=[_colour(name) for name in names])
+                  color=[colour[name] for name in names])
         if panel.log:
             axis.set_xscale("log")
             axis.xaxis.set_minor_formatter(no_labels())
@@ -202,8 +234,14 @@ def plot(results: Results, impls: list[str], path: str) -> None:
         axis.tick_params(labelsize=7)
         axis.invert_yaxis()
     figure.tight_layout()
+    return figure
+
+
+def plot(results: Results, impls: list[str], path: str) -> None:
+    """``draw`` the results into the PNG file ``path``."""
+    figure = draw(results, impls)
     figure.savefig(path, dpi=110)
-    plt.close(figure)
+    importlib.import_module("matplotlib.pyplot").close(figure)
 
 
 # -- the contention report (--contention-report) ---------------------------------------------------

@@ -128,7 +128,8 @@ class _PgEngine(Generic[K]):
         return f"<lockmgr.{type(self).__name__} namespace={self._namespace!r} at {id(self):#x}>"
 
     def close(self) -> None:
-        """Close the idle connections (those of threads and tasks holding keys stay theirs)."""
+        """Close the idle connections (those of threads and tasks holding keys stay theirs),
+        and end the tasks of event loops closed while they waited. Raises nothing."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()
@@ -165,7 +166,9 @@ class _PgEngine(Generic[K]):
             return tasks
 
     def advisory_key(self, key: Hashable) -> int:
-        """The advisory key ``key`` uses in this manager's namespace."""
+        """The advisory key ``key`` uses in this manager's namespace (``advisory_key(key,
+        namespace)``). Raises TypeError for a key PostgreSQL cannot take (keys are str,
+        bytes, int and tuples of them)."""
         if type(key) is not str:
             return _salted_key(key, self._salt)
         # Each call hashes its keys more than once: recent str keys are remembered, in a
@@ -178,7 +181,7 @@ class _PgEngine(Generic[K]):
         return ident
 
     def stats(self) -> LockStats:
-        """The in-process engine's counters (this process's threads)."""
+        """The in-process engine's counters (this process's threads). Raises nothing."""
         stats: LockStats = self._engine.stats()
         return stats
 
@@ -191,12 +194,13 @@ class _PgEngine(Generic[K]):
 
     def snapshot(self) -> list[KeyState]:
         """The in-process engine's keys held or waited on by this process's threads and
-        tasks (other processes' locks are in PostgreSQL's ``pg_locks``)."""
+        tasks (other processes' locks are in PostgreSQL's ``pg_locks``). Raises nothing."""
         states: list[KeyState] = self._engine.snapshot()
         return states
 
     def metrics(self) -> LockMetrics:
-        """The in-process engine's metrics (waits between this process's threads)."""
+        """The in-process engine's metrics (waits between this process's threads). Raises
+        nothing."""
         metrics: LockMetrics = self._engine.metrics()
         return metrics
 
@@ -216,7 +220,8 @@ class _PgEngine(Generic[K]):
         """Keys whose session was lost and that their holders (living threads of this
         process) have not yet released.
 
-        Checks first, without waiting, the connection of every thread holding keys."""
+        Checks first, without waiting, the connection of every thread holding keys.
+        Raises nothing."""
         session = self._session_or_none()
         if session is not None:
             self._settle(session)
@@ -260,8 +265,8 @@ class _PgEngine(Generic[K]):
         """The fence under which the calling thread holds ``key`` for writing: the one its
         first acquisition took, kept by reentrant ones (``lease.fence`` of ``hold``).
 
-        LockError without ``fencing=True`` or for a key only read, NotOwnedError if the
-        thread does not hold it, LockLost if its session was lost."""
+        Raises LockError without ``fencing=True`` or for a key only read, NotOwnedError if
+        the thread does not hold it, LockLost if its session was lost."""
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything else
         if not self._fencing:
             raise _no_fencing()
@@ -300,8 +305,16 @@ class _PgEngine(Generic[K]):
 
         The same key and namespace are the same lock as the managers' session-level ones.
         Leaving the block does **not** release it: the end of the transaction does, so the
-        lock and the transaction's writes commit or roll back together. A timeout raises
-        LockTimeout with nothing held and the caller's transaction intact.
+        lock and the transaction's writes commit or roll back together. ``shared=True``
+        takes it shared (as a read); ``timeout``: None or -1 waits as long as it takes, 0
+        tries once.
+
+        Raises LockTimeout if not acquired within ``timeout``, with nothing held and the
+        caller's transaction intact; LockError if ``conn`` has no open transaction;
+        DeadlockError if PostgreSQL finds a cycle, or at once if the calling thread or task
+        holds ``key`` as a session lock in a conflicting mode (it would wait for itself);
+        TypeError for a key PostgreSQL cannot take, TypeError/ValueError for a bad
+        ``timeout``.
         """
         seconds = hold_seconds(timeout)
         ident = self.advisory_key(key)

@@ -37,7 +37,11 @@ def _decimal(number: int) -> str:
 
 
 def advisory_key(key: Hashable, namespace: str = "") -> int:
-    """The signed 64-bit PostgreSQL advisory key of ``key`` in ``namespace``."""
+    """The signed 64-bit PostgreSQL advisory key of ``key`` in ``namespace``: what a
+    manager of that namespace locks for ``key`` (for ``pg_locks``, or SQL of your own).
+
+    Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples
+    of them)."""
     return _salted_key(key, _salt(namespace))
 
 

@@ -26,7 +26,30 @@ T = TypeVar("T")  # and its result
 
 
 class PgLockManager(_PgEngine[K]):
-    """``LockManager`` across processes and hosts, on PostgreSQL advisory locks."""
+    """``LockManager`` across processes and hosts, on PostgreSQL advisory locks.
+
+    Every process making a manager with the same database and ``namespace`` shares its
+    locks; threads of this process are ordered by an in-process ``LockManager`` first.
+
+    - ``dsn``: the database, as psycopg takes it (a URL or ``"host=... dbname=..."``).
+      Nothing connects yet: each thread connects when it first takes a key.
+    - ``namespace``: keeps these keys apart from other managers' on the same database
+      (the same key in two namespaces is two locks).
+    - ``fair``: as ``LockManager(fair=...)``, for the threads of this process; across
+      processes, PostgreSQL's queue is first come, first served.
+    - ``on_lost``: called once with the keys a lost connection held (on the thread that
+      noticed, so keep it short and let it not raise).
+    - ``connect_kwargs``: more arguments for ``psycopg.connect`` (``connect_timeout``,
+      ``sslmode``, ...); TCP keepalives are on unless these turn them off.
+    - ``log_waits_after``: as ``LockManager(log_waits_after=...)``, for waits in process.
+    - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
+      ``fence()``), at the cost of a durable write per acquisition.
+    - ``fence_table``: ``"schema.table"`` of the fence counters (made on first use).
+
+    Making a manager raises TypeError or ValueError for a bad ``fence_table``; connecting
+    (at a thread's first acquisition) raises ``UnsafeServerError`` for a standby or a
+    pooler, and psycopg's ``OperationalError`` for a server it cannot reach.
+    """
 
     _engine: LockEngine[Hashable]
 
@@ -42,14 +65,22 @@ class PgLockManager(_PgEngine[K]):
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
-        """This manager with the current asyncio task as owner (see ``lockmgr.postgres._aio``):
-        tasks and threads of this process exclude each other per key."""
+        """This manager with the current asyncio task as owner: the same methods, acquiring
+        and releasing awaited (a release talks to the server); tasks and threads of this
+        process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
         return PgAsyncLockManager(self, self._task_sessions())
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Lock ``key`` across every process using this database and namespace."""
+        """Lock ``key`` across every process using this database and namespace; as
+        ``LockManager.acquire``: True once held, False if not within ``timeout``.
+
+        Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
+        (as ``threading.Lock.acquire``), TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), DeadlockError if
+        waiting would close a cycle (PostgreSQL's detector, or one through this process's
+        threads), LockLost if the thread holds ``key`` on a session that was lost;
+        connecting may raise ``UnsafeServerError`` or psycopg's ``OperationalError``."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
         return self._take([(key, WRITE)], seconds,
@@ -57,13 +88,17 @@ class PgLockManager(_PgEngine[K]):
                           lambda: self._engine.release(key))
 
     def release(self, key: K) -> None:
-        """Undo one ``acquire``; NotOwnedError if the caller does not hold it, LockLost if
-        its session was lost (the key is then no longer held)."""
+        """Undo one ``acquire`` (the last level releases it on the server).
+
+        Raises NotOwnedError if the calling thread does not hold ``key``, and LockLost if
+        its session was lost (the level is released all the same)."""
         self._give([(key, WRITE)], lambda: self._engine.release(key))
 
     def hold(self, key: K, timeout: float | None = None) -> _Held:
-        """A context manager holding ``key`` for its block (LockTimeout if not acquired);
-        ``as`` gives its ``Lease``."""
+        """A context manager holding ``key`` for its block; ``as`` gives its ``Lease``.
+
+        Entering raises LockTimeout if ``key`` is not acquired within ``timeout`` (None or
+        -1: no limit), and what ``acquire`` raises; leaving, what ``release`` raises."""
         seconds = hold_seconds(timeout)
         return _Held(self, [(key, WRITE)], lambda: self.acquire(key, timeout=seconds),
                      lambda: self.release(key), seconds)
@@ -73,7 +108,8 @@ class PgLockManager(_PgEngine[K]):
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
 
-        The decorated function keeps its signature for type checkers.
+        The decorated function keeps its signature for type checkers. A call raises what
+        ``hold`` raises around the function's own errors.
         """
         return synchronized(self, key_func)
 
@@ -82,14 +118,26 @@ class PgLockManager(_PgEngine[K]):
         return PgKeyLock(self, key)
 
     def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:
-        """Lock every key of ``keys`` at once, or none (see ``LockManager.acquire_many``)."""
+        """Lock every key of ``keys`` at once, or none (see ``LockManager.acquire_many``):
+        one round trip for the set.
+
+        Raises what ``acquire`` raises (a key named twice counts once)."""
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_items(many_items(keys, _same), seconds)
 
     def release_many(self, keys: Iterable[K]) -> None:
+        """Undo one ``acquire_many`` of ``keys``, in one round trip.
+
+        Raises NotOwnedError, with nothing released, if the thread does not hold them all;
+        LockLost if some were lost (the rest are released)."""
         self._release_items(many_items(keys, _same))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _Held:
+        """A context manager holding every key of ``keys`` for its block; ``as`` gives its
+        ``Lease`` (a fence per key with ``fencing=True``).
+
+        Entering raises LockTimeout if they are not acquired within ``timeout``, and what
+        ``acquire_many`` raises; leaving, what ``release_many`` raises."""
         seconds = hold_seconds(timeout)
         items = many_items(keys, _same)
         return _Held(self, items, lambda: self._acquire_items(items, seconds),
@@ -108,21 +156,27 @@ class PgLockManager(_PgEngine[K]):
         self._give(items, lambda: self._engine.release_many(keys))
 
     def owned(self, key: K) -> bool:
-        """Whether the calling thread holds ``key`` (a lost key is not held)."""
+        """Whether the calling thread holds ``key`` (a lost key is not held). Raises
+        nothing (an unhashable key: TypeError)."""
         return bool(self._engine.owned(key)) and not self._lost_here(key, WRITE)
 
     def owner(self, key: K) -> int | None:
-        """The ident of the thread of *this process* holding ``key``, or None."""
+        """The ident of the thread of *this process* holding ``key``, or None. Raises
+        nothing (an unhashable key: TypeError)."""
         owner: int | None = self._engine.owner(key)
         return None if owner is None or self._lost_items()[key, WRITE] else owner
 
     def recursion_count(self, key: K) -> int:
+        """How many levels of ``key`` the calling thread holds (0 for a lost key). Raises
+        nothing (an unhashable key: TypeError)."""
         count: int = self._engine.recursion_count(key)
         return 0 if count and self._lost_here(key, WRITE) else count
 
     def locked(self, key: K) -> bool:
         """Whether any session of any process holds ``key`` in this manager's database
-        (asks the server)."""
+        (asks the server, on a connection of the manager's).
+
+        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises."""
         return self._held_on_server(key, None)
 
     def __contains__(self, key: object) -> bool:
@@ -131,7 +185,12 @@ class PgLockManager(_PgEngine[K]):
 
 
 class PgRWLockManager(_PgEngine[K]):
-    """``RWLockManager`` across processes and hosts, on PostgreSQL advisory locks."""
+    """``RWLockManager`` across processes and hosts, on PostgreSQL advisory locks: shared
+    (read) and exclusive (write) per key.
+
+    The parameters are ``PgLockManager``'s but ``fair`` (readers and writers are queued
+    in order, as in ``RWLockManager``); fences (``fencing=True``) are taken by writes only.
+    """
 
     _engine: RWLockEngine[Hashable]
 
@@ -153,6 +212,10 @@ class PgRWLockManager(_PgEngine[K]):
         return PgAsyncRWLockManager(self, self._task_sessions())
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` shared (read) across every process using this database and namespace:
+        True once held, False if not within ``timeout``.
+
+        Raises what ``PgLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)
         return self._take([(key, READ)], seconds,
@@ -160,6 +223,10 @@ class PgRWLockManager(_PgEngine[K]):
                           lambda: self._engine.release_read(key))
 
     def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Lock ``key`` exclusive (write) across every process using this database and namespace:
+        True once held, False if not within ``timeout``.
+
+        Raises what ``PgLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)
         return self._take([(key, WRITE)], seconds,
@@ -167,32 +234,61 @@ class PgRWLockManager(_PgEngine[K]):
                           lambda: self._engine.release_write(key))
 
     def release_read(self, key: K) -> None:
+        """Undo one ``acquire_read``.
+
+        Raises NotOwnedError if the calling thread does not read ``key``, and LockLost if
+        its session was lost (the level is released all the same)."""
         self._give([(key, READ)], lambda: self._engine.release_read(key))
 
     def release_write(self, key: K) -> None:
+        """Undo one ``acquire_write``.
+
+        Raises NotOwnedError if the calling thread does not write ``key``, and LockLost if
+        its session was lost (the level is released all the same)."""
         self._give([(key, WRITE)], lambda: self._engine.release_write(key))
 
     def read(self, key: K, timeout: float | None = None) -> _Held:
+        """A context manager holding ``key`` shared (read) for its block; ``as`` gives its
+        ``Lease``.
+
+        Entering raises LockTimeout if not acquired within ``timeout`` (None or -1: no
+        limit), and what ``acquire_read`` raises; leaving, what ``release_read`` raises."""
         seconds = hold_seconds(timeout)
         return _Held(self, [(key, READ)], lambda: self.acquire_read(key, timeout=seconds),
                      lambda: self.release_read(key), seconds)
 
     def write(self, key: K, timeout: float | None = None) -> _Held:
+        """A context manager holding ``key`` exclusive (write) for its block; ``as`` gives its
+        ``Lease`` (its fence with ``fencing=True``).
+
+        Entering raises LockTimeout if not acquired within ``timeout`` (None or -1: no
+        limit), and what ``acquire_write`` raises; leaving, what ``release_write`` raises."""
         seconds = hold_seconds(timeout)
         return _Held(self, [(key, WRITE)], lambda: self.acquire_write(key, timeout=seconds),
                      lambda: self.release_write(key), seconds)
 
     def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                      blocking: bool = True, timeout: float = -1) -> bool:
-        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written)."""
+        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written),
+        in one round trip.
+
+        Raises what ``PgLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_items(rw_items(reads, writes, _same), seconds)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
+        """Undo one ``acquire_many`` of ``reads`` and ``writes``, in one round trip.
+
+        Raises NotOwnedError, with nothing released, if the thread does not hold them all
+        so; LockLost if some were lost (the rest are released)."""
         self._release_items(rw_items(reads, writes, _same))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _Held:
+        """A context manager reading ``reads`` and writing ``writes`` for its block.
+
+        Entering raises LockTimeout if they are not acquired within ``timeout``, and what
+        ``acquire_many`` raises; leaving, what ``release_many`` raises."""
         seconds = hold_seconds(timeout)
         items = rw_items(reads, writes, _same)
         return _Held(self, items, lambda: self._acquire_items(items, seconds),
@@ -218,13 +314,16 @@ class PgRWLockManager(_PgEngine[K]):
         return bool(written and lost[key, READ] >= self._engine.readers(key))
 
     def readers(self, key: K) -> int:
-        """Threads of *this process* reading ``key`` (lost reads are not counted)."""
+        """Threads of *this process* reading ``key`` (lost reads are not counted). Raises
+        nothing (an unhashable key: TypeError)."""
         readers: int = self._engine.readers(key)
         return readers - self._lost_items()[key, READ] if readers else 0
 
     def write_locked(self, key: K) -> bool:
         """Whether any session of any process writes ``key`` in this manager's database
-        (asks the server)."""
+        (asks the server).
+
+        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises."""
         return self._held_on_server(key, _MODE_NAMES[WRITE])
 
     def __contains__(self, key: object) -> bool:
@@ -237,7 +336,10 @@ class PgRWLockManager(_PgEngine[K]):
 
 
 class PgKeyLock(Generic[K]):
-    """``locks[key]`` of a PgLockManager: ``acquire``, ``release``, ``locked``, ``with``."""
+    """``locks[key]`` of a PgLockManager: ``acquire``, ``release``, ``locked``, ``with``, and
+    ``threading.Condition(locks[key])``.
+
+    Making one raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them)."""
 
     __slots__ = ("key", "manager")
 
@@ -247,12 +349,15 @@ class PgKeyLock(Generic[K]):
         self.key = key
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """``manager.acquire(key, ...)``: raises what it raises."""
         return self.manager.acquire(self.key, blocking, timeout)
 
     def release(self) -> None:
+        """``manager.release(key)``: raises what it raises."""
         self.manager.release(self.key)
 
     def locked(self) -> bool:
+        """``manager.locked(key)``, asking the server: raises what connecting raises."""
         return self.manager.locked(self.key)
 
     def _is_owned(self) -> bool:
