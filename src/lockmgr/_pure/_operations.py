@@ -594,26 +594,34 @@ class _Operations(_Table):
 
     def _release_held_section(self, token: _Token) -> list[Hashable]:
         """Release every level of this manager's keys ``token`` holds, except pinned ones;
-        returns the keys it stopped holding (for a thread that ended: the abandoned keys)."""
+        returns the keys it stopped holding (for a thread that ended: the abandoned keys).
+
+        The compiled core's ``release_token`` step for step: reads first, so a write-held
+        key is counted with its write; each list newest first (the core's lists are pushed
+        at their head); each key passed on as soon as it is let go. The order decides who
+        is granted what on the way, and so what the hold-time histogram counts."""
         released = []
-        entries = [entry for entry, manager in token.reads.items() if manager is self._ref]
-        entries += [entry for entry, manager in token.held.items()
-                    if manager is self._ref and token not in entry.readers]
-        for entry in entries:  # reads first: see _core
+        for entry, manager in reversed(list(token.reads.items())):
+            if manager is not self._ref:
+                continue
             keep_read = self._pinned(token, entry, _READ)
-            keep_write = self._pinned(token, entry, _WRITE)
-            if token in entry.readers:
-                if keep_read:
-                    entry.readers[token] = keep_read
-                else:
-                    self._drop_read(entry, token)
-            if entry.owner is token:
-                if keep_write:
-                    entry.count = keep_write
-                else:
-                    self._disown(entry)
-            if not (keep_read or keep_write):
+            if keep_read:
+                entry.readers[token] = keep_read
+                continue
+            if entry.owner is not token:
                 released.append(entry.key)
+            self._drop_read(entry, token)
+            self._pass_on(entry)
+        for entry, manager in reversed(list(token.held.items())):
+            if manager is not self._ref:
+                continue
+            keep_write = self._pinned(token, entry, _WRITE)
+            if keep_write:
+                entry.count = keep_write
+                continue
+            if token not in entry.readers:  # else a pinned read keeps it held
+                released.append(entry.key)
+            self._disown(entry)
             self._pass_on(entry)
         return released
 
