@@ -113,3 +113,37 @@ def test_many_keys(benchmark, loop, view) -> None:  # type: ignore[no-untyped-de
         await asyncio.gather(*(task(key) for key in keys))
 
     benchmark.pedantic(lambda: loop.run_until_complete(run()), rounds=3, iterations=1)
+
+
+BANK_TASKS = 100
+BANK_ACCOUNTS = 2_000
+BANK_TRANSFERS = 5  # per task: 500 in all
+
+
+@pytest.mark.parametrize("keys", ["a key per account", "one key for the bank"])
+@pytest.mark.parametrize("engine", ["lockmgr._core", "lockmgr._pure"])
+@pytest.mark.benchmark(group="asyncio: 100 tasks x 5 transfers among 2,000 accounts, both held "
+                             "across sleep(1 ms)")
+def test_transfers(benchmark, loop, engine: str, keys: str) -> None:  # type: ignore[no-untyped-def]
+    """tests/aio/test_aio_service.py's bank without the HTTP: each transfer holds its two
+    accounts (``aio.hold_many``) across a 1 ms wait. With a key per account the transfers
+    overlap (about 5 x 1 ms in all); behind one key for the bank they queue (500 x 1 ms).
+    The tests count the overlap; the ratio of the two is this group's."""
+    aio = importlib.import_module(engine).LockManager().aio
+
+    def key(account: int) -> str:
+        return f"account:{account}" if keys == "a key per account" else "bank"
+
+    rng = random.Random(14)
+    plans = [[rng.sample(range(BANK_ACCOUNTS), 2) for _ in range(BANK_TRANSFERS)]
+             for _ in range(BANK_TASKS)]
+
+    async def task(plan: list[list[int]]) -> None:
+        for src, dst in plan:
+            async with aio.hold_many([key(src), key(dst)]):
+                await asyncio.sleep(HOLD_SECONDS)
+
+    async def run() -> None:
+        await asyncio.gather(*(task(plan) for plan in plans))
+
+    benchmark.pedantic(lambda: loop.run_until_complete(run()), rounds=3, iterations=1)

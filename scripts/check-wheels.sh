@@ -80,11 +80,11 @@ rm -rf dist wheelhouse
 python3 -m build --sdist --outdir dist
 sdist=$(ls "$root"/dist/lockmgr-*.tar.gz)
 tar tzf "$sdist" > "$work/sdist-files"
-for source in src/lockmgr/_core.pyx src/lockmgr/_core.pxd src/lockmgr/_c/engine.pxi src/lockmgr/_c/lockmgr_locks.h; do
+for source in lockmgr_core.pyx src/lockmgr/_core.pxd src/lockmgr/_c/engine.pxi src/lockmgr/_c/lockmgr_locks.h; do
   grep -q "/$source\$" "$work/sdist-files" || { echo "sdist lacks $source"; exit 1; }
 done
 grep -q '/tests/conftest.py$' "$work/sdist-files" || { echo "sdist lacks the tests"; exit 1; }
-! grep -q '/src/lockmgr/_core.c$' "$work/sdist-files" || { echo "sdist ships generated C"; exit 1; }
+! grep -q '/lockmgr_core.c$' "$work/sdist-files" || { echo "sdist ships generated C"; exit 1; }
 took
 
 pythons=()

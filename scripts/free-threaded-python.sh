@@ -4,12 +4,14 @@
 # interpreter, but Debian trixie's source package python3.13 carries the upstream tarball, so
 # this fetches it with apt from the mirror this machine already uses and builds it.
 #
-# Usage: scripts/free-threaded-python.sh [--tsan] [--rebuild]
+# Usage: scripts/free-threaded-python.sh [--tsan] [--rebuild | --cached]
 #   --tsan      also build a second interpreter configured --with-thread-sanitizer
 #               (for `make tsan`); the last line printed is then that one's path. Run it,
 #               and anything built for it, with CPython's own races suppressed:
 #               TSAN_OPTIONS=suppressions=<cache>/python3.13t-tsan/share/tsan/suppressions_free_threading.txt
 #   --rebuild   throw away cached interpreters and build again
+#   --cached    build nothing: exit 0 if the interpreters asked for are cached and work,
+#               1 if a run would have to build one (.ci/run reports its caches cold or warm)
 # Environment: LOCKMGR_CACHE   where sources and interpreters live
 #                              (default $HOME/.cache/lockmgr, outside the work tree)
 #
@@ -25,10 +27,12 @@ usage() { sed -n '/^# Usage:/,/^# A cached/s/^# \{0,1\}//p' "$0"; }
 
 tsan=0
 rebuild=0
+cached_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --tsan) tsan=1 ;;
     --rebuild) rebuild=1 ;;
+    --cached) cached_only=1 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -42,6 +46,8 @@ tsan_prefix=$cache/python3.13t-tsan
 suite=trixie
 package=python3.13
 jobs=$(nproc)
+# Extra arguments for `make install` (build_tsan sets its own).
+make_install_args=()
 
 log() { printf '[free-threaded-python] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -266,6 +272,7 @@ logged() {
 }
 
 # build PREFIX [extra configure options...]
+# (make_install_args, if set by the caller: extra arguments for `make install`.)
 # Optimisation: the default release flags (-O3, NDEBUG), without --enable-optimizations (PGO
 # runs the test suite: 20+ minutes on 2 cores) or LTO (a long single-threaded link). That keeps
 # the build to a few minutes and is what the GIL-off-vs-RLock ratios need: both sides of each
@@ -288,12 +295,12 @@ build() {
     timed "configure $name" logged nice -n 10 "$src/configure" --prefix="$prefix" \
       --disable-gil --disable-test-modules "$@"
     timed "make -j$jobs $name" logged nice -n 10 make -j"$jobs"
-    timed "make install $name" logged nice -n 10 make install
+    timed "make install $name" logged nice -n 10 make install "${make_install_args[@]}"
   )
   rm -rf "$build_dir"
 }
 
-# The TSAN interpreter runs itself during the build (module checks, compileall, ensurepip), so
+# The TSAN interpreter runs itself during the build (sysconfig, the module checks), so
 # CPython's own known races must be suppressed from the start; the suppression files are kept
 # in the prefix for `make tsan`, which needs the same TSAN_OPTIONS.
 tsan_options() {
@@ -305,13 +312,25 @@ build_tsan() {
   mkdir -p "$cache/build"
   install -D -m 644 "$src/Tools/tsan/suppressions_free_threading.txt" \
     "$cache/build/tsan-suppressions.txt"
+  # Its `make install` would run the new interpreter, under the sanitizer (several times
+  # slower), to byte-compile the whole standard library at three optimisation levels and to
+  # install pip into the prefix. Neither is needed: scripts/tsan.sh only makes a venv with
+  # it (which brings its own pip) and runs the tests, whose imports write the few .pyc files
+  # they use. So ensurepip is off, and PYTHON_FOR_BUILD, the interpreter `make install` runs
+  # for compileall (everything else it runs was already built by `make`), is `true`.
+  local make_install_args=(PYTHON_FOR_BUILD=true)
   TSAN_OPTIONS="suppressions=$cache/build/tsan-suppressions.txt${TSAN_OPTIONS:+ $TSAN_OPTIONS}" \
-    build "$tsan_prefix" --with-thread-sanitizer
+    build "$tsan_prefix" --with-thread-sanitizer --with-ensurepip=no
   install -D -m 644 -t "$tsan_prefix/share/tsan" "$src"/Tools/tsan/*.txt
 }
 
 if [ "$rebuild" -eq 1 ]; then
   rm -rf "$plain_prefix" "$tsan_prefix"
+fi
+if [ "$cached_only" -eq 1 ]; then
+  works "$plain_prefix/bin/python3.13t" || exit 1
+  [ "$tsan" -eq 0 ] || TSAN_OPTIONS=$(tsan_options "$tsan_prefix") works "$tsan_prefix/bin/python3.13t"
+  exit
 fi
 
 total_start=$SECONDS

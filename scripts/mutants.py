@@ -10,7 +10,7 @@ silently. Each mutant runs in its own temporary copy of the tree:
 - pure-twin mutants (``src/lockmgr/_pure/*.py``, ``src/lockmgr/_args.py``,
   ``src/lockmgr/_views.py``) run the suite with ``--no-c-extensions`` and ``PYTHONPATH``
   pointing at the copy's ``src`` (fast);
-- compiled-core mutants (``src/lockmgr/_core.pyx``, ``src/lockmgr/_c/*.pxi``) are built in place in the copy
+- compiled-core mutants (``lockmgr_core.pyx``, ``src/lockmgr/_c/*.pxi``) are built in place in the copy
   (``setup.py build_ext --inplace``, needs Cython and setuptools>=77 in the running
   interpreter: ``pip install -e '.[test]' 'Cython>=3.0.10,<3.4' 'setuptools>=77'``), then the
   suite runs on the compiled core.
@@ -50,7 +50,7 @@ PURE_RUNTIME = "src/lockmgr/_pure/_runtime.py"
 PURE_ENGINE = "src/lockmgr/_pure/_engine.py"
 ARGS = "src/lockmgr/_args.py"
 VIEWS = "src/lockmgr/_views.py"
-CORE = "src/lockmgr/_core.pyx"
+CORE = "lockmgr_core.pyx"
 STATE = "src/lockmgr/_c/state.pxi"
 TABLE = "src/lockmgr/_c/table.pxi"
 OPERATIONS = "src/lockmgr/_c/operations.pxi"

@@ -44,7 +44,7 @@ nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout psycopg
 log "building the compiled core with -fsanitize=thread"
 mkdir -p "$work/tree" "$work/wheel"
 tar -c --exclude=./build --exclude=./.git --exclude='./.ci-venv*' --exclude='*.so' \
-    --exclude=./dist --exclude=./wheelhouse --exclude=./src/lockmgr/_core.c . | tar -x -C "$work/tree"
+    --exclude=./dist --exclude=./wheelhouse --exclude=./lockmgr_core.c . | tar -x -C "$work/tree"
 (cd "$work/tree" && env -u TSAN_OPTIONS CFLAGS="-fsanitize=thread -g -O1 -fno-omit-frame-pointer" \
   LDFLAGS="-fsanitize=thread" nice -n 10 "$plain_python" -m pip wheel -q --no-deps -w "$work/wheel" .)
 nice -n 10 "$venv_python" -m pip install -q --no-deps "$work"/wheel/lockmgr-*-cp313-cp313t-*.whl
@@ -90,7 +90,7 @@ import sys
 
 out, status = sys.argv[1], int(sys.argv[2])
 #: A report is ours when a frame of one of its stacks is lockmgr's compiled code.
-OURS = re.compile(r"lockmgr[/_]|_core\.cpython|__pyx_|_core\.(pyx|pxd|c)|_c/\w+\.(pxi|h)")
+OURS = re.compile(r"lockmgr[/_]|_core\.cpython|__pyx_|lockmgr_core\.(pyx|c)|_core\.pxd|_c/\w+\.(pxi|h)")
 reports = []
 for path in sorted(glob.glob(f"{out}/tsan.*")):
     text = open(path, encoding="utf-8", errors="replace").read()

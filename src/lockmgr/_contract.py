@@ -22,7 +22,7 @@ module and classes to these types; the views, typed by them, are made by the twi
 managers; ``make typecheck``); the compiled core by ``tests/engine/test_contract.py``, which
 compares every member's name, kind (method or attribute) and parameters (names, kinds,
 defaults) with these protocols, for both engines. The core's methods carry their
-signatures (``embedsignature`` in ``_core.pyx``); a core built without it fails
+signatures (``embedsignature`` in ``lockmgr_core.pyx``); a core built without it fails
 that test ("no signature to compare").
 
 Keys are ``K`` in the public operations, as the managers are generic in it, and

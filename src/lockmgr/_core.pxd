@@ -1,6 +1,7 @@
 # lockmgr._core's declarations: the C shim it calls (the .h files in _c/) and the C
-# structures, each field with its writer and guard. The rules these follow are in _core.pyx's
-# docstring; the module state and the code are in _c/*.pxi, included by _core.pyx.
+# structures, each field with its writer and guard. The rules these follow are in the docstring
+# of lockmgr_core.pyx (the repository's root); the module state and the code are in _c/*.pxi,
+# included by it.
 
 from cpython.object cimport PyObject
 from cpython.pythread cimport PyThread_type_lock

@@ -6,7 +6,7 @@ engines, every member the protocols name: it exists, it is a method where the pr
 a method and an attribute where it has a property, and its parameters have the protocol's
 names, kinds and defaults (an engine may add trailing parameters that have defaults). The
 core's methods carry their signatures in ``__text_signature__`` (``embedsignature`` in
-``src/lockmgr/_core.pyx``)."""
+``lockmgr_core.pyx``)."""
 
 from __future__ import annotations
 

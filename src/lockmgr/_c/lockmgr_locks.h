@@ -1,5 +1,5 @@
 /* lockmgr._core's mutexes: a shard's one-byte spin lock and the engine mutex. The rules for
-   taking them (who, in which order, never blocking while holding one) are in _core.pyx's
+   taking them (who, in which order, never blocking while holding one) are in lockmgr_core.pyx's
    docstring, "The mutexes and the lock-ordering rules". */
 #ifndef LOCKMGR_LOCKS_H
 #define LOCKMGR_LOCKS_H

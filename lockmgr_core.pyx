@@ -81,12 +81,13 @@ operations of a ``PyMutex`` pair, which the uncontended path pays for). Rules:
 
 Files
 -----
-This file is the module's root: these rules and the imports. ``_core.pxd`` declares every
-structure (each field with who writes it under which guard) and the C shim, whose code is in
-real headers in ``_c/``: ``lockmgr_platform.h`` (versions, builds, the clock),
+This file (``lockmgr_core.pyx``, at the repository's root) is the module's root: these rules
+and the imports. ``src/lockmgr/_core.pxd`` declares every structure (each field with who
+writes it under which guard) and the C shim, whose code is in real headers in
+``src/lockmgr/_c/``: ``lockmgr_platform.h`` (versions, builds, the clock),
 ``lockmgr_locks.h`` (the two kinds of mutex) and ``lockmgr_keys.h`` (hashing, and comparing
-keys without Python code). The rest is included from ``_c/``: ``state.pxi`` (the module
-state), ``table.pxi`` and ``operations.pxi`` (the sections), ``runtime.pxi`` (the mutex,
+keys without Python code). The rest is included from ``src/lockmgr/_c/``: ``state.pxi``
+(the module state), ``table.pxi and ``operations.pxi`` (the sections), ``runtime.pxi`` (the mutex,
 finish, lookups, tokens, thread exit, fork), ``tasks.pxi`` (asyncio tasks' tokens and waits),
 ``engine.pxi`` (prepare/section/finish for every operation, and the engine class) and
 ``managers.pxi`` (the public classes).
@@ -229,10 +230,10 @@ cdef extern from "Python.h":
 
 
 
-include "_c/state.pxi"
-include "_c/table.pxi"
-include "_c/operations.pxi"
-include "_c/runtime.pxi"
-include "_c/tasks.pxi"
-include "_c/engine.pxi"
-include "_c/managers.pxi"
+include "src/lockmgr/_c/state.pxi"
+include "src/lockmgr/_c/table.pxi"
+include "src/lockmgr/_c/operations.pxi"
+include "src/lockmgr/_c/runtime.pxi"
+include "src/lockmgr/_c/tasks.pxi"
+include "src/lockmgr/_c/engine.pxi"
+include "src/lockmgr/_c/managers.pxi"
