@@ -1,5 +1,5 @@
 # lockmgr._core: operations (prepare, section, finish) and the engine every manager shares.
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 cdef enum Kind:  # which section an Op runs
     ACQUIRE_WRITE

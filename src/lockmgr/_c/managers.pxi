@@ -1,5 +1,5 @@
 # lockmgr._core: the public managers and their per-key views.
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 # -- the managers -------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 # lockmgr._core sections, part 2: the wait-for graph and every operation on a table.
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 # -- the wait-for graph -------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 # lockmgr._core outside sections: the mutex, finish, lookups, tokens, thread exit, fork, sleeping.
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 cdef inline void lock() noexcept:
     lockmgr_mutex_lock(&engine_mutex)

@@ -1,5 +1,5 @@
 # lockmgr._core: the module state, set at import (the structures are in _core.pxd).
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 cdef double handoff_after = HANDOFF_AFTER
 cdef double wait_slice = MAIN_THREAD_SLICE

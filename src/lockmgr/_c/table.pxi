@@ -1,5 +1,5 @@
 # lockmgr._core sections, part 1: the table, holders, queues and grants.
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 # == every function in this file and in operations.pxi is noexcept nogil: the compiler
 # rejects Python object operations in them. They run in a section (engine_mutex held,

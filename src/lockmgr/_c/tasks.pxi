@@ -1,5 +1,5 @@
 # lockmgr._core: asyncio tasks as owners and waiters (lockmgr._aio states the protocol).
-# (included by _core.pyx; see its docstring for the rules these follow)
+# (included by lockmgr_core.pyx; see its docstring for the rules these follow)
 
 cdef dict task_owners = {}  # running task -> its _TaskOwner, until the task is done
 cdef dict owners_by_ident = {}  # id(task) -> its _TaskOwner (owner() and cycles name tasks)
