@@ -46,8 +46,6 @@ tsan_prefix=$cache/python3.13t-tsan
 suite=trixie
 package=python3.13
 jobs=$(nproc)
-# Extra arguments for `make install` (build_tsan sets its own).
-make_install_args=()
 
 log() { printf '[free-threaded-python] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -272,7 +270,6 @@ logged() {
 }
 
 # build PREFIX [extra configure options...]
-# (make_install_args, if set by the caller: extra arguments for `make install`.)
 # Optimisation: the default release flags (-O3, NDEBUG), without --enable-optimizations (PGO
 # runs the test suite: 20+ minutes on 2 cores) or LTO (a long single-threaded link). That keeps
 # the build to a few minutes and is what the GIL-off-vs-RLock ratios need: both sides of each
@@ -295,7 +292,7 @@ build() {
     timed "configure $name" logged nice -n 10 "$src/configure" --prefix="$prefix" \
       --disable-gil --disable-test-modules "$@"
     timed "make -j$jobs $name" logged nice -n 10 make -j"$jobs"
-    timed "make install $name" logged nice -n 10 make install "${make_install_args[@]}"
+    timed "make install $name" logged nice -n 10 make install
   )
   rm -rf "$build_dir"
 }
@@ -312,15 +309,8 @@ build_tsan() {
   mkdir -p "$cache/build"
   install -D -m 644 "$src/Tools/tsan/suppressions_free_threading.txt" \
     "$cache/build/tsan-suppressions.txt"
-  # Its `make install` would run the new interpreter, under the sanitizer (several times
-  # slower), to byte-compile the whole standard library at three optimisation levels and to
-  # install pip into the prefix. Neither is needed: scripts/tsan.sh only makes a venv with
-  # it (which brings its own pip) and runs the tests, whose imports write the few .pyc files
-  # they use. So ensurepip is off, and PYTHON_FOR_BUILD, the interpreter `make install` runs
-  # for compileall (everything else it runs was already built by `make`), is `true`.
-  local make_install_args=(PYTHON_FOR_BUILD=true)
   TSAN_OPTIONS="suppressions=$cache/build/tsan-suppressions.txt${TSAN_OPTIONS:+ $TSAN_OPTIONS}" \
-    build "$tsan_prefix" --with-thread-sanitizer --with-ensurepip=no
+    build "$tsan_prefix" --with-thread-sanitizer
   install -D -m 644 -t "$tsan_prefix/share/tsan" "$src"/Tools/tsan/*.txt
 }
 
