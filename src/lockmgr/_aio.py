@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
 from ._owners import AWAIT_POST, TASK_WAIT_CHECK
-from ._views import PICKLE_ERROR, LockStats
+from ._views import PICKLE_ERROR, LockStats, checked_key_func, function_to_wrap
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -366,7 +366,8 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
         """Decorator for coroutine functions: each call holds ``key_func(*args, **kwargs)``
-        for the current task while it runs."""
+        for the current task while it runs. Written bare (``@aio.synchronized``, no key
+        function), it raises TypeError saying how to write it."""
         return _synchronized(self, key_func)
 
     def __repr__(self) -> str:
@@ -452,12 +453,13 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
 def _synchronized(view: _AsyncEngineView, key_func: Callable[..., Hashable]
                   ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                 Callable[P, Coroutine[Any, Any, T]]]:
-    if not callable(key_func):
-        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+    key_func = checked_key_func(key_func, "aio.synchronized")
     mode = WRITE
     manager = view._manager
 
-    def decorate(func: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    def decorate(*args: Any, **kwargs: Any) -> Callable[P, Coroutine[Any, Any, T]]:
+        func: Callable[P, Coroutine[Any, Any, T]] = function_to_wrap(
+            key_func, args, kwargs, "aio.synchronized")
         if not inspect.iscoroutinefunction(func):
             raise TypeError(
                 "aio.synchronized() wraps coroutine functions (the task holds the key across "

@@ -607,6 +607,23 @@ def test_synchronized_coroutines_hold_their_key_per_call(impl) -> None:
         locks.synchronized(lambda: "k")(deposit)  # the sync decorator refuses coroutines
 
 
+def test_aio_synchronized_written_bare_is_refused_and_says_how_to_write_it(impl) -> None:
+    locks = impl.LockManager()
+    with pytest.raises(TypeError, match=r"'.*deposit', a coroutine function, as its key "
+                                        r"function: a bare @aio.synchronized over it\? Write "
+                                        r"@aio.synchronized\(lambda"):
+        @locks.aio.synchronized
+        async def deposit(account: int) -> None: ...
+
+    @locks.aio.synchronized  # over a plain function: caught at its first call
+    def plain(account: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"not a value of type int: is '.*plain' decorated with a bare "
+                                        r"@aio.synchronized\?"):
+        plain(7)
+    assert locks.stats().acquisitions == 0
+
+
 class SlowKey:
     """A key whose equality is Python code: compared outside the table's sections."""
 

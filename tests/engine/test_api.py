@@ -426,13 +426,34 @@ def test_synchronized_passes_keyword_arguments_to_key_func(locks) -> None:
 
 
 def test_synchronized_rejects_bad_use(locks) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"lambda \*args, \*\*kwargs: KEY"):
         locks.synchronized("not callable")
 
     async def coroutine(x: int) -> None: ...
 
     with pytest.raises(TypeError, match="coroutine"):
         locks.synchronized(lambda x: x)(coroutine)
+
+
+def test_synchronized_written_bare_refuses_the_call_and_says_how_to_write_it(locks) -> None:
+    ran: list[object] = []
+
+    @locks.synchronized  # forgot the key function: the decorator replaced the function
+    def create(natural_id: str) -> None:
+        ran.append(natural_id)
+
+    for call in (lambda: create("abc"), lambda: create(natural_id="abc"), lambda: create()):
+        with pytest.raises(TypeError, match=r"'.*create' decorated with a bare "
+                                            r"@synchronized\? Write @synchronized\(lambda"):
+            call()
+    assert ran == [] and len(locks) == 0 and locks.stats().acquisitions == 0
+
+
+def test_synchronized_written_bare_over_a_coroutine_function_is_refused_at_once(locks) -> None:
+    with pytest.raises(TypeError, match=r"'.*create', a coroutine function, as its key "
+                                        r"function: a bare @synchronized over it\?"):
+        @locks.synchronized
+        async def create(natural_id: str) -> None: ...
 
 
 def test_synchronized_releases_when_the_call_raises(locks) -> None:

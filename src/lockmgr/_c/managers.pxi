@@ -62,7 +62,12 @@ cdef class LockManager(_Engine):
         return self._view(key)
 
     def synchronized(self, key_func):
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
+
+        Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
+        Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
+        a coroutine function, else when the function is called.
+        """
         return synchronized(self, key_func)
 
     def acquire_many(self, keys, blocking=True, timeout=-1):

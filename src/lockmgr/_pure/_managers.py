@@ -86,6 +86,10 @@ class LockManager(_Engine, Generic[K]):
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
 
+        Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
+        Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
+        a coroutine function, else when the function is called.
+
         The decorated function keeps its signature for type checkers.
         """
         return synchronized(self, key_func)
