@@ -344,7 +344,7 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
                            False)
 
     def release_many(self, keys: Iterable[K]) -> None:
-        self._manager._task_release_many(many_items(keys, self._manager._table_key))
+        self._manager._task_release_many(many_items(keys, self._manager._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
         return self._manager._task_hold_many(
@@ -417,7 +417,8 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
                            wait_seconds(blocking, timeout), False)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        self._manager._task_release_many(rw_items(reads, writes, self._manager._table_key))
+        self._manager._task_release_many(
+            rw_items(reads, writes, self._manager._table_key, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> AsyncBlock:

@@ -84,7 +84,7 @@ cdef class LockManager(_Engine):
 
     def release_many(self, keys):
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys, self._table_key))
+        self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys, timeout=None):
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
@@ -213,7 +213,7 @@ cdef class RWLockManager(_Engine):
 
     def release_many(self, reads=(), writes=()):
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes, self._table_key))
+        self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(self, reads=(), writes=(), timeout=None):
         """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""

@@ -106,7 +106,7 @@ class LockManager(_Engine, Generic[K]):
 
     def release_many(self, keys: Iterable[K]) -> None:
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys, self._table_key))
+        self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
@@ -215,7 +215,7 @@ class RWLockManager(_Engine, Generic[K]):
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes, self._table_key))
+        self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(
         self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None

@@ -163,7 +163,7 @@ class PgAsyncLockManager(_PgAsyncView[K]):
         return await self._acquire_items(many_items(keys, _same), seconds)
 
     async def release_many(self, keys: Iterable[K]) -> None:
-        await self._release_items(many_items(keys, _same))
+        await self._release_items(many_items(keys, _same, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHeld:
         seconds = hold_seconds(timeout)
@@ -255,7 +255,7 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         return await self._acquire_items(rw_items(reads, writes, _same), seconds)
 
     async def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        await self._release_items(rw_items(reads, writes, _same))
+        await self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _AsyncHeld:

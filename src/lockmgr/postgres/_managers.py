@@ -91,7 +91,7 @@ class PgLockManager(_PgEngine[K]):
         return self._acquire_items(many_items(keys, _same), seconds)
 
     def release_many(self, keys: Iterable[K]) -> None:
-        self._release_items(many_items(keys, _same))
+        self._release_items(many_items(keys, _same, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _Held:
         seconds = hold_seconds(timeout)
@@ -193,7 +193,7 @@ class PgRWLockManager(_PgEngine[K]):
         return self._acquire_items(rw_items(reads, writes, _same), seconds)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        self._release_items(rw_items(reads, writes, _same))
+        self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _Held:
