@@ -137,6 +137,7 @@ task holds the key; its exit gives back that owner's hold, never looking at fram
 """
 
 cimport cython
+from cpython.exc cimport PyErr_WarnEx
 from cpython.mem cimport PyMem_RawCalloc, PyMem_RawFree, PyMem_RawMalloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_RichCompareBool, PyTypeObject
 from cpython.pythread cimport (

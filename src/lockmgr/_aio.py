@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from ._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
 from ._owners import AWAIT_POST, TASK_WAIT_CHECK
-from ._views import PICKLE_ERROR, LockStats
+from ._views import PICKLE_ERROR, LockStats, checked_key_func, function_to_wrap
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -357,7 +357,7 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     def release_many(self, keys: Iterable[K]) -> None:
         """Undo one ``acquire_many`` of ``keys``. Raises NotOwnedError, nothing released, if
         the current task does not hold them all; RuntimeError outside a running asyncio task."""
-        self._manager._task_release_many(many_items(keys, self._manager._table_key))
+        self._manager._task_release_many(many_items(keys, self._manager._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
         """``async with aio.hold_many(keys, timeout=...)``: every key for the block; raises
@@ -384,7 +384,8 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         """Decorator for coroutine functions: each call holds ``key_func(*args, **kwargs)``
         for the current task while it runs. A call raises what ``hold`` raises around the
         function's own errors; a ``key_func`` that is not callable, and decorating a
-        plain function, raise TypeError."""
+        plain function, raise TypeError. Written bare (``@aio.synchronized``, no key
+        function), it raises TypeError saying how to write it."""
         return _synchronized(self, key_func)
 
     def __repr__(self) -> str:
@@ -442,7 +443,8 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         """Undo one ``acquire_many``. Raises NotOwnedError, nothing released, if the current
         task does not hold them so; RuntimeError outside a running asyncio task."""
-        self._manager._task_release_many(rw_items(reads, writes, self._manager._table_key))
+        self._manager._task_release_many(
+            rw_items(reads, writes, self._manager._table_key, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> AsyncBlock:
@@ -486,12 +488,13 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
 def _synchronized(view: _AsyncEngineView, key_func: Callable[..., Hashable]
                   ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                 Callable[P, Coroutine[Any, Any, T]]]:
-    if not callable(key_func):
-        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+    key_func = checked_key_func(key_func, "aio.synchronized")
     mode = WRITE
     manager = view._manager
 
-    def decorate(func: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    def decorate(*args: Any, **kwargs: Any) -> Callable[P, Coroutine[Any, Any, T]]:
+        func: Callable[P, Coroutine[Any, Any, T]] = function_to_wrap(
+            key_func, args, kwargs, "aio.synchronized")
         if not inspect.iscoroutinefunction(func):
             raise TypeError(
                 "aio.synchronized() wraps coroutine functions (the task holds the key across "

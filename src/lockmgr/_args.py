@@ -79,27 +79,41 @@ WRITE = 2  # an exclusive (write) request
 
 
 def _distinct_locks(
-    keys: Iterable[Hashable], argument: str, lock_key: Callable[[Hashable], Hashable]
+    keys: Iterable[Hashable], argument: str, lock_key: Callable[[Hashable], Hashable],
+    releasing: bool,
 ) -> dict[Hashable, None]:
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"{argument} must be an iterable of keys, not a single {type(keys).__name__}")
-    return dict.fromkeys(map(lock_key, keys))
+    locks = dict.fromkeys(map(lock_key, keys))
+    if releasing and not locks and iter(keys) is keys:
+        # An empty list releases nothing, rightly; an empty iterator is most often the
+        # generator the acquire_many already consumed, and releasing nothing would leave
+        # every key held, silently.
+        raise TypeError(
+            f"{argument} is an iterator with nothing left in it (a generator that "
+            "acquire_many already consumed?): nothing was released; pass the keys again as a "
+            "collection (a list, a tuple, a set)")
+    return locks
 
 
 def many_items(
-    keys: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable]
+    keys: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable], releasing: bool = False
 ) -> list[tuple[Hashable, int]]:
-    """``LockManager.*_many``: each distinct lock (key, or stripe) once, for write."""
-    return [(key, WRITE) for key in _distinct_locks(keys, "keys", lock_key)]
+    """``LockManager.*_many``: each distinct lock (key, or stripe) once, for write.
+    ``releasing`` (``release_many``): an empty iterator is refused (TypeError)."""
+    return [(key, WRITE) for key in _distinct_locks(keys, "keys", lock_key, releasing)]
 
 
 def rw_items(
-    reads: Iterable[Hashable], writes: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable]
+    reads: Iterable[Hashable], writes: Iterable[Hashable], lock_key: Callable[[Hashable], Hashable],
+    releasing: bool = False,
 ) -> list[tuple[Hashable, int]]:
-    """``RWLockManager.*_many``: each distinct lock once; one named in both is written."""
-    written = _distinct_locks(writes, "writes", lock_key)
+    """``RWLockManager.*_many``: each distinct lock once; one named in both is written.
+    ``releasing`` (``release_many``): an empty iterator is refused (TypeError)."""
+    written = _distinct_locks(writes, "writes", lock_key, releasing)
     items = [(key, WRITE) for key in written]
-    items += [(key, READ) for key in _distinct_locks(reads, "reads", lock_key) if key not in written]
+    items += [(key, READ) for key in _distinct_locks(reads, "reads", lock_key, releasing)
+              if key not in written]
     return items
 
 

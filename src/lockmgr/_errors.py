@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Hashable
 from typing import Any
 
+from ._args import READ, WRITE
 from ._owners import LOOP_THREAD
 from ._views import _short
 
@@ -19,7 +21,8 @@ class LockTimeout(LockError, TimeoutError):
 
 
 class NotOwnedError(LockError, RuntimeError):
-    """The calling thread released (or asked to give up) a key it does not hold."""
+    """The caller (a thread, or an asyncio task) released (or asked to give up) a key it does
+    not hold, or not in the mode it named."""
 
 
 class DeadlockError(LockError, RuntimeError):
@@ -54,9 +57,11 @@ class AbandonedLockWarning(RuntimeWarning):
 
 
 def describe_owner(owner: object) -> str:
-    """"thread 1234" for a thread's ident, "task 'name'" for an asyncio task."""
+    """An owner as its user knows it: "thread 'Worker-1' (ident 1234)" for a running
+    thread's ident ("thread 1234" once it has ended), "task 'Task-3'" for an asyncio task."""
     if isinstance(owner, int):
-        return f"thread {owner}"
+        thread = next((each for each in threading.enumerate() if each.ident == owner), None)
+        return f"thread {owner}" if thread is None else f"thread {thread.name!r} (ident {owner})"
     get_name = getattr(owner, "get_name", None)
     return f"task {get_name()!r}" if get_name is not None else f"task {owner!r}"
 
@@ -88,8 +93,16 @@ def warn_abandoned(owner: object, keys: list[Hashable]) -> None:
         )
 
 
-def not_owned(key: object) -> NotOwnedError:
-    return NotOwnedError(f"key {_short.repr(key)} is not held by this thread")
+def _caller(owner: object) -> str:
+    return "this thread" if owner is None else f"the calling {describe_owner(owner)}"
+
+
+def not_owned(key: object, owner: object = None, mode: int | None = None) -> NotOwnedError:
+    """A release of what ``owner`` (the caller: a thread's ident or a task; None: "this
+    thread") does not hold in ``mode`` (READ or WRITE, an RWLockManager's; None: a
+    LockManager's, which has one mode)."""
+    held = {None: "held", READ: "held for reading", WRITE: "held for writing"}[mode]
+    return NotOwnedError(f"key {_short.repr(key)} is not {held} by {_caller(owner)}")
 
 
 def block_in_use(task: object, ended: bool) -> RuntimeError:
@@ -115,9 +128,10 @@ def not_entered() -> RuntimeError:
     return RuntimeError("__aexit__ of an async with object that is not entered")
 
 
-def pinned(key: object) -> NotOwnedError:
-    """Releasing a level that a waiting ``acquire_many`` of the same thread took."""
-    return NotOwnedError(f"key {_short.repr(key)} is held only by a waiting acquire_many of this thread")
+def pinned(key: object, owner: object = None) -> NotOwnedError:
+    """Releasing a level that a waiting ``acquire_many`` of the same owner took."""
+    return NotOwnedError(
+        f"key {_short.repr(key)} is held only by a waiting acquire_many of {_caller(owner)}")
 
 
 def nested_wait(key: object) -> NestedWaitError:

@@ -61,6 +61,51 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+def checked_key_func(key_func: object, decorator: str) -> Callable[..., Hashable]:
+    """``key_func`` as a ``synchronized(key_func)`` takes it: a plain callable that computes
+    the key from the call's arguments. A coroutine function is refused (its result is no
+    key): ``@synchronized`` written bare over one is caught here, at decoration."""
+    if not callable(key_func):
+        raise TypeError(
+            f"{decorator}(key_func): key_func must be a callable that returns the key from the "
+            f"call's arguments, not {type(key_func).__name__}; for one fixed key, write "
+            f"@{decorator}(lambda *args, **kwargs: KEY)")
+    if inspect.iscoroutinefunction(key_func) or inspect.isasyncgenfunction(key_func):
+        raise TypeError(
+            f"{decorator}(key_func) was given {_name(key_func)}, a coroutine function, as its "
+            f"key function: a bare @{decorator} over it? Write @{decorator}(lambda <its "
+            "arguments>: key) above the function: the key function gets the call's "
+            "arguments and returns the key to hold")
+    return key_func
+
+
+def function_to_wrap(
+    key_func: Callable[..., Hashable], args: tuple[object, ...], kwargs: dict[str, object],
+    decorator: str,
+) -> Callable[..., Any]:
+    """What the decorator ``synchronized(key_func)`` answers was applied to: one callable.
+
+    Anything else is a bare ``@synchronized`` over ``key_func`` (the function, which the
+    decorator replaced), now called with that function's arguments: refused, saying how to
+    write it, rather than answering a wrapper and never running the body. (Such a function
+    called with one callable argument cannot be told from a decoration.)"""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return args[0]
+    if kwargs or len(args) != 1:
+        given = f"{len(args)} positional and {len(kwargs)} keyword arguments"
+    else:
+        given = f"a value of type {type(args[0]).__name__}"
+    raise TypeError(
+        f"{decorator}(key_func) returns a decorator, which takes the one function to wrap, "
+        f"not {given}: is {_name(key_func)} decorated with a bare @{decorator}? Write "
+        f"@{decorator}(lambda <its arguments>: key) above it: the key function gets the "
+        "call's arguments and returns the key to hold")
+
+
+def _name(function: object) -> str:
+    return repr(getattr(function, "__qualname__", function))
+
+
 def synchronized(
     manager: _Holder, key_func: Callable[..., Hashable]
 ) -> Callable[[Callable[P, T]], Callable[P, T]]:
@@ -71,10 +116,10 @@ def synchronized(
     signature is not checked against the function's (a ``lambda natural_id, **_: ...``
     must stay usable), only its result's type, by the managers' annotations.
     """
-    if not callable(key_func):
-        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+    key_func = checked_key_func(key_func, "synchronized")
 
-    def decorate(func: Callable[P, T]) -> Callable[P, T]:
+    def decorate(*args: Any, **kwargs: Any) -> Callable[P, T]:
+        func: Callable[P, T] = function_to_wrap(key_func, args, kwargs, "synchronized")
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(
                 "synchronized() holds a thread lock across the call; it cannot wrap "

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -605,6 +607,23 @@ def test_synchronized_coroutines_hold_their_key_per_call(impl) -> None:
         locks.synchronized(lambda: "k")(deposit)  # the sync decorator refuses coroutines
 
 
+def test_aio_synchronized_written_bare_is_refused_and_says_how_to_write_it(impl) -> None:
+    locks = impl.LockManager()
+    with pytest.raises(TypeError, match=r"'.*deposit', a coroutine function, as its key "
+                                        r"function: a bare @aio.synchronized over it\? Write "
+                                        r"@aio.synchronized\(lambda"):
+        @locks.aio.synchronized
+        async def deposit(account: int) -> None: ...
+
+    @locks.aio.synchronized  # over a plain function: caught at its first call
+    def plain(account: int) -> None: ...
+
+    with pytest.raises(TypeError, match=r"not a value of type int: is '.*plain' decorated with a bare "
+                                        r"@aio.synchronized\?"):
+        plain(7)
+    assert locks.stats().acquisitions == 0
+
+
 class SlowKey:
     """A key whose equality is Python code: compared outside the table's sections."""
 
@@ -651,6 +670,32 @@ def test_a_coroutine_closed_while_it_waits_leaves_the_queue(impl) -> None:
 
     run(main)
     assert len(locks) == 0
+
+
+def _acquisitions(impl) -> list[Callable[[], object]]:
+    locks = impl.LockManager()
+    rw = impl.RWLockManager()
+    return [lambda: locks.aio.acquire("k"), lambda: locks.aio["k"].acquire(),
+            lambda: locks.aio.acquire_many(["k"]), lambda: rw.aio.acquire_read("k"),
+            lambda: rw.aio.acquire_write("k"), lambda: rw.aio.acquire_many(writes=["k"])]
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_an_acquisition_never_awaited_warns_when_collected(impl, which: int) -> None:
+    acquiring = _acquisitions(impl)[which]()
+    with pytest.warns(RuntimeWarning, match=r"^coroutine '\w+\.\w+' was never awaited$"):
+        del acquiring
+        gc.collect()
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_an_acquisition_closed_unawaited_warns_nothing(impl, which: int) -> None:
+    acquiring = _acquisitions(impl)[which]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acquiring.close()  # type: ignore[attr-defined]
+        del acquiring
+        gc.collect()
 
 
 CHILD = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import pickle
@@ -14,6 +15,7 @@ import weakref
 import pytest
 
 import lockmgr
+from conftest import PATIENCE, wait_until
 from lockmgr import DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError
 
 
@@ -426,13 +428,34 @@ def test_synchronized_passes_keyword_arguments_to_key_func(locks) -> None:
 
 
 def test_synchronized_rejects_bad_use(locks) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"lambda \*args, \*\*kwargs: KEY"):
         locks.synchronized("not callable")
 
     async def coroutine(x: int) -> None: ...
 
     with pytest.raises(TypeError, match="coroutine"):
         locks.synchronized(lambda x: x)(coroutine)
+
+
+def test_synchronized_written_bare_refuses_the_call_and_says_how_to_write_it(locks) -> None:
+    ran: list[object] = []
+
+    @locks.synchronized  # forgot the key function: the decorator replaced the function
+    def create(natural_id: str) -> None:
+        ran.append(natural_id)
+
+    for call in (lambda: create("abc"), lambda: create(natural_id="abc"), lambda: create()):
+        with pytest.raises(TypeError, match=r"'.*create' decorated with a bare "
+                                            r"@synchronized\? Write @synchronized\(lambda"):
+            call()
+    assert ran == [] and len(locks) == 0 and locks.stats().acquisitions == 0
+
+
+def test_synchronized_written_bare_over_a_coroutine_function_is_refused_at_once(locks) -> None:
+    with pytest.raises(TypeError, match=r"'.*create', a coroutine function, as its key "
+                                        r"function: a bare @synchronized over it\?"):
+        @locks.synchronized
+        async def create(natural_id: str) -> None: ...
 
 
 def test_synchronized_releases_when_the_call_raises(locks) -> None:
@@ -443,3 +466,71 @@ def test_synchronized_releases_when_the_call_raises(locks) -> None:
     with pytest.raises(LookupError):
         fail("k")
     assert len(locks) == 0
+
+
+def test_refused_releases_name_the_caller_and_the_mode(impl) -> None:
+    """Both engines word them alike: the thread by name and ident, the task by name, and an
+    RWLockManager's mode (a read-held key is not "not held")."""
+    me = f"the calling thread {threading.current_thread().name!r} (ident {threading.get_ident()})"
+    locks = impl.LockManager()
+    with pytest.raises(NotOwnedError, match=f"^key 'k' is not held by {re.escape(me)}$"):
+        locks.release("k")
+    rw = impl.RWLockManager()
+    rw.acquire_read("k")
+    with pytest.raises(NotOwnedError, match=f"^key 'k' is not held for writing by {re.escape(me)}$"):
+        rw.release_write("k")
+    with pytest.raises(NotOwnedError, match="^key 'k' is not held for writing by the calling thread"):
+        rw.release_many(writes=["k"])
+    rw.release_read("k")
+
+    async def task_releases() -> None:
+        with pytest.raises(NotOwnedError, match="^key 'k' is not held by the calling task 'worker'$"):
+            locks.aio.release("k")
+        with pytest.raises(NotOwnedError, match="^key 'k' is not held by the calling task 'worker'$"):
+            locks.aio["k"].release()
+        await rw.aio.acquire_write("w")
+        with pytest.raises(NotOwnedError,
+                           match="^key 'w' is not held for reading by the calling task 'worker'$"):
+            rw.aio.release_read("w")
+        with pytest.raises(NotOwnedError,
+                           match="^key 'x' is not held for reading by the calling task 'worker'$"):
+            rw.aio.release_many(reads=["x"])
+        rw.aio.release_write("w")
+
+    async def main() -> None:
+        await asyncio.create_task(task_releases(), name="worker")
+
+    asyncio.run(main())
+    assert len(locks) == 0 and len(rw) == 0
+
+
+def test_deadlock_error_names_threads_by_name(impl) -> None:
+    locks = impl.LockManager()
+    holds_b, done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        with locks["b"]:
+            holds_b.set()
+            try:
+                locks.acquire("a")
+                locks.release("a")
+            except BaseException as error:  # pragma: no cover - the test fails on it below
+                errors.append(error)
+            done.wait(PATIENCE)
+
+    with locks["a"]:
+        thread = threading.Thread(target=other, name="other-worker")
+        thread.start()
+        try:
+            assert holds_b.wait(PATIENCE)
+            wait_until(lambda: locks.stats().waiting == 1, "the other thread waits for a")
+            with pytest.raises(DeadlockError) as caught:
+                locks.acquire("b")
+        finally:
+            done.set()
+    thread.join(PATIENCE)
+    text = str(caught.value)
+    assert f"thread 'MainThread' (ident {threading.get_ident()}) waits for key 'b'" in text
+    assert f"thread 'other-worker' (ident {thread.ident}) waits for key 'a'" in text
+    assert errors == []

@@ -334,3 +334,23 @@ def test_a_set_that_times_out_lets_the_request_behind_it_in_at_once(impl, worker
     waiter.run(lambda: locks.release("a"))
     holder.run(lambda: locks.release("b"))
     assert len(locks) == 0 and locks.stats().timeouts == 1
+
+
+def test_release_many_of_a_spent_generator_refuses_and_releases_nothing(impl) -> None:
+    locks = impl.LockManager()
+    keys = (key for key in ["a", "b"])
+    assert locks.acquire_many(keys)
+    with pytest.raises(TypeError, match=r"keys is an iterator with nothing left in it .*"
+                                        r"nothing was released; pass the keys again"):
+        locks.release_many(keys)
+    assert locks.owned("a") and locks.owned("b")
+    locks.release_many(key for key in ["a", "b"])  # a fresh generator releases as a list does
+    locks.release_many([])  # an empty collection releases nothing, rightly
+    assert len(locks) == 0
+    rw = impl.RWLockManager()
+    reads = iter(["r"])
+    assert rw.acquire_many(reads=reads)
+    with pytest.raises(TypeError, match="reads is an iterator with nothing left in it"):
+        rw.release_many(reads=reads)
+    assert rw.readers("r") == 1
+    rw.release_many(reads=["r"])

@@ -403,6 +403,9 @@ def test_synchronized_coroutines_take_turns_across_tasks(locks) -> None:
     run(main)
     with pytest.raises(TypeError, match="coroutine"):
         locks.aio.synchronized(lambda: "k")(lambda: None)
+    with pytest.raises(TypeError, match="a bare @aio.synchronized over it"):
+        @locks.aio.synchronized
+        async def bare(account: int) -> None: ...
 
 
 def test_release_all_gives_back_every_level(locks, dsn) -> None:

@@ -757,7 +757,7 @@ cdef class _Engine:
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return op.result
-        raise not_owned(<object>key) if outcome == NOT_OWNED else pinned(<object>key)
+        raise self._refusal(token, <object>key, WRITE, outcome)
 
     cdef int _release_read(self, PyObject *key, Py_hash_t h) except -1:
         return self._release_read_as(existing_token(), key, h)
@@ -778,7 +778,7 @@ cdef class _Engine:
         finish_if_needed(&op.after, token)
         if outcome == DONE:
             return 0
-        raise not_owned(<object>key) if outcome == NOT_OWNED else pinned(<object>key)
+        raise self._refusal(token, <object>key, READ, outcome)
 
     cdef int _release_many(self, list items) except -1:
         """Undo one ``_acquire_many`` of ``items``: all of them, or (if one is not held as
@@ -809,11 +809,22 @@ cdef class _Engine:
             PyMem_RawFree(lookups)
             PyMem_RawFree(modes)
             PyMem_RawFree(entries)
-        if outcome == NOT_OWNED:
-            raise not_owned(items[op.result][0])
-        if outcome == PINNED:
-            raise pinned(items[op.result][0])
+        if outcome == NOT_OWNED or outcome == PINNED:
+            key, mode = items[op.result]
+            raise self._refusal(token, key, mode, outcome)
         return 0
+
+    cdef object _refusal(self, Token *token, object key, int mode, Outcome outcome):
+        """The error of a release ``token`` may not make (NULL: a thread that has none)."""
+        owner = PyThread_get_thread_ident() if token is NULL else token_owner(token)
+        if outcome == PINNED:
+            return pinned(key, owner)
+        return not_owned(key, owner, mode if isinstance(self, RWLockManager) else None)
+
+    cdef object _tokenless_task_refusal(self, object key, int mode):
+        """The error of a release by a task that has acquired nothing (it has no token)."""
+        return not_owned(key, current_task_or_raise(),
+                         mode if isinstance(self, RWLockManager) else None)
 
     # -- asyncio tasks as owners (lockmgr._aio states the protocol) -----------------------
 
@@ -853,13 +864,13 @@ cdef class _Engine:
         """``aio.release`` (and ``release_write``), bound by the view as its own."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
-        self._release_write_as(task_token(False), lock_key, h, False)
+        self._task_release_at(task_token(False), lock_key, h, WRITE)
 
     def _task_release_read(self, key):
         """``rw.aio.release_read``."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
-        self._release_read_as(task_token(False), lock_key, h)
+        self._task_release_at(task_token(False), lock_key, h, READ)
 
     cdef int _enter_record(self, _BlockRecord record, object got, _TaskOwner owner,
                            PyObject *key, Py_hash_t h, int mode) except -1:
@@ -1115,6 +1126,8 @@ cdef class _Engine:
 
     cdef int _task_release_at(self, Token *token, PyObject *key, Py_hash_t h,
                               int mode) except -1:
+        if token is NULL:  # the task has acquired nothing
+            raise self._tokenless_task_refusal(<object>key, mode)
         if mode == READ:
             self._release_read_as(token, key, h)
         else:
@@ -1122,7 +1135,11 @@ cdef class _Engine:
         return 0
 
     def _task_release_many(self, list items):
-        self._release_many_as(task_token(False), items)
+        cdef Token *token = task_token(False)
+        if token is NULL and items:  # the task has acquired nothing
+            key, mode = items[0]
+            raise self._tokenless_task_refusal(key, mode)
+        self._release_many_as(token, items)
 
     def _task_release_all(self):
         cdef Token *token = task_token(False)

@@ -5,7 +5,10 @@
 
 @cython.final
 cdef class LockManager(_Engine):
-    """Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
+    """LockManager(*, fair=True, stripes=None, log_waits_after=None)
+--
+
+    Exclusive, reentrant, FIFO-fair locks on any hashable key, in one table.
 
     Memory grows only with the keys currently held or waited on.
     """
@@ -25,7 +28,7 @@ cdef class LockManager(_Engine):
         """This manager's table for asyncio tasks: the current task owns what it acquires."""
         return AsyncLockManager(self)
 
-    def acquire(self, key, blocking=True, timeout=FOREVER):
+    def acquire(self, key, blocking=True, timeout=-1):
         """Lock ``key`` for the calling thread, like ``threading.RLock.acquire``.
 
         Returns True once held (reentrant: a holder always succeeds at once), False if
@@ -59,10 +62,15 @@ cdef class LockManager(_Engine):
         return self._view(key)
 
     def synchronized(self, key_func):
-        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs."""
+        """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
+
+        Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
+        Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
+        a coroutine function, else when the function is called.
+        """
         return synchronized(self, key_func)
 
-    def acquire_many(self, keys, blocking=True, timeout=FOREVER):
+    def acquire_many(self, keys, blocking=True, timeout=-1):
         """Lock every key of ``keys`` at once, or none: True, or False on timeout.
 
         Duplicates count once; keys the caller holds are re-entered. The request queues
@@ -76,7 +84,7 @@ cdef class LockManager(_Engine):
 
     def release_many(self, keys):
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys, self._table_key))
+        self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys, timeout=None):
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
@@ -142,7 +150,10 @@ cdef class LockManager(_Engine):
 
 @cython.final
 cdef class RWLockManager(_Engine):
-    """Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
+    """RWLockManager(*, stripes=None, log_waits_after=None)
+--
+
+    Per-key reader/writer locks: many readers or one writer, reentrant, FIFO without
     writer starvation, upgrades and downgrades within a thread."""
 
     @property
@@ -154,7 +165,7 @@ cdef class RWLockManager(_Engine):
         self.table.log_after = log_waits_after_seconds(log_waits_after)
         self._use_stripes(stripes)
 
-    def acquire_read(self, key, blocking=True, timeout=FOREVER):
+    def acquire_read(self, key, blocking=True, timeout=-1):
         """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
@@ -163,7 +174,7 @@ cdef class RWLockManager(_Engine):
         cdef PyObject *lock_key = self._lock_key(key, &h)
         return self._acquire_read(lock_key, h, seconds)
 
-    def acquire_write(self, key, blocking=True, timeout=FOREVER):
+    def acquire_write(self, key, blocking=True, timeout=-1):
         """Take ``key`` for writing (an upgrade if the caller reads it)."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
@@ -192,7 +203,7 @@ cdef class RWLockManager(_Engine):
         """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
         return self._holding(key, timeout, WRITE)
 
-    def acquire_many(self, reads=(), writes=(), blocking=True, timeout=FOREVER):
+    def acquire_many(self, reads=(), writes=(), blocking=True, timeout=-1):
         """Read every key of ``reads`` and write every key of ``writes`` at once, or none
         (a key in both is written); see ``LockManager.acquire_many``."""
         cdef double seconds = -1.0
@@ -202,7 +213,7 @@ cdef class RWLockManager(_Engine):
 
     def release_many(self, reads=(), writes=()):
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes, self._table_key))
+        self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(self, reads=(), writes=(), timeout=None):
         """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
@@ -297,7 +308,10 @@ cdef class _HoldingMany:
 @cython.final
 @cython.freelist(16)
 cdef class KeyLock:
-    """One key of a manager seen as a ``threading.RLock``.
+    """KeyLock(manager, key)
+--
+
+    One key of a manager seen as a ``threading.RLock``.
 
     Views are cheap and not cached: two views of one key of one manager are the same lock
     (and compare equal). A view keeps its manager alive; the manager does not keep views.
@@ -323,7 +337,7 @@ cdef class KeyLock:
 
     __class_getitem__ = classmethod(GenericAlias)
 
-    def acquire(self, blocking=True, timeout=FOREVER):
+    def acquire(self, blocking=True, timeout=-1):
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
@@ -447,7 +461,10 @@ cdef bint releases_here(_TaskOwner owner, _Engine engine, object key, int mode) 
 @cython.final
 @cython.freelist(16)
 cdef class AsyncKeyLock(_BlockRecord):
-    """``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
+    """AsyncKeyLock(manager, key)
+--
+
+    ``locks.aio[key]``: one key of the table as an asyncio lock owned by the current task
     (reentrant; ``async with`` acquires and releases it). The pure twin's is
     ``lockmgr._aio.AsyncKeyLock``; this one takes the key in ``__aenter__`` without a
     Python frame. It is its own block record (the base class): see lockmgr._aio for the

@@ -4,7 +4,10 @@
 cdef double handoff_after = HANDOFF_AFTER
 cdef double wait_slice = MAIN_THREAD_SLICE
 cdef int post_attempts = POST_ATTEMPTS
-cdef object FOREVER = -1  # the default timeout object, so the fast path can test identity
+# The acquiring methods' default timeout, told by identity on the fast path: their signatures
+# write it as the literal -1 (a cached small int, this very object), which inspect.signature
+# can read where a name of the module's C globals would make the whole signature invalid.
+cdef object FOREVER = -1
 
 cdef lockmgr_mutex engine_mutex           # see the module docstring
 cdef Py_tss_t token_key                   # per thread: its Token*, or NULL before first use

@@ -608,6 +608,19 @@ cdef class _Acquiring:
         # the freelist keeps CPython's "finalized" mark, and its __del__ would not run.)
         if self.wait is not None:
             self.wait.close()
+        elif not self.started:  # as CPython warns of a coroutine never awaited nor closed
+            warn_never_awaited(self)
+
+
+cdef int warn_never_awaited(_Acquiring dropped) except -1:
+    if dropped.mode == READ:
+        name = "AsyncRWLockManager.acquire_read"
+    elif isinstance(dropped.manager, RWLockManager):
+        name = "AsyncRWLockManager.acquire_write"
+    else:
+        name = "AsyncLockManager.acquire"
+    PyErr_WarnEx(RuntimeWarning, f"coroutine '{name}' was never awaited".encode(), 1)
+    return 0
 
 
 cdef object acquiring(_Engine manager, object key, int mode, object blocking,

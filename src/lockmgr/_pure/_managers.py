@@ -86,6 +86,10 @@ class LockManager(_Engine, Generic[K]):
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
 
+        Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
+        Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
+        a coroutine function, else when the function is called.
+
         The decorated function keeps its signature for type checkers.
         """
         return synchronized(self, key_func)
@@ -102,7 +106,7 @@ class LockManager(_Engine, Generic[K]):
 
     def release_many(self, keys: Iterable[K]) -> None:
         """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
-        self._release_many(many_items(keys, self._table_key))
+        self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
         """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
@@ -211,7 +215,7 @@ class RWLockManager(_Engine, Generic[K]):
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         """Undo one ``acquire_many`` with the same arguments."""
-        self._release_many(rw_items(reads, writes, self._table_key))
+        self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(
         self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None

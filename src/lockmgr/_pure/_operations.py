@@ -30,6 +30,7 @@ from ._state import (
     _TaskToken,
     _Token,
     _failure,
+    _get_ident,
     _is_plain,
     _section,
 )
@@ -505,9 +506,10 @@ class _Operations(_Table):
     # -- releasing ---------------------------------------------------------------------------
 
     def _release_write(self, key: Hashable) -> None:
-        verdict = self._run_on_key(self._release_write_on, key, _existing_token())
+        token = _existing_token()
+        verdict = self._run_on_key(self._release_write_on, key, token)
         if verdict is not None:
-            raise _failure(verdict, key)
+            raise self._refusal(verdict, key, token, _WRITE)
 
     def _release_write_on(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
@@ -524,9 +526,10 @@ class _Operations(_Table):
         return None
 
     def _release_read(self, key: Hashable) -> None:
-        verdict = self._run_on_key(self._release_read_on, key, _existing_token())
+        token = _existing_token()
+        verdict = self._run_on_key(self._release_read_on, key, token)
         if verdict is not None:
-            raise _failure(verdict, key)
+            raise self._refusal(verdict, key, token, _READ)
 
     def _release_read_on(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool,
@@ -559,8 +562,17 @@ class _Operations(_Table):
                 return
             index, what = verdict
             if type(what) is not _Unsure:
-                raise _failure(what, items[index][0])
+                raise self._refusal(what, items[index][0], token, items[index][1])
             known[index] = what.settle(items[index][0])
+
+    def _refusal(self, verdict: object, key: Hashable, token: object, mode: int) -> BaseException:
+        """The error of a release ``token`` may not make (None: a thread that has none)."""
+        owner = token.ident if isinstance(token, _Token) else _get_ident()
+        return _failure(verdict, key, owner, self._rw_mode(mode))
+
+    def _rw_mode(self, mode: int) -> int | None:
+        """The mode a refused release names: an RWLockManager's (None: a LockManager's)."""
+        return mode if hasattr(self, "acquire_read") else None
 
     def _release_many_section(
         self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],

@@ -49,17 +49,19 @@ _NESTED = "nested"
 _OVERFLOW = "overflow"
 
 
-def _failure(verdict: object, key: object) -> BaseException:
-    """The error for a section's verdict about ``key``; a list verdict is a deadlock cycle."""
+def _failure(verdict: object, key: object, owner: object = None,
+             mode: int | None = None) -> BaseException:
+    """The error for a section's verdict about ``key``; a list verdict is a deadlock cycle.
+    A refused release names its ``owner`` and ``mode`` (see ``_errors.not_owned``)."""
     if type(verdict) is list:
         return deadlock(verdict)
     if verdict is _PINNED:
-        return pinned(key)
+        return pinned(key, owner)
     if verdict is _NESTED:
         return nested_wait(key)
     if verdict is _OVERFLOW:
         return count_overflow(key)
-    return not_owned(key)
+    return not_owned(key, owner, mode)
 
 
 _ABANDON_ATTEMPTS = 5  # see _Engine._acquire

@@ -14,7 +14,7 @@ from .._aio import _AsyncHolding, _AsyncHoldingMany, _take, _wait_for_grant
 from .._args import wait_seconds
 from .._errors import block_in_use, not_entered, timed_out
 from .._owners import Waker, current_task_or_raise, running_loop
-from ._state import _LEFT, _READ, _WRITE, _Request, _TaskToken, _failure, _get_ident, _section
+from ._state import _LEFT, _NOT_OWNED, _READ, _WRITE, _Request, _TaskToken, _failure, _get_ident, _section
 from ._runtime import _EXIT_ROUNDS, _release_abandoned
 from ._table import _levels_of
 from ._operations import _Operations
@@ -465,13 +465,18 @@ class _Tasks(_Operations):
         """Give back one level of ``key`` held by ``owner``'s task: the current task's if None."""
         token = _task_token(create=False) if owner is None else owner
         key = self._table_key(key)
+        if token is None:  # the task has acquired nothing
+            raise _failure(_NOT_OWNED, key, current_task_or_raise(), self._rw_mode(mode))
         run = self._release_write_on if mode == _WRITE else self._release_read_on
         verdict = self._run_on_key(run, key, token)
         if verdict is not None:
-            raise _failure(verdict, key)
+            raise self._refusal(verdict, key, token, mode)
 
     def _task_release_many(self, items: list[tuple[Hashable, int]]) -> None:
         token = _task_token(create=False)
+        if items and token is None:  # the task has acquired nothing
+            key, mode = items[0]
+            raise _failure(_NOT_OWNED, key, current_task_or_raise(), self._rw_mode(mode))
         if items:
             self._release_many(items, token)
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
 from .._errors import timed_out
+from .._views import checked_key_func, function_to_wrap
 from ._session import _same
 from ._sql import _MODE_NAMES
 from ._tasks import _PgBlockRecord, _enter_record, _exit_block
@@ -162,7 +163,7 @@ class PgAsyncLockManager(_PgAsyncView[K]):
         return await self._acquire_items(many_items(keys, _same), seconds)
 
     async def release_many(self, keys: Iterable[K]) -> None:
-        await self._release_items(many_items(keys, _same))
+        await self._release_items(many_items(keys, _same, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHeld:
         seconds = hold_seconds(timeout)
@@ -200,7 +201,8 @@ class PgAsyncLockManager(_PgAsyncView[K]):
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
         """Decorator for coroutine functions: each call holds ``key_func(*args, **kwargs)``
-        for the current task while it runs."""
+        for the current task while it runs. Written bare (``@aio.synchronized``, no key
+        function), it raises TypeError saying how to write it."""
         return _synchronized(self.hold, key_func)
 
 
@@ -253,7 +255,7 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         return await self._acquire_items(rw_items(reads, writes, _same), seconds)
 
     async def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        await self._release_items(rw_items(reads, writes, _same))
+        await self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _AsyncHeld:
@@ -341,10 +343,11 @@ class PgAsyncKeyLock(Generic[K]):
 def _synchronized(hold: Callable[[Any], _AsyncHeld], key_func: Callable[..., Hashable]
                   ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                 Callable[P, Coroutine[Any, Any, T]]]:
-    if not callable(key_func):
-        raise TypeError(f"key_func must be callable, not {type(key_func).__name__}")
+    key_func = checked_key_func(key_func, "aio.synchronized")
 
-    def decorate(func: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    def decorate(*args: Any, **kwargs: Any) -> Callable[P, Coroutine[Any, Any, T]]:
+        func: Callable[P, Coroutine[Any, Any, T]] = function_to_wrap(
+            key_func, args, kwargs, "aio.synchronized")
         if not inspect.iscoroutinefunction(func):
             raise TypeError(f"aio.synchronized() wraps coroutine functions; "
                             f"{getattr(func, '__qualname__', func)!r} is not one")

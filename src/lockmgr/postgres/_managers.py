@@ -108,6 +108,10 @@ class PgLockManager(_PgEngine[K]):
     ) -> Callable[[Callable[P, T]], Callable[P, T]]:
         """Decorator: the call holds the key ``key_func(*args, **kwargs)`` while it runs.
 
+        Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
+        Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
+        a coroutine function, else when the function is called.
+
         The decorated function keeps its signature for type checkers. A call raises what
         ``hold`` raises around the function's own errors.
         """
@@ -130,7 +134,7 @@ class PgLockManager(_PgEngine[K]):
 
         Raises NotOwnedError, with nothing released, if the thread does not hold them all;
         LockLost if some were lost (the rest are released)."""
-        self._release_items(many_items(keys, _same))
+        self._release_items(many_items(keys, _same, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _Held:
         """A context manager holding every key of ``keys`` for its block; ``as`` gives its
@@ -281,7 +285,7 @@ class PgRWLockManager(_PgEngine[K]):
 
         Raises NotOwnedError, with nothing released, if the thread does not hold them all
         so; LockLost if some were lost (the rest are released)."""
-        self._release_items(rw_items(reads, writes, _same))
+        self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _Held:
