@@ -19,6 +19,7 @@ from conftest import (
     TESTS,
     abandoned_warnings,
     held_by_another_task,
+    wait_until,
 )
 from lockmgr import (
     AsyncLockManager,
@@ -1039,3 +1040,50 @@ def test_tasks_granted_one_read_together_resume_in_arrival_order(impl, releaser)
         thread.join(PATIENCE)
     assert resumed == ["first", "second", "third"]
     assert len(rw) == 0
+
+
+@pytest.mark.parametrize("tasks_request", ["read", "set"])
+def test_a_read_behind_a_tasks_read_does_not_wait_for_the_tasks_loop(impl, tasks_request,
+                                                                      workers) -> None:
+    # A task queues a read of b (alone, or in a set) behind a writer; a thread holding x
+    # queues a read of b (in a set, or alone) behind it. The thread waits for b's writer,
+    # and for the task's read to be granted, which needs no run of the task: so the loop's
+    # own thread asking for x waits (until the writer lets b go) instead of being refused
+    # as if the task's loop closed a cycle.
+    rw = impl.RWLockManager()
+    writer, reader = workers("writer"), workers("reader")
+    writer.run(lambda: rw.acquire_write("b"))
+    reader.run(lambda: rw.acquire_write("x"))
+
+    def read_b(reads: list[str]) -> bool:
+        took = rw.acquire_many(reads=reads) if len(reads) > 1 else rw.acquire_read("b")
+        rw.release_many(reads=reads) if len(reads) > 1 else rw.release_read("b")
+        rw.release_write("x")
+        return took
+
+    async def task() -> None:
+        await rw.aio.acquire_write("held")  # a task that holds a key takes part in cycles
+        if tasks_request == "read":
+            await rw.aio.acquire_read("b")
+            rw.aio.release_read("b")
+        else:
+            await rw.aio.acquire_many(reads=["b", "d"])
+            rw.aio.release_many(reads=["b", "d"])
+        rw.aio.release_write("held")
+
+    async def main() -> None:
+        queued = asyncio.ensure_future(task())
+        await until(lambda: rw.stats().waiting == 1, "the task waits for b")
+        read = reader.submit(lambda: read_b(["b", "d"] if tasks_request == "read" else ["b"]))
+        await until(lambda: rw.stats().waiting == 2, "the thread waits for b")
+        releasing = writer.submit(lambda: (
+            wait_until(lambda: rw.stats().waiting == 3, "the loop's thread waits for x"),
+            rw.release_write("b")))
+        assert rw.acquire_write("x", timeout=PATIENCE)  # the loop's thread, synchronously
+        rw.release_write("x")
+        releasing.result()
+        assert read.result() is True
+        await asyncio.wait_for(queued, PATIENCE)
+
+    asyncio.run(main())
+    assert len(rw) == 0 and rw.stats().deadlocks == 0

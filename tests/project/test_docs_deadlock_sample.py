@@ -1,8 +1,8 @@
 """The ``DeadlockError`` sample of docs/semantics.md is the message the engines raise.
 
 The sample is the ``lockmgr.DeadlockError: ...`` line of the ```text block after the
-``<!-- deadlock-sample: ... -->`` comment; its thread idents are shortened (``140…``), so
-they stand for any ident. The same two-thread cycle is made here on each engine, and its
+``<!-- deadlock-sample: ... -->`` comment, with the lines that continue it; its threads are
+written ``thread 'NAME' (ident 140…)``, which stands for any thread's name and ident. The same two-thread cycle is made here on each engine, and its
 message must read as the sample does.
 """
 
@@ -25,13 +25,23 @@ def documented_sample() -> str:
     """The message the docs show, after the ``deadlock-sample`` marker."""
     lines = SEMANTICS.read_text(encoding="utf-8").splitlines()
     start = next(index for index, line in enumerate(lines) if "<!-- deadlock-sample:" in line)
-    sample = next(line for line in lines[start:] if line.startswith(PREFIX))
-    return sample.removeprefix(PREFIX)
+    first = next(index for index in range(start, len(lines)) if lines[index].startswith(PREFIX))
+    sample = [lines[first].removeprefix(PREFIX)]
+    for line in lines[first + 1:]:
+        if line.startswith((">>>", "```", "#")):
+            break
+        sample.append(line.strip())
+    return " ".join(sample)
+
+
+THREAD = re.compile(r"thread '[^']*' \(ident \d+…\)")
 
 
 def as_pattern(sample: str) -> str:
-    """The sample with each shortened ident (``thread 140…``) standing for any ident."""
-    return r"thread \d+".join(re.escape(part) for part in re.split(r"thread \d+…", sample))
+    """The sample with each thread (``thread 'NAME' (ident 140…)``) standing for any."""
+    assert THREAD.search(sample), f"the sample names no thread as the engines do: {sample}"
+    return r"thread '[^']*' \(ident \d+\)".join(
+        re.escape(part) for part in THREAD.split(sample))
 
 
 def test_the_documented_deadlock_message_is_the_one_raised(impl: ModuleType) -> None:

@@ -9,21 +9,26 @@ cdef struct Search:
     Token *stack               # reached threads whose own waits are still to be followed
 
 
-cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_for) noexcept nogil:
-    """``thread`` waits for ``successor`` in ``waits_for``; True if that closes the cycle."""
+cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_for,
+               bint to_run) noexcept nogil:
+    """``thread`` waits for ``successor`` in ``waits_for``: for a request of it to be granted
+    and, ``to_run``, for it to run on (to release what it holds or will hold: a task runs
+    only when its loop's thread does, so that thread is reached from it too, with a NULL
+    ``waits_for``: the cycle shows LOOP_THREAD as its key). True if that closes the cycle."""
     if successor is NULL or successor == thread:
         return False
     if successor == search.me:
         successor.reached_from = thread
         successor.reached_via = waits_for
         return True
-    if successor.visit == search.number:
-        return False
-    successor.visit = search.number
-    successor.reached_from = thread
-    successor.reached_via = waits_for
-    successor.search_next = search.stack
-    search.stack = successor
+    if successor.visit != search.number:
+        successor.visit = search.number
+        successor.reached_from = thread
+        successor.reached_via = waits_for
+        successor.search_next = search.stack
+        search.stack = successor
+    if to_run and successor.is_task:
+        return reach(search, successor, loop_thread_of(search, successor), NULL, True)
     return False
 
 
@@ -35,32 +40,38 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     The edges are exactly what the grant rules (``grantable``, ``pass_on``,
     ``group_grantable`` in table.pxi) make a request wait for:
 
-    - the key's writer, unless it is the request's own thread (a re-entry);
-    - for a write, every other reader;
+    - the key's writer, unless it is the request's own thread (a re-entry), and, for a
+      write, every other reader: to release the key (they must run on);
     - unless it is an upgrade (queued at the head, nothing is ahead of it), every request
-      ahead of it when either of the two is a write (a write is granted alone), or when
-      either belongs to a set: a set is granted only once its node heads every queue it is
-      in, so whatever is ahead of one of its nodes is waited for whatever the modes, and a
-      request behind a set's node waits until the whole set is granted. A single read
-      behind a single read is granted with it or before it: no edge.
+      ahead of it when either of the two is a write (a write is granted alone): to be
+      granted and release the key again (it must run on);
+    - and, ahead of a read, a set's read node: a set is granted only once its node heads
+      every queue it is in, so a read behind one waits until the whole set is granted, but
+      not for its owner to run (``pass_on`` grants it whether its task runs or not).
+
+    A read ahead of a read, when not a set's, is no edge, even for a set's node: it is
+    granted whenever the key lets a read in (by ``pass_on``, without its owner running), so
+    it waits for nothing the read behind it does not wait for itself.
 
     The pure twin's ``_find_cycle`` (``_pure/_operations.py``) follows the same list."""
     cdef Entry *waits_for = touched(node.entry)
     cdef Hold *hold = waits_for.readers
     cdef Request *ahead = waits_for.head
     cdef Request *own_place = node if enqueued else NULL
-    if reach(search, thread, waits_for.owner, waits_for):
+    cdef bint conflicting
+    if reach(search, thread, waits_for.owner, waits_for, True):
         return True
     if node.mode == WRITE:
         while hold is not NULL:
-            if reach(search, thread, hold.token, waits_for):
+            if reach(search, thread, hold.token, waits_for, True):
                 return True
             hold = hold.entry_next
     if node.at_head:
         return False
     while ahead is not NULL and ahead != own_place:
-        if (node.mode == WRITE or ahead.mode == WRITE or node.lead is not NULL
-                or ahead.lead is not NULL) and reach(search, thread, ahead.token, waits_for):
+        conflicting = node.mode == WRITE or ahead.mode == WRITE
+        if (conflicting or ahead.lead is not NULL) and reach(
+                search, thread, ahead.token, waits_for, conflicting):
             return True
         ahead = ahead.next
     return False
@@ -102,10 +113,6 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
         own = thread.request
         if own is not NULL and (own.state == WAITING or own.state == WOKEN):
             closed = reach_request(&search, thread, own, True)
-        if not closed and thread.is_task:
-            # A task runs only when its loop's thread does: if that thread waits, so does
-            # the task (NULL ``waits_for``: the cycle shows LOOP_THREAD as its key).
-            closed = reach(&search, thread, loop_thread_of(&search, thread), NULL)
     if not closed:
         return QUEUED
     thread = me

@@ -287,7 +287,10 @@ class _Operations(_Table):
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
 
-        def reach(thread: _Token, successor: _Token | None, waits_for: _Entry) -> bool:
+        def reach(thread: _Token, successor: _Token | None, waits_for: Any,
+                  to_run: bool) -> bool:
+            # As the core's ``reach``: to be granted and, ``to_run``, to run on (a task runs
+            # only when its loop's thread does: that thread is reached from it too).
             if successor is None or successor is thread:
                 return False
             if successor is me:
@@ -296,28 +299,34 @@ class _Operations(_Table):
             if successor not in reached:
                 reached[successor] = (thread, waits_for)
                 stack.append(successor)
+            if to_run and type(successor) is _TaskToken:
+                return reach(successor, _thread_tokens.get(successor.loop_ident), _LOOP_THREAD,
+                             True)
             return False
 
         def reach_waited_for(
-            thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool,
-            in_set: bool,
+            thread: _Token, waits_for: _Entry, mode: int, own: _Request | None, at_head: bool
         ) -> bool:
-            successors = [waits_for.owner]
-            if mode == _WRITE:
-                successors += reversed(waits_for.readers)  # newest first, as in _core
+            if reach(thread, waits_for.owner, waits_for, True):
+                return True
+            if mode == _WRITE:  # newest first, as in _core
+                if any(reach(thread, reader, waits_for, True)
+                       for reader in reversed(waits_for.readers)):
+                    return True
             if not at_head:
                 for ahead in waits_for.queue:
                     if ahead is own:
                         break
-                    if (mode == _WRITE or ahead.mode == _WRITE or in_set
-                            or ahead.lead is not None):
-                        successors.append(ahead.token)
-            return any(reach(thread, successor, waits_for) for successor in successors)
+                    conflicting = mode == _WRITE or ahead.mode == _WRITE
+                    if (conflicting or ahead.lead is not None) and reach(
+                            thread, ahead.token, waits_for, conflicting):
+                        return True
+            return False
 
         def reach_request(thread: _Token, request: _Request, enqueued: bool) -> bool:
             return any(
                 reach_waited_for(thread, node.entry, node.mode, node if enqueued else None,
-                                 node.at_head, node.lead is not None)
+                                 node.at_head)
                 for node in request.members() if node.queued
             )
 
@@ -327,10 +336,6 @@ class _Operations(_Table):
             own = thread.request
             if own is not None and own.state in (_WAITING, _WOKEN):
                 closed = reach_request(thread, own, True)
-            if not closed and type(thread) is _TaskToken:
-                # A task runs only when its loop's thread does: if that thread waits, so
-                # does the task (the thread's wait is followed if it is one).
-                closed = reach(thread, _thread_tokens.get(thread.loop_ident), _LOOP_THREAD)
         if not closed:
             return None
         cycle = []
