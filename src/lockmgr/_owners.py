@@ -133,10 +133,18 @@ class Waker:
             self.end_lost()
 
     def end_lost(self) -> None:
-        """The task can never run again: end its wait as ``lost`` says (once)."""
+        """The task can never run again: end its wait as ``lost`` says (once; ``lost`` is
+        idempotent, should two threads both find the loop closed). Run by a finalizer the
+        collector called inside a section of this thread, the engine refuses it
+        (RuntimeError): it then runs in a thread of its own, once that section is over."""
         lost, self.lost = self.lost, None
-        if lost is not None:
+        if lost is None:
+            return
+        try:
             lost()
+        except RuntimeError:
+            threading.Thread(target=lost, name="lockmgr: a task whose loop closed",
+                             daemon=True).start()
 
     def _count(self, number: int) -> None:
         if number <= self.delivered:

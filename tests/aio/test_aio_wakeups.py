@@ -5,6 +5,7 @@ drops unrun (the loop closed first) ends the task, so what it was granted is rel
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import PATIENCE, wait_until
+from conftest import PATIENCE, abandoned_warnings, wait_until
 
 
 class Interrupted(Exception):
@@ -138,3 +139,53 @@ def test_a_grant_made_by_the_loops_own_thread_before_it_closes_is_released(impl)
     assert locks.owner("k") is task
     loop.close()
     assert not locks.locked("k") and len(locks) == 0
+
+
+def test_a_dropped_post_collected_inside_a_section_still_ends_the_task(impl) -> None:
+    # The closed loop's dropped post is kept alive by a reference cycle, and the collector
+    # finalizes it while this thread runs a section of the pure twin (a section of the
+    # compiled core runs no Python code: there it is collected after). The manager cannot
+    # be called there, so the task is ended from a thread of its own: its keys still go.
+    locks = impl.LockManager()
+    loop = asyncio.new_event_loop()
+
+    async def waiter() -> None:
+        await locks.aio.acquire("t")
+        await locks.aio.acquire("k")
+
+    async def until_queued() -> None:
+        while locks.stats().waiting != 1:
+            await asyncio.sleep(0.001)
+
+    def collect_in_a_section(frame: Any, event: str, arg: object) -> None:
+        name = frame.f_code.co_name
+        if event == "call" and name.endswith("_section") and name not in ("_section",
+                                                                          "_run_section"):
+            sys.settrace(None)
+            gc.collect()
+
+    locks.acquire("k")
+    task = loop.create_task(waiter())
+    loop.run_until_complete(asyncio.wait_for(until_queued(), PATIENCE))
+    with abandoned_warnings() as warned:  # the task may be ended by a thread of its own
+        gc.disable()
+        try:
+            locks.release("k")  # granted to the task: its post waits in the loop's ready queue
+            kept = list(loop._ready)  # type: ignore[attr-defined]
+            kept.append(kept)  # a cycle: only the collector frees the dropped post
+            del kept
+            loop.close()
+            assert locks.owner("t") is task
+            sys.settrace(collect_in_a_section)
+            try:
+                locks.acquire_many(["o1", "o2"])
+            finally:
+                sys.settrace(None)
+            locks.release_many(["o1", "o2"])
+        finally:
+            gc.enable()
+        gc.collect()
+        wait_until(lambda: not locks.locked("t") and not locks.locked("k"),
+                   "the task whose loop closed is ended")
+    assert [str(w.message) for w in warned] == [
+        f"task {task.get_name()!r} ended holding key 't'; released it"]
