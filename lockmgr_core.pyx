@@ -167,7 +167,7 @@ import sys
 from types import GenericAlias
 
 from lockmgr._aio import AsyncLockManager, AsyncRWLockManager
-from lockmgr._aio import _take as aio_take, _wait_for_grant as wait_for_grant
+from lockmgr._aio import _wait_for_grant as wait_for_grant
 from lockmgr._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS as HOT_KEY_SLOTS_SHARED,

@@ -125,18 +125,6 @@ async def _wait_for_grant(wait: TaskWait) -> bool:
         raise
 
 
-async def _take(manager: Engine, enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
-    """The coroutine of an ``acquire``: ``enter(*args)``, then its wait if it queued."""
-    try:
-        return await enter(*args)
-    except BaseException:
-        # Also where a signal handler may raise once the queueing call returned (a call is
-        # a check point): the task's own token still knows the request. Each ``__aenter__``
-        # below has this ``try`` of its own, around its call, for the same reason.
-        manager._task_abandon()
-        raise
-
-
 class _AsyncHolding:
     """``async with aio.hold(key)`` (and ``read``/``write``): LockTimeout if not acquired.
     Its exit gives back the hold of the task that entered it (see the module's rule)."""
@@ -227,11 +215,9 @@ class AsyncKeyLock(Generic[K]):
     def key(self) -> K:
         return self._key
 
-    async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """As ``AsyncLockManager.acquire`` for this view's key."""
-        manager = self._manager
-        return await _take(manager, manager._task_enter, self._key, WRITE,
-                           wait_seconds(blocking, timeout), False)
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> Coroutine[Any, Any, bool]:
+        """As ``AsyncLockManager.acquire`` for this view's key (a coroutine)."""
+        return self._manager._task_acquire(self._key, blocking, timeout)
 
     def release(self) -> None:
         self._manager._task_release(self._key, WRITE)
@@ -345,14 +331,14 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
     def __getitem__(self, key: K) -> AsyncKeyLock[K]:
         return self._manager._task_key_lock(key)
 
-    async def acquire_many(self, keys: Iterable[K], blocking: bool = True,
-                           timeout: float = -1) -> bool:
-        """Lock every key of ``keys`` at once, or none (as ``LockManager.acquire_many``).
-        Raises what ``acquire`` raises, nothing acquired."""
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True,
+                     timeout: float = -1) -> Coroutine[Any, Any, bool]:
+        """Lock every key of ``keys`` at once, or none (as ``LockManager.acquire_many``): a
+        coroutine, as from an ``async def``. Raises what ``acquire`` raises, nothing
+        acquired."""
         manager = self._manager
-        return await _take(manager, manager._task_enter_many,
-                           many_items(keys, manager._table_key), wait_seconds(blocking, timeout),
-                           False)
+        return manager._task_acquire_many(lambda: many_items(keys, manager._table_key),
+                                          blocking, timeout)
 
     def release_many(self, keys: Iterable[K]) -> None:
         """Undo one ``acquire_many`` of ``keys``. Raises NotOwnedError, nothing released, if
@@ -431,14 +417,14 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         raises what ``AsyncLockManager.hold`` raises."""
         return self._manager._task_hold(key, hold_seconds(timeout), WRITE)
 
-    async def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
-                           blocking: bool = True, timeout: float = -1) -> bool:
-        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written).
-        Raises what ``AsyncLockManager.acquire`` raises, nothing acquired."""
+    def acquire_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
+                     blocking: bool = True, timeout: float = -1) -> Coroutine[Any, Any, bool]:
+        """Read ``reads`` and write ``writes`` at once, or none (a key in both is written):
+        a coroutine, as from an ``async def``. Raises what ``AsyncLockManager.acquire``
+        raises, nothing acquired."""
         manager = self._manager
-        return await _take(manager, manager._task_enter_many,
-                           rw_items(reads, writes, manager._table_key),
-                           wait_seconds(blocking, timeout), False)
+        return manager._task_acquire_many(
+            lambda: rw_items(reads, writes, manager._table_key), blocking, timeout)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
         """Undo one ``acquire_many``. Raises NotOwnedError, nothing released, if the current

@@ -850,6 +850,16 @@ cdef class _Engine:
         """``rw.aio.acquire_read``."""
         return acquiring(self, key, READ, blocking, timeout)
 
+    def _task_acquire_many(self, make_items, blocking=True, timeout=-1):
+        """``aio.acquire_many``: a coroutine (an _Acquiring) as ``_task_acquire``'s, which
+        makes the set's items with ``make_items()`` when it runs."""
+        return acquiring(self, make_items, WRITE, blocking, timeout, True)
+
+    cdef object _task_acquire_many_as(self, object make_items, object blocking,
+                                      object timeout):
+        items = make_items()
+        return self._task_enter_many(items, wait_seconds(blocking, timeout), False)
+
     cdef object _task_acquire_as(self, object key, int mode, object blocking, object timeout):
         cdef double seconds = -1.0
         if not (blocking is True and timeout is DEFAULT_TIMEOUT):

@@ -484,10 +484,11 @@ cdef class AsyncKeyLock(_BlockRecord):
 
     __class_getitem__ = classmethod(GenericAlias)
 
-    async def acquire(self, blocking=True, timeout=-1):
-        """As ``AsyncLockManager.acquire`` for this view's key."""
-        return await aio_take(self._manager, self._manager._task_enter, self.key, WRITE,
-                              wait_seconds(blocking, timeout), False)
+    def acquire(self, blocking=True, timeout=-1):
+        """As ``AsyncLockManager.acquire`` for this view's key: a coroutine that runs no
+        Python frame (an _Acquiring), so no signal handler's exception can come between
+        the grant and the caller."""
+        return acquiring(self._manager, self.key, WRITE, blocking, timeout)
 
     def release(self):
         self._manager._task_release_at(task_token(False), self.lock_key, self.hash, WRITE)

@@ -555,10 +555,13 @@ cdef extern from *:
 @cython.freelist(8)
 @cython.no_gc_clear  # __dealloc__ needs ``wait`` to leave the queues
 cdef class _Acquiring:
-    """``await aio.acquire(key, blocking, timeout)``: see above."""
+    """``await aio.acquire(key, blocking, timeout)`` (``aio[key].acquire``, and with
+    ``many``, ``aio.acquire_many``): see above."""
     cdef _Engine manager  # whose table (and the acquisition's arguments, as given:
-    cdef object key       # checked when it runs, as an ``async def`` would)
+    cdef object key       # checked when it runs, as an ``async def`` would; with ``many``,
+                          # a callable that makes the set's items from them)
     cdef int mode
+    cdef bint many        # ``aio.acquire_many``
     cdef object blocking
     cdef object timeout
     cdef object wait      # the queued _TaskWait it drives, once it queued one
@@ -613,7 +616,10 @@ cdef class _Acquiring:
 
 
 cdef int warn_never_awaited(_Acquiring dropped) except -1:
-    if dropped.mode == READ:
+    if dropped.many:
+        name = ("AsyncRWLockManager" if isinstance(dropped.manager, RWLockManager)
+                else "AsyncLockManager") + ".acquire_many"
+    elif dropped.mode == READ:
         name = "AsyncRWLockManager.acquire_read"
     elif isinstance(dropped.manager, RWLockManager):
         name = "AsyncRWLockManager.acquire_write"
@@ -624,11 +630,12 @@ cdef int warn_never_awaited(_Acquiring dropped) except -1:
 
 
 cdef object acquiring(_Engine manager, object key, int mode, object blocking,
-                      object timeout):
+                      object timeout, bint many=False):
     cdef _Acquiring made = _Acquiring.__new__(_Acquiring)
     made.manager = manager
     made.key = key
     made.mode = mode
+    made.many = many
     made.blocking = blocking
     made.timeout = timeout
     return made
@@ -645,7 +652,11 @@ cdef PySendResult acquiring_send(PyObject *op, PyObject *arg,
         if arg is not <PyObject*>None:
             raise TypeError("can't send non-None value to a just-started coroutine")
         self.started = self.done = True  # until it turns out to wait
-        got = self.manager._task_acquire_as(self.key, self.mode, self.blocking, self.timeout)
+        if self.many:
+            got = self.manager._task_acquire_many_as(self.key, self.blocking, self.timeout)
+        else:
+            got = self.manager._task_acquire_as(self.key, self.mode, self.blocking,
+                                                self.timeout)
         if type(got) is not _TaskWait:  # known at once: READY_TRUE or READY_FALSE
             answer = lockmgr_ready_value(got)
             Py_INCREF(<object>answer)

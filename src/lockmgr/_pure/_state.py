@@ -213,7 +213,10 @@ class _TaskToken(_Token):
 
     def __init__(self, task: Any) -> None:  # noqa: D107 - not a thread: no _Token.__init__
         self.ident = task
-        self.is_main = False
+        # A task of the main thread's loop: signal handlers run in its calls, so a grant
+        # made at once is recorded as its request until the acquiring call has it
+        # (_granted_at_once, _Tasks._task_enter).
+        self.is_main = threading.current_thread() is threading.main_thread()
         self.held = {}
         self.reads = {}
         self.wakeup = _TaskWakeup()  # type: ignore[assignment]

@@ -10,11 +10,22 @@ import weakref
 from collections.abc import Awaitable, Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
-from .._aio import _AsyncHolding, _AsyncHoldingMany, _take, _wait_for_grant
+from .._aio import _AsyncHolding, _AsyncHoldingMany, _wait_for_grant
 from .._args import wait_seconds
 from .._errors import block_in_use, not_entered, timed_out
 from .._owners import Waker, current_task_or_raise, running_loop
-from ._state import _LEFT, _NOT_OWNED, _READ, _WRITE, _Request, _TaskToken, _failure, _get_ident, _section
+from ._state import (
+    _GRANTED,
+    _LEFT,
+    _NOT_OWNED,
+    _READ,
+    _WRITE,
+    _Request,
+    _TaskToken,
+    _failure,
+    _get_ident,
+    _section,
+)
 from ._runtime import _EXIT_ROUNDS, _release_abandoned
 from ._table import _levels_of
 from ._operations import _Operations
@@ -138,20 +149,32 @@ def end_stranded_task(task: Any) -> None:
     _task_done(task)
 
 
-class _Ready:
-    """An awaitable whose outcome is known already: awaiting it returns ``value`` at once."""
+class _LoopStandIn:
+    """What a ready future is made with: asyncio's Future asks its loop only whether it
+    runs in debug mode when it is made, and a done future never asks again."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __await__(self) -> Generator[Any, None, Any]:
-        return self.value
-        yield  # a generator that returns before its first yield
+    def get_debug(self) -> bool:
+        return False
 
 
-_READY_TRUE, _READY_FALSE, _READY_NONE = _Ready(True), _Ready(False), _Ready(None)
+def _ready(value: Any) -> Awaitable[Any]:
+    """An awaitable whose outcome, ``value`` (True, False or None), is known already: a done
+    asyncio Future, made at its first use (lockmgr imports asyncio only for code that runs
+    a loop), whose await (asyncio's C iterator) runs no Python frame: no signal handler's
+    exception can come between an acquisition granted at once and its caller (the compiled
+    core's ready objects are C too)."""
+    ready = _READIES.get(value)
+    if ready is None:
+        import asyncio
+
+        future: asyncio.Future[Any] = asyncio.Future(
+            loop=_LoopStandIn())  # type: ignore[arg-type]
+        future.set_result(value)
+        ready = _READIES[value] = future
+    return ready
+
+
+_READIES: dict[Any, Awaitable[Any]] = {}
 
 
 def _answer(got: object, keys: object, seconds: float, raises_timeout: bool,
@@ -167,6 +190,24 @@ def _answer(got: object, keys: object, seconds: float, raises_timeout: bool,
         elif type(got) is _TaskWait:
             got.entering = record
     return awaitable
+
+
+async def _acquiring(manager: _Tasks, give_back: Callable[[], object],
+                     enter: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+    """The coroutine of an ``acquire``: ``enter(*args)``, then its wait if it queued. An
+    exception anywhere (a signal handler's, at a check point) gives back what the call took:
+    a grant made at once (once ``enter`` returned, ``give_back()``; before, the token's
+    request says so: ``_task_abandon``), or the wait it queued."""
+    got: object = None
+    try:
+        got = enter(*args)
+        return await got  # type: ignore[misc]
+    except BaseException:
+        if got is _ready(True):
+            give_back()
+        else:
+            manager._task_abandon()
+        raise
 
 
 def _give_back(got: object, release: Callable[[], object]) -> None:
@@ -203,11 +244,11 @@ def _task_awaitable(got: object, keys: object, seconds: float,
                     raises_timeout: bool) -> Awaitable[bool]:
     """What ``_task_enter`` answers for the outcome ``got`` of an acquisition."""
     if got is True:
-        return _READY_TRUE
+        return _ready(True)
     if got is False:
         if raises_timeout:
             raise timed_out(keys, seconds)
-        return _READY_FALSE
+        return _ready(False)
     assert type(got) is _TaskWait
     got.deadline = time.monotonic() + seconds if seconds > 0 else -1.0
     got.raises_timeout, got.keys, got.seconds = raises_timeout, keys, seconds
@@ -339,6 +380,12 @@ class _Tasks(_Operations):
         entering = None if record is None else _own_record(record)
         token = _running_task_token()
         got = self._task_take(token, key, mode, seconds == 0, 1)
+        # From here ``got`` says what was taken (no call before the ``try``): the token's
+        # record of a grant made at once, there for an exception that ended _task_take as
+        # its section ended (_task_abandon), goes.
+        request = token.request
+        if request is not None and request.state == _GRANTED and token.wait is None:
+            token.request = None
         try:  # (here, not in _answer: a signal handler may raise as that call starts)
             return _answer(got, key, seconds, raises_timeout, entering, token)
         except BaseException:
@@ -351,9 +398,12 @@ class _Tasks(_Operations):
         entering = None if record is None else _own_record(record)
         if not items:  # nothing to take, nor to record: the block's exit gives back nothing
             _task_token(create=False)  # outside a task: RuntimeError all the same
-            return _READY_TRUE
+            return _ready(True)
         token = _running_task_token()
         got = self._task_take_many(items, seconds == 0)
+        request = token.request  # as in _task_enter
+        if request is not None and request.state == _GRANTED and token.wait is None:
+            token.request = None
         try:
             keys = tuple(key for key, _ in items) if raises_timeout else None
             return _answer(got, keys, seconds, raises_timeout, entering, token)
@@ -361,16 +411,25 @@ class _Tasks(_Operations):
             _give_back(got, lambda: self._release_many(items, token))
             raise
 
-    async def _task_acquire(self: Engine, key: Hashable, blocking: bool = True,
+    async def _task_acquire(self, key: Hashable, blocking: bool = True,
                             timeout: float = -1) -> bool:
-        """``aio.acquire`` (and ``acquire_write``), bound by the view as its own."""
-        return await _take(self, self._task_enter, key, _WRITE,
-                           wait_seconds(blocking, timeout), False)
+        """``aio.acquire`` (and ``acquire_write``, ``aio[key].acquire``), bound by the view
+        as its own."""
+        return await _acquiring(self, lambda: self._task_release(key, _WRITE), self._task_enter,
+                                key, _WRITE, wait_seconds(blocking, timeout), False)
 
-    async def _task_acquire_read(self: Engine, key: Hashable, blocking: bool = True,
+    async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
                                  timeout: float = -1) -> bool:
-        return await _take(self, self._task_enter, key, _READ,
-                           wait_seconds(blocking, timeout), False)
+        return await _acquiring(self, lambda: self._task_release(key, _READ), self._task_enter,
+                                key, _READ, wait_seconds(blocking, timeout), False)
+
+    async def _task_acquire_many(self, make_items: Callable[[], list[tuple[Hashable, int]]],
+                                 blocking: bool = True, timeout: float = -1) -> bool:
+        """``aio.acquire_many``: the set's items are made by ``make_items()``."""
+        items = make_items()
+        return await _acquiring(self, lambda: self._task_release_many(items),
+                                self._task_enter_many, items, wait_seconds(blocking, timeout),
+                                False)
 
     def _task_release_write(self, key: Hashable) -> None:
         self._task_release(key, _WRITE)
@@ -393,17 +452,17 @@ class _Tasks(_Operations):
         token = _own_record(record).leave()
         if token is not None and _releases_here(token, self, key, mode):
             self._task_release(key, mode, token)
-        return _READY_NONE
+        return _ready(None)
 
     def _task_exit_many(self, record: BlockRecord,
                         items: list[tuple[Hashable, int]]) -> Awaitable[None]:
         own = _own_record(record)
         if not items:  # an empty hold_many entered nothing
-            return _READY_NONE
+            return _ready(None)
         token = own.leave()
         if token is not None and _releases_here(token, self, items, -1):
             self._release_many(items, token)
-        return _READY_NONE
+        return _ready(None)
 
     def _task_release_for(self, owner: _TaskToken, key: Any, mode: int) -> None:
         """A block's exit run on another thread than its task's loop, sent there."""
@@ -454,11 +513,19 @@ class _Tasks(_Operations):
         raise _failure(failure, key)
 
     def _task_abandon(self) -> None:
+        """An exception ended an acquiring call: give back a grant it was made at once
+        (recorded as the token's request until the call has it), or abandon the wait it
+        queued and never awaited."""
         try:
             token = _task_token(create=False)
         except RuntimeError:  # not in a task: it queued nothing
             return
-        if token is not None:
+        if token is None:
+            return
+        request = token.request
+        if request is not None and request.state == _GRANTED and token.wait is None:
+            _section(self._abandon_section, token, None)
+        else:
             _abandon_stranded(token)
 
     def _task_release(self, key: Hashable, mode: int, owner: _TaskToken | None = None) -> None:
