@@ -228,16 +228,17 @@ class AsyncKeyLock(Generic[K]):
         return self._key
 
     async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """As ``AsyncLockManager.acquire`` for this view's key."""
+        """As ``AsyncLockManager.acquire`` for this view's key: raises what it raises."""
         manager = self._manager
         return await _take(manager, manager._task_enter, self._key, WRITE,
                            wait_seconds(blocking, timeout), False)
 
     def release(self) -> None:
+        """As ``AsyncLockManager.release`` for this view's key: raises what it raises."""
         self._manager._task_release(self._key, WRITE)
 
     def locked(self) -> bool:
-        """Whether any thread or task holds the key."""
+        """Whether any thread or task holds the key. Raises nothing."""
         return bool(self._manager.locked(self._key))
 
     def __aenter__(self) -> Awaitable[bool]:
