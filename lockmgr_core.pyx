@@ -164,6 +164,7 @@ from libc.string cimport memcpy, memset
 import collections.abc
 import os
 import sys
+import threading
 from types import GenericAlias
 
 from lockmgr._aio import AsyncLockManager, AsyncRWLockManager

@@ -216,14 +216,15 @@ class AsyncKeyLock(Generic[K]):
         return self._key
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> Coroutine[Any, Any, bool]:
-        """As ``AsyncLockManager.acquire`` for this view's key (a coroutine)."""
+        """As ``AsyncLockManager.acquire`` for this view's key: raises what it raises."""
         return self._manager._task_acquire(self._key, blocking, timeout)
 
     def release(self) -> None:
+        """As ``AsyncLockManager.release`` for this view's key: raises what it raises."""
         self._manager._task_release(self._key, WRITE)
 
     def locked(self) -> bool:
-        """Whether any thread or task holds the key."""
+        """Whether any thread or task holds the key. Raises nothing."""
         return bool(self._manager.locked(self._key))
 
     def __aenter__(self) -> Awaitable[bool]:

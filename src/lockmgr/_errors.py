@@ -56,12 +56,18 @@ class AbandonedLockWarning(RuntimeWarning):
     """A thread ended while holding a key; the key was released."""
 
 
-def describe_owner(owner: object) -> str:
-    """An owner as its user knows it: "thread 'Worker-1' (ident 1234)" for a running
-    thread's ident ("thread 1234" once it has ended), "task 'Task-3'" for an asyncio task."""
+def describe_owner(owner: object, thread_name: str | None = None) -> str:
+    """An owner as its user knows it: "thread 'Worker-1' (ident 1234)" for a thread's
+    ident, "task 'Task-3'" for an asyncio task. The thread's name is ``thread_name`` if
+    given (an ended thread's, which the engines kept: see ``warn_abandoned``), else
+    threading's for a running thread ("thread 1234" for one that has ended)."""
     if isinstance(owner, int):
-        thread = next((each for each in threading.enumerate() if each.ident == owner), None)
-        return f"thread {owner}" if thread is None else f"thread {thread.name!r} (ident {owner})"
+        if thread_name is None:
+            thread = next((each for each in threading.enumerate() if each.ident == owner), None)
+            thread_name = None if thread is None else thread.name
+        if thread_name is None:
+            return f"thread {owner}"
+        return f"thread {thread_name!r} (ident {owner})"
     get_name = getattr(owner, "get_name", None)
     return f"task {get_name()!r}" if get_name is not None else f"task {owner!r}"
 
@@ -82,12 +88,15 @@ def deadlock(cycle: list[tuple[Any, Hashable]]) -> DeadlockError:
     )
 
 
-def warn_abandoned(owner: object, keys: list[Hashable]) -> None:
+def warn_abandoned(owner: object, keys: list[Hashable], thread_name: str | None = None) -> None:
     """Report keys released because their owner (a thread's ident, or an asyncio task)
-    ended while holding them."""
+    ended while holding them. ``thread_name``: an ended thread's name, as it was when the
+    thread first used lockmgr (its token's creation): the thread is gone from threading by
+    the time its exit releases its keys."""
     for key in keys:
         warnings.warn(
-            f"{describe_owner(owner)} ended holding key {_short.repr(key)}; released it",
+            f"{describe_owner(owner, thread_name)} ended holding key {_short.repr(key)}; "
+            "released it",
             AbandonedLockWarning,
             stacklevel=1,
         )

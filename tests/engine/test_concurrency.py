@@ -340,11 +340,28 @@ def test_keys_of_a_thread_that_ends_are_released_to_waiters(locks, workers) -> N
         thread.join(PATIENCE)
         assert queued.result() is True
     assert sorted(str(w.message) for w in warned) == [
-        f"thread {thread.ident} ended holding key 'k'; released it",
-        f"thread {thread.ident} ended holding key 'other'; released it",
+        f"thread {thread.name!r} (ident {thread.ident}) ended holding key 'k'; released it",
+        f"thread {thread.name!r} (ident {thread.ident}) ended holding key 'other'; released it",
     ] and locks.owner("k") == waiter.thread.ident
     assert locks.recursion_count("k") == 0 and not locks.locked("other")
     waiter.run(lambda: locks.release("k"))
+    assert len(locks) == 0
+
+
+def test_the_warning_names_the_ended_thread_as_it_was_named_when_it_first_used_locks(
+        locks) -> None:
+    """The thread is gone from threading when its exit releases its keys: the engines keep
+    its name from its token's creation (a later rename is not seen)."""
+    def holder() -> None:
+        locks.acquire("k")
+        threading.current_thread().name = "renamed"
+
+    thread = threading.Thread(target=holder, name="Worker-1")
+    with abandoned_warnings() as warned:
+        thread.start()
+        thread.join(PATIENCE)
+    assert [str(w.message) for w in warned] == [
+        f"thread 'Worker-1' (ident {thread.ident}) ended holding key 'k'; released it"]
     assert len(locks) == 0
 
 
@@ -356,7 +373,7 @@ def test_a_new_thread_never_inherits_an_ended_threads_keys(locks) -> None:
             first.start()
             first.join(PATIENCE)
         assert [str(w.message) for w in warned] == [
-            f"thread {first.ident} ended holding key 'k'; released it"]
+            f"thread {first.name!r} (ident {first.ident}) ended holding key 'k'; released it"]
         second = threading.Thread(
             target=lambda: seen.append((threading.get_ident(), locks.owned("k"),
                                         locks.recursion_count("k"))))

@@ -286,7 +286,7 @@ def test_a_reader_that_ends_is_released(rw) -> None:
         end.set()
         thread.join(PATIENCE)
     assert [str(w.message) for w in warned] == [
-        f"thread {thread.ident} ended holding key 'k'; released it"]
+        f"thread {thread.name!r} (ident {thread.ident}) ended holding key 'k'; released it"]
     writing.join(PATIENCE)
     assert not writing.is_alive() and len(rw) == 0
 

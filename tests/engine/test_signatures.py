@@ -55,3 +55,13 @@ def test_core_methods_show_the_twins_parameters(what: str) -> None:
     assert twin_methods, what
     for name in sorted(twin_methods.keys() & core_methods.keys()):
         assert parameters(core_methods[name]) == parameters(twin_methods[name]), f"{what}.{name}"
+
+
+@pytest.mark.parametrize("what", [name for name, _ in instances(twin)])
+def test_core_methods_carry_the_twins_docstrings(what: str) -> None:
+    """``help()`` says the same of either engine: what each call does and raises."""
+    core_methods = public_methods(dict(instances(core))[what])
+    twin_methods = public_methods(dict(instances(twin))[what])
+    differing = [name for name in sorted(twin_methods.keys() & core_methods.keys())
+                 if inspect.getdoc(core_methods[name]) != inspect.getdoc(twin_methods[name])]
+    assert not differing, f"{what}: the engines' docstrings differ for {differing}"

@@ -57,11 +57,12 @@ def test_a_task_acquires_reentrantly_and_only_the_owner_releases(locks, dsn) -> 
 
         async def other_task() -> None:
             assert not aio.owned("k")
-            with pytest.raises(NotOwnedError):
+            with pytest.raises(NotOwnedError,
+                               match="key 'k' is not held by the calling task 'other'"):
                 await aio.release("k")
             assert await aio.acquire("k", timeout=0) is False
 
-        await asyncio.create_task(other_task())
+        await asyncio.create_task(other_task(), name="other")
         await aio.release("k")
         assert held_on_server(dsn, locks, "k")  # one level left
         await aio.release("k")

@@ -96,7 +96,8 @@ def test_acquire_release_reentrant_and_errors(locks, dsn) -> None:
     assert held_on_server(dsn, locks, "k")  # one PostgreSQL lock for all levels
     locks.release("k")
     assert not held_on_server(dsn, locks, "k") and not locks.locked("k")
-    with pytest.raises(NotOwnedError):
+    me = f"the calling thread {threading.current_thread().name!r} (ident {threading.get_ident()})"
+    with pytest.raises(NotOwnedError, match=re.escape(f"key 'k' is not held by {me}")):
         locks.release("k")
     with pytest.raises(ValueError):
         locks.acquire("k", timeout=-2)

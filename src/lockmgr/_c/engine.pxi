@@ -318,7 +318,9 @@ cdef class _Engine:
         return None if self.table.stripes is NULL else self.table.stripe_mask + 1
 
     def stripe_of(self, key):
-        """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
+        """The stripe ``key`` maps onto (None without stripes): keys that share one share a
+        lock. Raises TypeError for an unhashable key (when striped: unstriped, it is not
+        hashed)."""
         if self.table.stripes is NULL:
             return None
         return spread(lockmgr_hash(key)) & self.table.stripe_mask
@@ -380,7 +382,7 @@ cdef class _Engine:
         return 0
 
     def stats(self):
-        """A snapshot of this manager's counters (read at one instant)."""
+        """A snapshot of this manager's counters (read at one instant). Raises nothing."""
         cdef unsigned long long counters[6]
         lock()
         read_stats(&self.table, counters)
@@ -402,7 +404,8 @@ cdef class _Engine:
         return None if self.table.log_after < 0 else self.table.log_after
 
     def snapshot(self):
-        """Every key held or waited on, with its holders and its queue, at one instant."""
+        """Every key held or waited on, with its holders and its queue, at one instant.
+        Raises nothing."""
         cdef Copy copy
         memset(&copy, 0, sizeof(Copy))
         try:
@@ -418,7 +421,7 @@ cdef class _Engine:
 
     def metrics(self):
         """The ``stats()`` counters, wait- and hold-time histograms and the hot keys, read
-        at one instant."""
+        at one instant. Raises nothing."""
         cdef unsigned long long counters[6]
         cdef Histogram waits, holds
         cdef HotSlot hot[HOT_KEY_SLOTS]
@@ -500,7 +503,7 @@ cdef class _Engine:
         """Release every key of this manager the calling thread holds, all levels; returns how many.
 
         Levels that a waiting ``acquire_many`` of this thread took (only code running inside
-        that wait can see them) stay until that call ends.
+        that wait can see them) stay until that call ends. Raises nothing.
         """
         cdef Token *token = existing_token()
         cdef After after
@@ -841,13 +844,20 @@ cdef class _Engine:
         return self._task_awaitable(got, key, seconds, raises_timeout)
 
     def _task_acquire(self, key, blocking=True, timeout=-1):
-        """``aio.acquire`` (and ``acquire_write``): the view binds it as its own. It
-        answers a coroutine (an _Acquiring) that acquires for the task driving it, as an
-        ``async def`` would, but runs no Python frame (see lockmgr._aio)."""
+        """``aio.acquire`` (and ``rw.aio.acquire_write``), bound by the view as its own: lock
+        ``key`` for the current task (see ``AsyncLockManager``).
+
+        Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
+        (as ``threading.Lock.acquire``; OverflowError past ``threading.TIMEOUT_MAX``),
+        TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
+        tasks and threads, RuntimeError outside a running asyncio task."""
+        # It answers a coroutine (an _Acquiring) that acquires for the task driving it, as an
+        # ``async def`` would, but runs no Python frame (see lockmgr._aio).
         return acquiring(self, key, WRITE, blocking, timeout)
 
     def _task_acquire_read(self, key, blocking=True, timeout=-1):
-        """``rw.aio.acquire_read``."""
+        """``rw.aio.acquire_read``, bound by the view as its own: ``key`` shared for the
+        current task; raises what ``aio.acquire`` raises."""
         return acquiring(self, key, READ, blocking, timeout)
 
     def _task_acquire_many(self, make_items, blocking=True, timeout=-1):
@@ -871,13 +881,16 @@ cdef class _Engine:
         return self._task_awaitable(got, key, seconds, False)
 
     def _task_release_write(self, key):
-        """``aio.release`` (and ``release_write``), bound by the view as its own."""
+        """``aio.release`` (and ``rw.aio.release_write``), bound by the view as its own: undo
+        one acquire of ``key`` by the current task. Raises NotOwnedError if the task does not
+        hold it, TypeError for an unhashable key, RuntimeError outside a running asyncio task."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._task_release_at(task_token(False), lock_key, h, WRITE)
 
     def _task_release_read(self, key):
-        """``rw.aio.release_read``."""
+        """``rw.aio.release_read``, bound by the view as its own; raises what ``aio.release``
+        raises (NotOwnedError if the current task does not read ``key``)."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._task_release_at(task_token(False), lock_key, h, READ)

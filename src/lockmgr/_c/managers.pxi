@@ -33,6 +33,13 @@ cdef class LockManager(_Engine):
 
         Returns True once held (reentrant: a holder always succeeds at once), False if
         ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+
+        Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
+        (as ``threading.Lock.acquire``; OverflowError past ``threading.TIMEOUT_MAX``),
+        TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
+        threads and tasks, NestedWaitError if the thread would wait while already waiting
+        for a key (a signal handler or finalizer running inside that wait), OverflowError
+        past ``sys.maxsize`` levels.
         """
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
@@ -42,7 +49,8 @@ cdef class LockManager(_Engine):
         return self._acquire_write(lock_key, h, seconds, 1)
 
     def release(self, key):
-        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        """Undo one ``acquire`` of ``key``. Raises NotOwnedError if the calling thread does
+        not hold it, TypeError for an unhashable key."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._release_write(lock_key, h, False)
@@ -50,7 +58,9 @@ cdef class LockManager(_Engine):
     def hold(self, key, timeout=None):
         """A context manager holding ``key`` for its block.
 
-        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        ``timeout``: None or -1 waits forever, 0 tries once. Raises TypeError/ValueError for a
+        bad ``timeout``, TypeError for an unhashable key; entering raises LockTimeout if not
+        acquired in time and what ``acquire`` raises; leaving, what ``release`` raises.
         """
         cdef double seconds = hold_seconds(timeout)
         cdef KeyLock view = self._view(key)
@@ -66,7 +76,11 @@ cdef class LockManager(_Engine):
 
         Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
         Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
-        a coroutine function, else when the function is called.
+        a coroutine function, else when the function is called. A ``key_func`` that is not
+        callable, and decorating a coroutine function, raise TypeError; each call raises
+        what ``hold`` raises around the function's own errors.
+
+        The decorated function keeps its signature for type checkers.
         """
         return synchronized(self, key_func)
 
@@ -76,6 +90,8 @@ cdef class LockManager(_Engine):
         Duplicates count once; keys the caller holds are re-entered. The request queues
         FIFO on every key it needs and keeps its place there, so it cannot starve, and it
         never deadlocks against other multi-key calls, whatever the order of the keys.
+        Raises what ``acquire`` raises, nothing taken, and TypeError if ``keys`` is a str
+        or bytes.
         """
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
@@ -83,31 +99,38 @@ cdef class LockManager(_Engine):
         return self._acquire_many(many_items(keys, self._table_key), seconds)
 
     def release_many(self, keys):
-        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        """Undo one ``acquire_many(keys)``. Raises, nothing released: NotOwnedError if one is
+        not held, TypeError if ``keys`` is a str or bytes, an iterator already consumed, or
+        holds an unhashable key."""
         self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys, timeout=None):
-        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        """A context manager holding every key of ``keys`` for its block. Raises TypeError for
+        bad ``keys`` (as ``acquire_many``) and TypeError/ValueError for a bad ``timeout``;
+        entering raises LockTimeout if not acquired in time and what ``acquire_many``
+        raises; leaving, what ``release_many`` raises."""
         return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
 
     def locked(self, key):
-        """Whether any thread holds ``key``."""
+        """Whether any thread or task holds ``key``. Raises TypeError for an unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
         return seen.owner != 0
 
     def owned(self, key):
-        """Whether the calling thread holds ``key``."""
+        """Whether the calling thread holds ``key``. Raises TypeError for an unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
         return seen.mine
 
     def owner(self, key):
-        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        """The ``threading.get_ident()`` of the thread holding ``key`` (the task, for a task),
+        or None. Raises TypeError for an unhashable key."""
         return self._owner_and_count(key)[0]
 
     def recursion_count(self, key):
-        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        """How many times the calling thread holds ``key`` (0 if it does not). Raises
+        TypeError for an unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
         return seen.count if seen.mine else 0
@@ -166,7 +189,8 @@ cdef class RWLockManager(_Engine):
         self._use_stripes(stripes)
 
     def acquire_read(self, key, blocking=True, timeout=-1):
-        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        """Take ``key`` for reading; the same arguments, result and errors as
+        ``LockManager.acquire``: raises what it raises."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
@@ -175,7 +199,9 @@ cdef class RWLockManager(_Engine):
         return self._acquire_read(lock_key, h, seconds)
 
     def acquire_write(self, key, blocking=True, timeout=-1):
-        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        """Take ``key`` for writing (an upgrade if the caller reads it); as
+        ``LockManager.acquire``: raises what it raises (DeadlockError for the second of two
+        readers upgrading at once)."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
@@ -184,49 +210,58 @@ cdef class RWLockManager(_Engine):
         return self._acquire_write(lock_key, h, seconds, 1)
 
     def release_read(self, key):
-        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        """Undo one ``acquire_read``. Raises NotOwnedError if the calling thread does not read
+        ``key``, TypeError for an unhashable key."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._release_read(lock_key, h)
 
     def release_write(self, key):
-        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        """Undo one ``acquire_write``. Raises NotOwnedError if the calling thread does not
+        write ``key``, TypeError for an unhashable key."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._release_write(lock_key, h, False)
 
     def read(self, key, timeout=None):
-        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        """A context manager reading ``key`` for its block; raises what ``LockManager.hold``
+        raises."""
         return self._holding(key, timeout, READ)
 
     def write(self, key, timeout=None):
-        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        """A context manager writing ``key`` for its block; raises what ``LockManager.hold``
+        raises."""
         return self._holding(key, timeout, WRITE)
 
     def acquire_many(self, reads=(), writes=(), blocking=True, timeout=-1):
         """Read every key of ``reads`` and write every key of ``writes`` at once, or none
-        (a key in both is written); see ``LockManager.acquire_many``."""
+        (a key in both is written); see ``LockManager.acquire_many``, whose errors it raises
+        (TypeError if ``reads`` or ``writes`` is a str or bytes)."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
         return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
 
     def release_many(self, reads=(), writes=()):
-        """Undo one ``acquire_many`` with the same arguments."""
+        """Undo one ``acquire_many`` with the same arguments; raises what
+        ``LockManager.release_many`` raises."""
         self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(self, reads=(), writes=(), timeout=None):
-        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        """A context manager holding ``reads`` and ``writes`` for its block; raises what
+        ``LockManager.hold_many`` raises."""
         return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
 
     def readers(self, key):
-        """How many threads hold ``key`` for reading."""
+        """How many threads and tasks hold ``key`` for reading. Raises TypeError for an
+        unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
         return seen.readers
 
     def write_locked(self, key):
-        """Whether a thread holds ``key`` for writing."""
+        """Whether a thread or task holds ``key`` for writing. Raises TypeError for an
+        unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
         return seen.owner != 0
@@ -338,15 +373,18 @@ cdef class KeyLock:
     __class_getitem__ = classmethod(GenericAlias)
 
     def acquire(self, blocking=True, timeout=-1):
+        """``manager.acquire(key, ...)``: raises what it raises."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
         return self.manager._acquire_write(self.lock_key, self.hash, seconds, 1)
 
     def release(self):
+        """``manager.release(key)``: raises what it raises."""
         self.manager._release_write(self.lock_key, self.hash, False)
 
     def locked(self):
+        """``manager.locked(key)``: whether any thread or task holds the key. Raises nothing."""
         return self.manager.locked(self.key)
 
     def __enter__(self):
@@ -485,16 +523,17 @@ cdef class AsyncKeyLock(_BlockRecord):
     __class_getitem__ = classmethod(GenericAlias)
 
     def acquire(self, blocking=True, timeout=-1):
-        """As ``AsyncLockManager.acquire`` for this view's key: a coroutine that runs no
-        Python frame (an _Acquiring), so no signal handler's exception can come between
-        the grant and the caller."""
+        """As ``AsyncLockManager.acquire`` for this view's key: raises what it raises."""
+        # A coroutine that runs no Python frame (an _Acquiring): no signal handler's
+        # exception can come between the grant and the caller.
         return acquiring(self._manager, self.key, WRITE, blocking, timeout)
 
     def release(self):
+        """As ``AsyncLockManager.release`` for this view's key: raises what it raises."""
         self._manager._task_release_at(task_token(False), self.lock_key, self.hash, WRITE)
 
     def locked(self):
-        """Whether any thread or task holds the key."""
+        """Whether any thread or task holds the key. Raises nothing."""
         return bool(self._manager.locked(self.key))
 
     def __aenter__(self):

@@ -199,6 +199,7 @@ cdef inline Token* existing_token() noexcept:
 
 
 cdef Token* new_token() except NULL:
+    thread_name = threading.current_thread().name  # first: it runs Python code
     cdef PyObject *state = PyThreadState_GetDict()
     if state is NULL:
         raise RuntimeError("lockmgr needs a Python thread state in the calling thread")
@@ -208,6 +209,7 @@ cdef Token* new_token() except NULL:
     token.ident = PyThread_get_thread_ident()
     cdef _ThreadExit guard = _ThreadExit.__new__(_ThreadExit)
     guard.token = token  # from here on the guard frees the token
+    guard.thread_name = thread_name
     (<object>state)[_ThreadExit] = guard
     PyThread_tss_set(&token_key, token)
     return token
@@ -243,8 +245,9 @@ cdef enum:
     EXIT_ROUNDS = 100  # bounds a finalizer that takes a key again each time it is released
 
 
-cdef bint release_abandoned(Token *token, object owner) except -1:
-    """Release every key an ending thread holds, then drop them and warn; False if it held none."""
+cdef bint release_abandoned(Token *token, object owner, object thread_name=None) except -1:
+    """Release every key an ending thread holds, then drop them and warn (naming
+    ``thread_name``, see warn_abandoned); False if it held none."""
     cdef After after
     cdef PyObject **keys = NULL
     cdef Py_ssize_t room, released, i
@@ -268,7 +271,7 @@ cdef bint release_abandoned(Token *token, object owner) except -1:
         Py_XDECREF(keys[i])
     PyMem_RawFree(keys)
     if abandoned and not lockmgr_is_finalizing():
-        warn_abandoned(owner, abandoned)
+        warn_abandoned(owner, abandoned, thread_name)
     return True
 
 
@@ -283,6 +286,9 @@ cdef class _ThreadExit:
     down at the same moment is never resurrected.
     """
     cdef Token *token  # the token of the thread whose state dict holds this guard
+    cdef object thread_name  # the thread's name when its token was made (by its first
+                             # use of lockmgr): the thread is gone from threading when
+                             # its abandoned keys are reported
 
     def __dealloc__(self):
         cdef Token *token = self.token
@@ -299,7 +305,7 @@ cdef class _ThreadExit:
             # filters) in this thread, with its token still its own: what that code takes
             # is released in the next round.
             for rounds in range(EXIT_ROUNDS):
-                if not release_abandoned(token, token.ident):
+                if not release_abandoned(token, token.ident, self.thread_name):
                     break
             free_token(token)
         if PyThread_tss_get(&token_key) == token:

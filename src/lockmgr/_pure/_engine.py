@@ -70,13 +70,15 @@ class _Engine(_Tasks):
         return None if self._stripe_keys is None else len(self._stripe_keys)
 
     def stripe_of(self, key: Hashable) -> int | None:
-        """The stripe ``key`` maps onto (None without stripes): keys that share one share a lock."""
+        """The stripe ``key`` maps onto (None without stripes): keys that share one share a
+        lock. Raises TypeError for an unhashable key (when striped: unstriped, it is not
+        hashed)."""
         if self._stripe_keys is None:
             return None
         return stripe_index(hash(key), len(self._stripe_keys))
 
     def stats(self) -> LockStats:
-        """A snapshot of this manager's counters."""
+        """A snapshot of this manager's counters (read at one instant). Raises nothing."""
         return LockStats(*_section(self._stats_section))
 
     def _stats_section(self) -> tuple[int, ...]:
@@ -91,7 +93,8 @@ class _Engine(_Tasks):
         return None if self._log_after < 0 else self._log_after
 
     def snapshot(self) -> list[KeyState]:
-        """Every key held or waited on, with its holders and its queue, at one instant."""
+        """Every key held or waited on, with its holders and its queue, at one instant.
+        Raises nothing."""
         now, raw = _section(self._snapshot_section)
         return build_snapshot(raw, now)
 
@@ -107,7 +110,7 @@ class _Engine(_Tasks):
 
     def metrics(self) -> LockMetrics:
         """The ``stats()`` counters, wait- and hold-time histograms and the hot keys, read
-        at one instant."""
+        at one instant. Raises nothing."""
         return build_metrics(*_section(self._metrics_section))
 
     def _metrics_section(self) -> tuple[Any, ...]:
@@ -117,7 +120,9 @@ class _Engine(_Tasks):
     def release_all(self) -> int:
         """Release every key of this manager the calling thread holds, all levels; returns how many.
 
-        Levels a waiting ``acquire_many`` of this thread has pinned stay held."""
+        Levels that a waiting ``acquire_many`` of this thread took (only code running inside
+        that wait can see them) stay until that call ends. Raises nothing.
+        """
         token = _existing_token()
         return 0 if token is None else len(_section(self._release_held_section, token))
 

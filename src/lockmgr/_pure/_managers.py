@@ -41,7 +41,7 @@ class LockManager(_Engine, Generic[K]):
 
     @property
     def fair(self) -> bool:
-        """True for strict FIFO hand-off, False for eventual fairness (see docs/semantics.md)."""
+        """True for strict FIFO hand-off, False for eventual fairness."""
         return self._fair
 
     @property
@@ -54,18 +54,28 @@ class LockManager(_Engine, Generic[K]):
 
         Returns True once held (reentrant: a holder always succeeds at once), False if
         ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first.
+
+        Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
+        (as ``threading.Lock.acquire``; OverflowError past ``threading.TIMEOUT_MAX``),
+        TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
+        threads and tasks, NestedWaitError if the thread would wait while already waiting
+        for a key (a signal handler or finalizer running inside that wait), OverflowError
+        past ``sys.maxsize`` levels.
         """
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_write(self._table_key(key), seconds, 1)
 
     def release(self, key: K) -> None:
-        """Undo one ``acquire`` of ``key``; raises NotOwnedError if the caller does not hold it."""
+        """Undo one ``acquire`` of ``key``. Raises NotOwnedError if the calling thread does
+        not hold it, TypeError for an unhashable key."""
         self._release_write(self._table_key(key))
 
     def hold(self, key: K, timeout: float | None = None) -> KeyLock[K]:
         """A context manager holding ``key`` for its block.
 
-        ``timeout``: None or -1 waits forever, 0 tries once; LockTimeout if not acquired.
+        ``timeout``: None or -1 waits forever, 0 tries once. Raises TypeError/ValueError for a
+        bad ``timeout``, TypeError for an unhashable key; entering raises LockTimeout if not
+        acquired in time and what ``acquire`` raises; leaving, what ``release`` raises.
         """
         seconds = hold_seconds(timeout)
         view = KeyLock(self, key)
@@ -88,7 +98,9 @@ class LockManager(_Engine, Generic[K]):
 
         Write it with its key function: ``@locks.synchronized(lambda user_id: user_id)``.
         Written bare (``@locks.synchronized``), it raises TypeError saying so: at once over
-        a coroutine function, else when the function is called.
+        a coroutine function, else when the function is called. A ``key_func`` that is not
+        callable, and decorating a coroutine function, raise TypeError; each call raises
+        what ``hold`` raises around the function's own errors.
 
         The decorated function keeps its signature for type checkers.
         """
@@ -100,33 +112,42 @@ class LockManager(_Engine, Generic[K]):
         Duplicates count once; keys the caller holds are re-entered. The request queues
         FIFO on every key it needs and keeps its place there, so it cannot starve, and it
         never deadlocks against other multi-key calls, whatever the order of the keys.
+        Raises what ``acquire`` raises, nothing taken, and TypeError if ``keys`` is a str
+        or bytes.
         """
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_many(many_items(keys, self._table_key), seconds)
 
     def release_many(self, keys: Iterable[K]) -> None:
-        """Undo one ``acquire_many(keys)``; NotOwnedError (nothing released) if one is not held."""
+        """Undo one ``acquire_many(keys)``. Raises, nothing released: NotOwnedError if one is
+        not held, TypeError if ``keys`` is a str or bytes, an iterator already consumed, or
+        holds an unhashable key."""
         self._release_many(many_items(keys, self._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
-        """A context manager holding every key of ``keys`` for its block (LockTimeout)."""
+        """A context manager holding every key of ``keys`` for its block. Raises TypeError for
+        bad ``keys`` (as ``acquire_many``) and TypeError/ValueError for a bad ``timeout``;
+        entering raises LockTimeout if not acquired in time and what ``acquire_many``
+        raises; leaving, what ``release_many`` raises."""
         return _HoldingMany(self, many_items(keys, self._table_key), hold_seconds(timeout))
 
     def locked(self, key: K) -> bool:
-        """Whether any thread holds ``key``."""
+        """Whether any thread or task holds ``key``. Raises TypeError for an unhashable key."""
         return self._run_on_key(_written, self._table_key(key))
 
     def owned(self, key: K) -> bool:
-        """Whether the calling thread holds ``key``."""
+        """Whether the calling thread holds ``key``. Raises TypeError for an unhashable key."""
         return self._run_on_key(
             _written_by, self._table_key(key), _existing_token())
 
     def owner(self, key: K) -> int | None:
-        """The ``threading.get_ident()`` of the thread holding ``key``, or None."""
+        """The ``threading.get_ident()`` of the thread holding ``key`` (the task, for a task),
+        or None. Raises TypeError for an unhashable key."""
         return self._owner_and_count(key)[0]
 
     def recursion_count(self, key: K) -> int:
-        """How many times the calling thread holds ``key`` (0 if it does not)."""
+        """How many times the calling thread holds ``key`` (0 if it does not). Raises
+        TypeError for an unhashable key."""
         return self._run_on_key(
             _write_level, self._table_key(key), _existing_token())
 
@@ -177,30 +198,37 @@ class RWLockManager(_Engine, Generic[K]):
         return AsyncRWLockManager(self)
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Take ``key`` for reading; the same arguments and result as ``LockManager.acquire``."""
+        """Take ``key`` for reading; the same arguments, result and errors as
+        ``LockManager.acquire``: raises what it raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_read(self._table_key(key), seconds)
 
     def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Take ``key`` for writing (an upgrade if the caller reads it)."""
+        """Take ``key`` for writing (an upgrade if the caller reads it); as
+        ``LockManager.acquire``: raises what it raises (DeadlockError for the second of two
+        readers upgrading at once)."""
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_write(self._table_key(key), seconds, 1)
 
     def release_read(self, key: K) -> None:
-        """Undo one ``acquire_read``; NotOwnedError if the caller does not read ``key``."""
+        """Undo one ``acquire_read``. Raises NotOwnedError if the calling thread does not read
+        ``key``, TypeError for an unhashable key."""
         self._release_read(self._table_key(key))
 
     def release_write(self, key: K) -> None:
-        """Undo one ``acquire_write``; NotOwnedError if the caller does not write ``key``."""
+        """Undo one ``acquire_write``. Raises NotOwnedError if the calling thread does not
+        write ``key``, TypeError for an unhashable key."""
         self._release_write(self._table_key(key))
 
     def read(self, key: K, timeout: float | None = None) -> _Holding:
-        """A context manager reading ``key`` for its block (LockTimeout if not acquired)."""
+        """A context manager reading ``key`` for its block; raises what ``LockManager.hold``
+        raises."""
         seconds = hold_seconds(timeout)
         return _Holding(self, self._table_key(key), seconds, _READ)
 
     def write(self, key: K, timeout: float | None = None) -> _Holding:
-        """A context manager writing ``key`` for its block (LockTimeout if not acquired)."""
+        """A context manager writing ``key`` for its block; raises what ``LockManager.hold``
+        raises."""
         seconds = hold_seconds(timeout)
         return _Holding(self, self._table_key(key), seconds, _WRITE)
 
@@ -209,26 +237,31 @@ class RWLockManager(_Engine, Generic[K]):
         timeout: float = -1,
     ) -> bool:
         """Read every key of ``reads`` and write every key of ``writes`` at once, or none
-        (a key in both is written); see ``LockManager.acquire_many``."""
+        (a key in both is written); see ``LockManager.acquire_many``, whose errors it raises
+        (TypeError if ``reads`` or ``writes`` is a str or bytes)."""
         seconds = wait_seconds(blocking, timeout)
         return self._acquire_many(rw_items(reads, writes, self._table_key), seconds)
 
     def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        """Undo one ``acquire_many`` with the same arguments."""
+        """Undo one ``acquire_many`` with the same arguments; raises what
+        ``LockManager.release_many`` raises."""
         self._release_many(rw_items(reads, writes, self._table_key, True))
 
     def hold_many(
         self, reads: Iterable[K] = (), writes: Iterable[K] = (), timeout: float | None = None
     ) -> _HoldingMany:
-        """A context manager holding ``reads`` and ``writes`` for its block (LockTimeout)."""
+        """A context manager holding ``reads`` and ``writes`` for its block; raises what
+        ``LockManager.hold_many`` raises."""
         return _HoldingMany(self, rw_items(reads, writes, self._table_key), hold_seconds(timeout))
 
     def readers(self, key: K) -> int:
-        """How many threads hold ``key`` for reading."""
+        """How many threads and tasks hold ``key`` for reading. Raises TypeError for an
+        unhashable key."""
         return self._run_on_key(_reader_count, self._table_key(key))
 
     def write_locked(self, key: K) -> bool:
-        """Whether a thread holds ``key`` for writing."""
+        """Whether a thread or task holds ``key`` for writing. Raises TypeError for an
+        unhashable key."""
         return self._run_on_key(_written, self._table_key(key))
 
     def __contains__(self, key: object) -> bool:
@@ -314,12 +347,15 @@ class KeyLock(Generic[K]):
         return self._manager
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """``manager.acquire(key, ...)``: raises what it raises."""
         return self._manager._acquire_write(self._lock_key, wait_seconds(blocking, timeout), 1)
 
     def release(self) -> None:
+        """``manager.release(key)``: raises what it raises."""
         self._manager._release_write(self._lock_key)
 
     def locked(self) -> bool:
+        """``manager.locked(key)``: whether any thread or task holds the key. Raises nothing."""
         return self._manager.locked(self._key)
 
     def __enter__(self) -> bool:

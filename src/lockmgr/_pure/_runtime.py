@@ -25,9 +25,13 @@ class _ThreadExit:
     Entries refer to their owner's token, so the token itself may outlive its thread.
     """
 
-    __slots__ = ("token",)
+    __slots__ = ("thread_name", "token")
 
     def __init__(self, token: _Token) -> None:
+        # The thread's name when its token was made (by its first use of lockmgr): the
+        # thread is gone from threading when its abandoned keys are reported. Set first:
+        # __del__ reads it once ``token`` is set.
+        self.thread_name = threading.current_thread().name
         self.token = token
 
     def __del__(self) -> None:
@@ -48,7 +52,7 @@ class _ThreadExit:
             _exiting[token.ident] = token
         try:
             for _ in range(_EXIT_ROUNDS):
-                if not _release_abandoned(token):
+                if not _release_abandoned(token, self.thread_name):
                     break
         finally:
             if own:
@@ -58,9 +62,10 @@ class _ThreadExit:
 _EXIT_ROUNDS = 100  # bounds a finalizer that takes a key again each time it is released
 
 
-def _release_abandoned(token: _Token) -> bool:
-    """Release every key an ending thread holds, then drop them and warn (all of which may
-    run Python code); False if it held none."""
+def _release_abandoned(token: _Token, thread_name: str | None = None) -> bool:
+    """Release every key an ending thread holds, then drop them and warn, naming
+    ``thread_name`` (see warn_abandoned): all of which may run Python code. False if it
+    held none."""
     managers: dict[int, _Engine] = {}  # not a set of the references: a dead one's hash
     for manager_ref in _section(_holding_managers, token):  # may be unknown
         manager = manager_ref()
@@ -72,7 +77,7 @@ def _release_abandoned(token: _Token) -> bool:
     for manager in managers.values():
         abandoned += _section(manager._release_held_section, token)
     if abandoned and not sys.is_finalizing():
-        warn_abandoned(token.ident, abandoned)
+        warn_abandoned(token.ident, abandoned, thread_name)
     return True
 
 

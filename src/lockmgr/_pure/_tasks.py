@@ -413,28 +413,41 @@ class _Tasks(_Operations):
 
     async def _task_acquire(self, key: Hashable, blocking: bool = True,
                             timeout: float = -1) -> bool:
-        """``aio.acquire`` (and ``acquire_write``, ``aio[key].acquire``), bound by the view
-        as its own."""
+        """``aio.acquire`` (and ``rw.aio.acquire_write``), bound by the view as its own: lock
+        ``key`` for the current task (see ``AsyncLockManager``).
+
+        Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
+        (as ``threading.Lock.acquire``; OverflowError past ``threading.TIMEOUT_MAX``),
+        TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
+        tasks and threads, RuntimeError outside a running asyncio task."""
         return await _acquiring(self, lambda: self._task_release(key, _WRITE), self._task_enter,
                                 key, _WRITE, wait_seconds(blocking, timeout), False)
 
     async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
                                  timeout: float = -1) -> bool:
+        """``rw.aio.acquire_read``, bound by the view as its own: ``key`` shared for the
+        current task; raises what ``aio.acquire`` raises."""
         return await _acquiring(self, lambda: self._task_release(key, _READ), self._task_enter,
                                 key, _READ, wait_seconds(blocking, timeout), False)
 
     async def _task_acquire_many(self, make_items: Callable[[], list[tuple[Hashable, int]]],
                                  blocking: bool = True, timeout: float = -1) -> bool:
-        """``aio.acquire_many``: the set's items are made by ``make_items()``."""
+        """``aio.acquire_many``: the set's items are made by ``make_items()``; raises what
+        ``aio.acquire`` raises, nothing taken."""
         items = make_items()
         return await _acquiring(self, lambda: self._task_release_many(items),
                                 self._task_enter_many, items, wait_seconds(blocking, timeout),
                                 False)
 
     def _task_release_write(self, key: Hashable) -> None:
+        """``aio.release`` (and ``rw.aio.release_write``), bound by the view as its own: undo
+        one acquire of ``key`` by the current task. Raises NotOwnedError if the task does not
+        hold it, TypeError for an unhashable key, RuntimeError outside a running asyncio task."""
         self._task_release(key, _WRITE)
 
     def _task_release_read(self, key: Hashable) -> None:
+        """``rw.aio.release_read``, bound by the view as its own; raises what ``aio.release``
+        raises (NotOwnedError if the current task does not read ``key``)."""
         self._task_release(key, _READ)
 
     def _task_record(self) -> _BlockRecord:

@@ -279,7 +279,7 @@ class _PgEngine(Generic[K]):
                 return session.fences[key, WRITE]
             if session.levels.get((key, READ)) or session.lost.get((key, READ)):
                 raise _read_has_no_fence(key)
-        raise not_owned(key)
+        raise not_owned(key, threading.get_ident())
 
     def _fences_of(self, fresh: list[tuple[Hashable, int]],
                    fences: dict[int, int]) -> dict[tuple[Hashable, int], int]:
@@ -536,7 +536,7 @@ class _PgEngine(Generic[K]):
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``; LockLost (after undoing it) if any was lost."""
-        session = _holding(self._session_or_none(), items)
+        session = _holding(self._session_or_none(), items, threading.get_ident())
         last = [item for item in items if session.levels.get(item) == 1]
         # No round trip to the server will tell whether the connection lives, or an earlier
         # clean-up was interrupted: settle first.

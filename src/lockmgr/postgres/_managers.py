@@ -374,7 +374,7 @@ class PgKeyLock(Generic[K]):
         """For ``threading.Condition``: give the key up entirely, remembering the level."""
         count = self.manager.recursion_count(self.key)
         if not count:
-            raise not_owned(self.key)
+            raise not_owned(self.key, threading.get_ident())
         for _ in range(count):
             self.manager.release(self.key)
         return count, threading.get_ident()

@@ -198,11 +198,13 @@ def _lost_error(keys: list[Hashable]) -> LockLost:
     return LockLost(f"the lock on {', '.join(map(repr, keys))} was lost with its connection")
 
 
-def _holding(session: _Session | None, items: Sequence[tuple[Hashable, int]]) -> _Session:
-    """The session of a release, which must hold (or have lost) each of ``items``."""
+def _holding(session: _Session | None, items: Sequence[tuple[Hashable, int]],
+             owner: Hashable) -> _Session:
+    """The session of a release by ``owner`` (the calling thread's ident, or the current
+    task), which must hold (or have lost) each of ``items``: NotOwnedError names it."""
     for key, mode in items:
         if session is None or not (session.levels.get((key, mode)) or session.lost.get((key, mode))):
-            raise not_owned(key)
+            raise not_owned(key, owner)
     assert session is not None
     return session
 

@@ -160,7 +160,7 @@ class _Tasks:
     async def give(self, items: Sequence[tuple[Hashable, int]],
                    local_release: Callable[[], None]) -> None:
         """``_PgEngine._give`` for the current task."""
-        session = _holding(self.session_or_none(), items)
+        session = _holding(self.session_or_none(), items, current_task_or_raise())
         assert isinstance(session, _TaskSession)
         last = [item for item in items if session.levels.get(item) == 1]
         unrun = False
@@ -426,7 +426,7 @@ class _Tasks:
                 return session.fences[key, WRITE]
             if session.levels.get((key, READ)) or session.lost.get((key, READ)):
                 raise _read_has_no_fence(key)
-        raise not_owned(key)
+        raise not_owned(key, current_task_or_raise())
 
     def check(self, session: _TaskSession) -> None:
         """What ``settle`` can find without waiting: a dead connection loses its keys (and a
