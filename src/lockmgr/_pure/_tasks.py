@@ -201,7 +201,7 @@ async def _acquiring(manager: _Tasks, give_back: Callable[[], object],
     got: object = None
     try:
         got = enter(*args)
-        return await got  # type: ignore[misc]
+        return await got
     except BaseException:
         if got is _ready(True):
             give_back()
