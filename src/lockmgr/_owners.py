@@ -102,8 +102,9 @@ def _frames_of(task: Any) -> list[Any]:
     coroutines it awaits."""
     coro = task.get_coro()
     if getattr(coro, "cr_running", False):
-        for frame in sys._current_frames().values():
+        for innermost in sys._current_frames().values():
             stack = []
+            frame: Any = innermost
             while frame is not None:
                 stack.append(frame)
                 if frame is coro.cr_frame:
