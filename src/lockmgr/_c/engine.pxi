@@ -119,8 +119,9 @@ cdef int execute_for_thread(Op *op) except -1:
     """``execute`` for a thread that may wait. One that runs in a task's context (see
     lockmgr._owners.CONTEXT_TASK) may run for that task (``asyncio.to_thread``): its deadlock
     search has the task wait for the thread too (``reach``). Only a certain edge may refuse
-    the thread, so a cycle closed through it counts only if the task is indeed suspended
-    awaiting this thread (``awaits_this_thread``); else the section runs again without it."""
+    the thread, so a cycle closed through it counts only if the task is indeed in the
+    ``asyncio.to_thread`` call running this thread (``awaits_this_thread``); else the
+    section runs again without it (and the refusal it counted is taken back)."""
     cdef Outcome outcome
     cdef Py_ssize_t i
     task = CONTEXT_TASK.get()
