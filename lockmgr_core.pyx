@@ -200,10 +200,13 @@ from lockmgr._errors import (
 )
 from lockmgr._owners import (
     AWAIT_POST,
+    AWAITED_THREAD,
+    CONTEXT_TASK,
     LOOP_THREAD,
     POST_ATTEMPTS,
     WAIT_CHECK,
     Waker,
+    awaits_this_thread,
     not_in_task,
 )
 from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table

@@ -79,6 +79,9 @@ cdef struct Token:
     bint is_task                 # set at creation: a task's token (owned by its _TaskOwner)
     Py_ssize_t loop_ident        # a task's: the ident of the thread running its loop; set at
                                  # creation (a deadlock search follows a task to that thread)
+    Token *awaited_by            # its thread only, during its acquiring sections: the token
+                                 # of the task whose context the thread runs in (which may be
+                                 # awaiting it: asyncio.to_thread), or NULL
     Token *waiting_prev          # engine: neighbour in ``waiting_threads`` while its thread
     Token *waiting_next          # waits in a synchronous acquire (thread tokens only)
     Entry *held                  # lists: entries it write-holds in any manager (held_next)
@@ -237,7 +240,8 @@ cdef struct CycleStep:
     unsigned long ident          # a thread of the cycle, or id() of a task (``is_task``)
     bint is_task
     PyObject *key                # strong reference: the key it waits for (LOOP_THREAD: a
-                                 # task waiting for its loop's thread)
+                                 # task waiting for its loop's thread; AWAITED_THREAD: a task
+                                 # waiting for a thread it awaits)
 
 
 cdef struct After:

@@ -8,7 +8,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ._args import READ, WRITE
-from ._owners import LOOP_THREAD
+from ._owners import AWAITED_THREAD, LOOP_THREAD
 from ._views import _short
 
 
@@ -31,7 +31,9 @@ class DeadlockError(LockError, RuntimeError):
     ``cycle`` lists the cycle as ``(owner, key it waits for)`` pairs, starting with the
     refused request; each owner waits for the next one (the last for the first). An owner
     is a thread's ident or an asyncio task; a task whose event loop's thread is blocked in
-    a synchronous acquire waits for that thread, shown as the key ``LOOP_THREAD``.
+    a synchronous acquire waits for that thread, shown as the key ``LOOP_THREAD``; a task
+    suspended in ``asyncio.to_thread`` waits for the thread running that call, shown as the
+    key ``AWAITED_THREAD``.
     """
 
     def __init__(self, message: str, cycle: list[tuple[Any, Hashable]]) -> None:
@@ -75,6 +77,8 @@ def describe_owner(owner: object, thread_name: str | None = None) -> str:
 def _cycle_step(owner: object, key: Hashable) -> str:
     if key is LOOP_THREAD:
         return f"{describe_owner(owner)} waits for its event loop's thread"
+    if key is AWAITED_THREAD:
+        return f"{describe_owner(owner)} awaits the thread (asyncio.to_thread)"
     return f"{describe_owner(owner)} waits for key {_short.repr(key)}"
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from ._args import READ
 from ._errors import describe_owner
+from ._owners import CONTEXT_TASK
 from ._views import LockStats
 
 __all__ = [
@@ -307,11 +308,29 @@ def log_slow_wait(me: Any, waited: float, states: Sequence[KeyState],
         parts.append(f"{_short.repr(state.key)}{mode} {part}" if len(states) > 1 else f"{mode.strip()}: {part}")
     head = _keys_text([state.key for state in states])
     text = f"{head} {parts[0]}" if len(parts) == 1 else f"{head}: {' | '.join(parts)}"
+    if isinstance(me, int):  # a thread: logs in its own context
+        text += _context_task_text(states, ahead)
     _logger().warning(
         "%s has waited %.3f s for %s", describe_owner(me), waited, text,
         extra={"lockmgr_keys": tuple(state.key for state in states), "lockmgr_waited": waited,
                "lockmgr_states": tuple(states)},
     )
+
+
+def _context_task_text(states: Sequence[KeyState], ahead: Sequence[int]) -> str:
+    """Why a thread waiting for the task whose context it runs in may wait for itself (the
+    engines refuse it at once only when that task is certainly awaiting it)."""
+    task = CONTEXT_TASK.get()
+    if task is None:
+        return ""
+    holds = any(holder.owner is task for state in states for holder in state.holders)
+    goes_first = any(waiter.owner is task for state, before in zip(states, ahead)
+                     for waiter in state.waiters[:before])
+    if not (holds or goes_first):
+        return ""
+    return (f"; this thread runs in the context of {describe_owner(task)} (likely "
+            f"asyncio.to_thread), which it waits for: if that task awaits this thread, "
+            f"it waits for itself")
 
 
 def log_wait_end(me: Any, keys: Sequence[Hashable], waited: float, granted: bool) -> None:

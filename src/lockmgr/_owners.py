@@ -24,6 +24,19 @@ class _LoopThread:
 LOOP_THREAD: Any = _LoopThread()
 
 
+class _AwaitedThread:
+    """The "key" a task waits for in a deadlock cycle when what it needs is a thread it
+    awaits (``asyncio.to_thread``) that waits for the task itself."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<the thread it awaits>"
+
+
+AWAITED_THREAD: Any = _AwaitedThread()
+
+
 # -- a thread's wait --------------------------------------------------------------------------
 
 
@@ -50,6 +63,59 @@ TASK_WAIT_CHECK: contextvars.ContextVar[tuple[float, Callable[[], Awaitable[obje
 
 
 # -- asyncio tasks as owners -------------------------------------------------------------------
+
+#: The task whose context this is: set by an engine in a task's context when the task first
+#: acquires through ``aio``. What that context is copied into inherits it: a thread that
+#: ``asyncio.to_thread`` runs for the task, but also a task it creates, so a thread finding a
+#: task here only knows that it may run on that task's behalf (see ``awaits_this_thread``).
+CONTEXT_TASK: contextvars.ContextVar[Any] = contextvars.ContextVar("CONTEXT_TASK", default=None)
+
+# Marks the context the calling thread runs in, for ``awaits_this_thread`` to recognise it.
+_PROBE: contextvars.ContextVar[object] = contextvars.ContextVar("_PROBE", default=None)
+
+
+def awaits_this_thread(task: Any) -> bool:
+    """True if ``task`` is in ``asyncio.to_thread`` running the calling thread's function:
+    that call runs the function in a context of its own (its local ``ctx``), which is the
+    calling thread's current context exactly when this thread runs it. A task awaiting the
+    thread through anything else (another task, ``run_in_executor``) answers False: a
+    deadlock is declared only when it is certain."""
+    to_thread = getattr(sys.modules.get("asyncio"), "to_thread", None)
+    if to_thread is None or task.done():
+        return False
+    mark = _PROBE.set(object())
+    try:
+        for frame in _frames_of(task):
+            if frame.f_code is to_thread.__code__:
+                context = frame.f_locals.get("ctx")
+                if isinstance(context, contextvars.Context) and context.get(_PROBE) is _PROBE.get():
+                    return True
+        return False
+    finally:
+        _PROBE.reset(mark)
+
+
+def _frames_of(task: Any) -> list[Any]:
+    """The frames of the coroutines ``task`` is in. A task that is running (its loop's thread
+    has not come back from the step that called ``to_thread`` yet: that thread may start
+    the function first) is found on that thread's stack; a suspended one through the
+    coroutines it awaits."""
+    coro = task.get_coro()
+    if getattr(coro, "cr_running", False):
+        for innermost in sys._current_frames().values():
+            stack = []
+            frame: Any = innermost
+            while frame is not None:
+                stack.append(frame)
+                if frame is coro.cr_frame:
+                    return stack
+                frame = frame.f_back
+        return []
+    frames = []
+    while getattr(coro, "cr_frame", None) is not None:
+        frames.append(coro.cr_frame)
+        coro = coro.cr_await
+    return frames
 
 #: What an engine's ``settle`` answers when a wake-up is already on its way to the task: it
 #: must wait for that wake-up (its ``Waker`` post) before its request may change again.

@@ -74,6 +74,12 @@ cdef inline void op_fill(Op *op, Kind kind, Table *table, Token *token, Lookup *
 cdef inline int execute(Op *op) except -1:
     """Run ``op``'s section until it decides (returns the Outcome): after comparing keys in
     Python when it asks, with room for a cycle when it found one."""
+    if op.kind <= ACQUIRE_MANY and not op.try_only and not op.token.is_task:
+        return execute_for_thread(op)  # it may wait
+    return execute_plain(op)
+
+
+cdef inline int execute_plain(Op *op) except -1:
     cdef Outcome outcome
     lock()
     outcome = run(op)
@@ -109,14 +115,55 @@ cdef int execute_again(Op *op, Outcome outcome) except -1:
             lookup_clear(op.lookups + i)
 
 
-cdef int make_cycle_room(Op *op) except -1:
+cdef int execute_for_thread(Op *op) except -1:
+    """``execute`` for a thread that may wait. One that runs in a task's context (see
+    lockmgr._owners.CONTEXT_TASK) may run for that task (``asyncio.to_thread``): its deadlock
+    search has the task wait for the thread too (``reach``). Only a certain edge may refuse
+    the thread, so a cycle closed through it counts only if the task is indeed in the
+    ``asyncio.to_thread`` call running this thread (``awaits_this_thread``); else the
+    section runs again without it (and the refusal it counted is taken back)."""
+    cdef Outcome outcome
     cdef Py_ssize_t i
+    task = CONTEXT_TASK.get()
+    owner = None if task is None else task_owners.get(task)  # keeps the task's token alive
+    if owner is None:
+        return execute_plain(op)
+    op.token.awaited_by = (<_TaskOwner>owner).token
+    try:
+        outcome = <Outcome>execute_plain(op)
+        if outcome != DEADLOCK:
+            return outcome
+        for i in range(op.after.cycle_length):
+            if op.after.cycle[i].key == <PyObject*>AWAITED_THREAD:
+                break
+        else:
+            return outcome
+        if awaits_this_thread(task):
+            return outcome
+        cycle_list(&op.after)  # (drops its references)
+        op.token.awaited_by = NULL
+        lock()
+        uncount_deadlock(op.table)
+        unlock()
+        remake_fresh(op)
+        return execute_plain(op)
+    finally:
+        op.token.awaited_by = NULL
+
+
+cdef int make_cycle_room(Op *op) except -1:
     PyMem_RawFree(op.after.cycle)
     op.after.cycle_room = 0
     op.after.cycle = <CycleStep*>PyMem_RawMalloc(op.after.cycle_length * 2 * sizeof(CycleStep))
     if op.after.cycle is NULL:
         raise MemoryError()
     op.after.cycle_room = op.after.cycle_length * 2
+    return remake_fresh(op)
+
+
+cdef int remake_fresh(Op *op) except -1:
+    """After a refusal, before ``op`` runs again."""
+    cdef Py_ssize_t i
     if op.kind == ACQUIRE_MANY:  # the entries it made went back: make them again
         finish(&op.after, NULL)
         for i in range(op.n):

@@ -14,7 +14,9 @@ cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_fo
     """``thread`` waits for ``successor`` in ``waits_for``: for a request of it to be granted
     and, ``to_run``, for it to run on (to release what it holds or will hold: a task runs
     only when its loop's thread does, so that thread is reached from it too, with a NULL
-    ``waits_for``: the cycle shows LOOP_THREAD as its key). True if that closes the cycle."""
+    ``waits_for``: the cycle shows LOOP_THREAD as its key; and the searching thread, if it
+    runs in that task's context, as one the task may await: ``awaited_thread``). True if
+    that closes the cycle."""
     if successor is NULL or successor == thread:
         return False
     if successor == search.me:
@@ -28,6 +30,8 @@ cdef bint reach(Search *search, Token *thread, Token *successor, Entry *waits_fo
         successor.search_next = search.stack
         search.stack = successor
     if to_run and successor.is_task:
+        if successor == search.me.awaited_by:
+            return reach(search, successor, search.me, &awaited_thread, True)
         return reach(search, successor, loop_thread_of(search, successor), NULL, True)
     return False
 
@@ -134,6 +138,14 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
         lockmgr_incref(after.cycle[i].key)
         thread = thread.reached_from
     return DEADLOCK
+
+
+cdef void uncount_deadlock(Table *table) noexcept nogil:
+    """Take back the refusal ``queue`` counted for a cycle that did not hold (see
+    execute_for_thread): from the first shard, as the stats read the sum of the shards'."""
+    cdef Shard *shard = shard_at(table, 0)
+    touch(shard)
+    shard.deadlocks -= 1
 
 
 cdef Token* loop_thread_of(Search *search, Token *task) noexcept nogil:

@@ -15,6 +15,8 @@ cdef unsigned long long searches = 0      # engine: numbers deadlock searches (T
 cdef Table *tables = NULL                 # engine: every live table (previous/next_table)
 cdef Shard *touched_shards = NULL         # engine: the shards the engine holder has taken
 cdef PyObject *loop_thread = <PyObject*>LOOP_THREAD  # lockmgr._owners keeps it alive
+cdef Entry awaited_thread                 # what a task waits for in a thread it awaits (only
+awaited_thread.key = <PyObject*>AWAITED_THREAD  # its key is read; lockmgr._owners keeps it)
 cdef Token *waiting_threads = NULL        # engine: thread tokens waiting in a synchronous
                                           # acquire (Token.waiting_next); tasks follow their
                                           # loop's thread through it in a deadlock search

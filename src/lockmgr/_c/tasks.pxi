@@ -298,6 +298,7 @@ cdef _TaskOwner task_owner(bint create):
     token.loop_ident = <Py_ssize_t>PyThread_get_thread_ident()
     task.add_done_callback(created._task_done)
     task_owners[task] = created
+    CONTEXT_TASK.set(task)  # runs in the task's context: what it runs in a thread sees it
     owners_by_ident[token.ident] = created
     return created
 

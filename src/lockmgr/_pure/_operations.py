@@ -9,10 +9,11 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from .._args import MAX_COUNT
-from .._owners import WAIT_CHECK
+from .._owners import AWAITED_THREAD, CONTEXT_TASK, WAIT_CHECK, awaits_this_thread
 from .._tuning import HANDOFF_AFTER
 from ._state import (
     _ABANDON_ATTEMPTS,
+    _AWAITED_THREAD,
     _GRANTED,
     _LEFT,
     _LOOP_THREAD,
@@ -277,20 +278,40 @@ class _Operations(_Table):
     def _find_cycle(self, me: _Token, request: _Request) -> list[tuple[Any, Hashable]] | None:
         """The cycle ``me`` would close by queueing ``request`` (not queued yet), or None.
 
+        A thread that runs in a task's context (``lockmgr._owners.CONTEXT_TASK``) may run for
+        that task (``asyncio.to_thread``): the search has the task wait for it too. A cycle
+        closed through that edge counts only if the task is indeed suspended awaiting this
+        thread; else the search runs again without it (the core's ``execute_for_thread``).
+        """
+        if type(me) is _TaskToken:
+            if not me.held and not me.reads:
+                return None  # nobody can wait for a task that holds nothing (see _core)
+            return self._search_cycle(me, request, None)
+        awaiting = CONTEXT_TASK.get()
+        cycle = self._search_cycle(me, request, awaiting)
+        if (cycle is not None and awaiting is not None
+                and any(key is AWAITED_THREAD for _, key in cycle)
+                and not awaits_this_thread(awaiting)):
+            cycle = self._search_cycle(me, request, None)
+        return cycle
+
+    def _search_cycle(self, me: _Token, request: _Request,
+                      awaiting: Any) -> list[tuple[Any, Hashable]] | None:
+        """``_find_cycle``'s search, with the task ``awaiting`` (or None) waiting for ``me``.
+
         A waiting request waits for the holders it conflicts with and for the requests
         queued ahead of it that ``_pass_on`` grants first (PostgreSQL's hard and soft edges),
         in any manager of this engine: exactly the list beside the compiled core's
         ``reach_waited_for``, which this follows step for step.
         """
-        if type(me) is _TaskToken and not me.held and not me.reads:
-            return None  # nobody can wait for a task that holds nothing (see _core)
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
 
         def reach(thread: _Token, successor: _Token | None, waits_for: Any,
                   to_run: bool) -> bool:
             # As the core's ``reach``: to be granted and, ``to_run``, to run on (a task runs
-            # only when its loop's thread does: that thread is reached from it too).
+            # only when its loop's thread does: that thread is reached from it too, and so
+            # is ``me`` if the task may be awaiting it).
             if successor is None or successor is thread:
                 return False
             if successor is me:
@@ -300,6 +321,8 @@ class _Operations(_Table):
                 reached[successor] = (thread, waits_for)
                 stack.append(successor)
             if to_run and type(successor) is _TaskToken:
+                if successor.ident is awaiting:
+                    return reach(successor, me, _AWAITED_THREAD, True)
                 return reach(successor, _thread_tokens.get(successor.loop_ident), _LOOP_THREAD,
                              True)
             return False

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from .._args import READ, WRITE
 from .._errors import count_overflow, deadlock, nested_wait, not_owned, pinned
 from .._observe import HOT_KEY_SLOTS
-from .._owners import LOOP_THREAD, POST_ATTEMPTS, Waker
+from .._owners import AWAITED_THREAD, LOOP_THREAD, POST_ATTEMPTS, Waker
 from .._tuning import MAIN_THREAD_SLICE
 
 if TYPE_CHECKING:
@@ -277,3 +277,4 @@ class _Entry:
 
 
 _LOOP_THREAD = _Entry(LOOP_THREAD, 0, True)  # what a task waits for in its loop's thread
+_AWAITED_THREAD = _Entry(AWAITED_THREAD, 0, True)  # what a task waits for in a thread it awaits

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .._aio import _AsyncHolding, _AsyncHoldingMany, _wait_for_grant
 from .._args import wait_seconds
 from .._errors import block_in_use, not_entered, timed_out
-from .._owners import Waker, current_task_or_raise, running_loop
+from .._owners import CONTEXT_TASK, Waker, current_task_or_raise, running_loop
 from ._state import (
     _GRANTED,
     _LEFT,
@@ -119,6 +119,7 @@ def _task_token(create: bool = True) -> _TaskToken | None:
     if token is None and create:
         token = _task_tokens[task] = _TaskToken(task)
         task.add_done_callback(_task_done)
+        CONTEXT_TASK.set(task)  # runs in the task's context: what it runs in a thread sees it
     return token
 
 
