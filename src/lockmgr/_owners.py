@@ -99,9 +99,17 @@ def _frames_of(task: Any) -> list[Any]:
     """The frames of the coroutines ``task`` is in. A task that is running (its loop's thread
     has not come back from the step that called ``to_thread`` yet: that thread may start
     the function first) is found on that thread's stack; a suspended one through the
-    coroutines it awaits."""
+    coroutines it awaits. Without the GIL the task may suspend while its loop's stack is
+    read: it is then read again, suspended (a few times at most)."""
     coro = task.get_coro()
-    if getattr(coro, "cr_running", False):
+    for _ in range(_FRAME_READS):
+        if not getattr(coro, "cr_running", False):
+            frames = []
+            awaited = coro
+            while getattr(awaited, "cr_frame", None) is not None:
+                frames.append(awaited.cr_frame)
+                awaited = awaited.cr_await
+            return frames
         for innermost in sys._current_frames().values():
             stack = []
             frame: Any = innermost
@@ -110,12 +118,12 @@ def _frames_of(task: Any) -> list[Any]:
                 if frame is coro.cr_frame:
                     return stack
                 frame = frame.f_back
-        return []
-    frames = []
-    while getattr(coro, "cr_frame", None) is not None:
-        frames.append(coro.cr_frame)
-        coro = coro.cr_await
-    return frames
+        time.sleep(0)  # it stopped running meanwhile, or is between frames: read again
+    return []
+
+
+_FRAME_READS = 100
+
 
 #: What an engine's ``settle`` answers when a wake-up is already on its way to the task: it
 #: must wait for that wake-up (its ``Waker`` post) before its request may change again.
