@@ -312,3 +312,48 @@ def test_a_read_queued_behind_a_waiting_sets_read_is_a_deadlock_edge(rw, workers
     assert waiting.result() is True
     assert second.run(rw.release_all) == (3 if upgrading else 2)
     assert len(rw) == 0
+
+
+def test_an_upgrade_in_a_set_queued_before_a_waiting_request_is_a_deadlock_edge(
+        rw, workers) -> None:
+    # An upgrade goes before every request queued on its key, so a request already waiting
+    # there waits for the upgrader from then on. T0 reads a and waits for {read b, read c}
+    # behind T1's write of c; T2 reads b and asks to write a and b: it would wait for T0's
+    # read of a, while T0's read of b waits behind T2's upgrade. Refused at once (both
+    # waited for ever).
+    t0, t1, t2 = workers("T0"), workers("T1"), workers("T2")
+    t0.run(lambda: rw.acquire_read("a"))
+    t2.run(lambda: rw.acquire_read("b"))
+    t1.run(lambda: rw.acquire_write("c"))
+    waiting = t0.submit(lambda: rw.acquire_many(reads=["b", "c"]))
+    wait_until(lambda: rw.stats().waiting == 1, "T0 waits for c")
+    with pytest.raises(DeadlockError):
+        t2.run(lambda: rw.acquire_many(writes=["a", "b"], timeout=PATIENCE))
+    t1.run(rw.release_all)
+    assert waiting.result() is True
+    assert t0.run(rw.release_all) == 3 and t2.run(rw.release_all) == 1
+    assert len(rw) == 0
+
+
+def test_an_upgrade_alone_queued_before_a_waiting_request_is_a_deadlock_edge(
+        rw, workers) -> None:
+    # The same with a single upgrade: T2 and T4 read b; T4 waits to write a, which T0
+    # reads; T0 waits for {read b, read c} behind T1's write of c. T2 upgrading b waits
+    # for T4, which waits for T0, whose read of b would wait behind T2's upgrade.
+    t0, t1, t2, t4 = workers("T0"), workers("T1"), workers("T2"), workers("T4")
+    t0.run(lambda: rw.acquire_read("a"))
+    t2.run(lambda: rw.acquire_read("b"))
+    t4.run(lambda: rw.acquire_read("b"))
+    t1.run(lambda: rw.acquire_write("c"))
+    sets = t0.submit(lambda: rw.acquire_many(reads=["b", "c"]))
+    wait_until(lambda: rw.stats().waiting == 1, "T0 waits for c")
+    writes = t4.submit(lambda: rw.acquire_write("a"))
+    wait_until(lambda: rw.stats().waiting == 2, "T4 waits for a")
+    with pytest.raises(DeadlockError):
+        t2.run(lambda: rw.acquire_write("b", timeout=PATIENCE))
+    t1.run(rw.release_all)
+    assert sets.result() is True
+    assert t0.run(rw.release_all) == 3
+    assert writes.result() is True
+    assert t4.run(rw.release_all) == 2 and t2.run(rw.release_all) == 1
+    assert len(rw) == 0

@@ -6,6 +6,7 @@
 cdef struct Search:
     unsigned long long number  # this search's number, marked on each token it reaches
     Token *me                  # the thread about to wait: reaching it again closes a cycle
+    Request *request           # what ``me`` is about to queue (single, or a set's lead)
     Token *stack               # reached threads whose own waits are still to be followed
 
 
@@ -51,7 +52,10 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
       granted and release the key again (it must run on);
     - and, ahead of a read, a set's read node: a set is granted only once its node heads
       every queue it is in, so a read behind one waits until the whole set is granted, but
-      not for its owner to run (``pass_on`` grants it whether its task runs or not).
+      not for its owner to run (``pass_on`` grants it whether its task runs or not);
+    - an upgrade the searching thread is about to queue on the same key: it goes before
+      every request queued there, this one included (not queued yet, it is no request
+      ahead of anyone in the queue the search reads).
 
     A read ahead of a read, when not a set's, is no edge, even for a set's node: it is
     granted whenever the key lets a read in (by ``pass_on``, without its owner running), so
@@ -70,6 +74,8 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
             if reach(search, thread, hold.token, waits_for, True):
                 return True
             hold = hold.entry_next
+    if thread != search.me and upgrades(search.request, waits_for):
+        return reach(search, thread, search.me, waits_for, True)
     if node.at_head:
         return False
     while ahead is not NULL and ahead != own_place:
@@ -78,6 +84,15 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
                 search, thread, ahead.token, waits_for, conflicting):
             return True
         ahead = ahead.next
+    return False
+
+
+cdef bint upgrades(Request *request, Entry *entry) noexcept nogil:
+    """Whether ``request`` (not queued yet) has an upgrade of ``entry``, queued at its head."""
+    cdef Py_ssize_t i
+    for i in range(request.nodes):
+        if request[i].queued and request[i].at_head and request[i].entry == entry:
+            return True
     return False
 
 
@@ -108,6 +123,7 @@ cdef Outcome refuse_if_cycle(Token *me, Request *request, After *after) noexcept
     searches += 1
     search.number = searches
     search.me = me
+    search.request = request
     search.stack = NULL
     me.visit = searches
     closed = reach_request(&search, me, request, False)

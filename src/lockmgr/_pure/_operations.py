@@ -306,6 +306,8 @@ class _Operations(_Table):
         """
         reached: dict[_Token, tuple[_Token, _Entry]] = {}  # thread -> who waits for it, where
         stack: list[_Token] = []
+        # Keys ``request`` upgrades: queued at their head, before every request there.
+        upgrades = [node.entry for node in request.members() if node.queued and node.at_head]
 
         def reach(thread: _Token, successor: _Token | None, waits_for: Any,
                   to_run: bool) -> bool:
@@ -336,6 +338,8 @@ class _Operations(_Table):
                 if any(reach(thread, reader, waits_for, True)
                        for reader in reversed(waits_for.readers)):
                     return True
+            if thread is not me and any(entry is waits_for for entry in upgrades):
+                return reach(thread, me, waits_for, True)
             if not at_head:
                 for ahead in waits_for.queue:
                     if ahead is own:
