@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
 from .._aio import _AsyncHolding, _AsyncHoldingMany, _wait_for_grant
@@ -151,27 +151,32 @@ def end_stranded_task(task: Any) -> None:
 
 
 class _LoopStandIn:
-    """What a ready future is made with: asyncio's Future asks its loop only whether it
-    runs in debug mode when it is made, and a done future never asks again."""
+    """What a done future is made with: asyncio's Future asks its loop only whether it runs
+    in debug mode when it is made, and a done future never asks again."""
 
     def get_debug(self) -> bool:
         return False
 
 
 def _ready(value: Any) -> Awaitable[Any]:
-    """An awaitable whose outcome, ``value`` (True, False or None), is known already: a done
-    asyncio Future, made at its first use (lockmgr imports asyncio only for code that runs
-    a loop), whose await (asyncio's C iterator) runs no Python frame: no signal handler's
-    exception can come between an acquisition granted at once and its caller (the compiled
-    core's ready objects are C too)."""
+    """An awaitable whose outcome, ``value`` (True, False or None), is known already, made at
+    its first use (lockmgr imports asyncio only for code that runs a loop). Its ``__await__``
+    is a done asyncio Future's (a C iterator, with asyncio's C module): awaiting it runs no
+    Python frame, so no signal handler's exception can come between an acquisition granted
+    at once and its caller (the compiled core's ready objects are C too). It is no future
+    itself, so asyncio wraps it as any awaitable (``ensure_future``, ``gather``)."""
     ready = _READIES.get(value)
     if ready is None:
         import asyncio
 
-        future: asyncio.Future[Any] = asyncio.Future(
-            loop=_LoopStandIn())  # type: ignore[arg-type]
-        future.set_result(value)
-        ready = _READIES[value] = future
+        done: asyncio.Future[Any] = asyncio.Future(loop=_LoopStandIn())  # type: ignore[arg-type]
+        done.set_result(value)
+        kind = type("_Ready", (), {
+            "__slots__": (),
+            "__doc__": "An awaitable whose outcome is known already: awaiting it returns it.",
+            "__await__": staticmethod(done.__await__),
+        })
+        ready = _READIES[value] = kind()
     return ready
 
 
@@ -191,6 +196,13 @@ def _answer(got: object, keys: object, seconds: float, raises_timeout: bool,
         elif type(got) is _TaskWait:
             got.entering = record
     return awaitable
+
+
+def _named(coroutine: Coroutine[Any, Any, bool], name: str) -> Coroutine[Any, Any, bool]:
+    """``coroutine`` named as the view's method users called (as the compiled core's are:
+    a warning that it was never awaited says so)."""
+    coroutine.__qualname__ = name  # type: ignore[attr-defined]
+    return coroutine
 
 
 async def _acquiring(manager: _Tasks, give_back: Callable[[], object],
@@ -412,8 +424,8 @@ class _Tasks(_Operations):
             _give_back(got, lambda: self._release_many(items, token))
             raise
 
-    async def _task_acquire(self, key: Hashable, blocking: bool = True,
-                            timeout: float = -1) -> bool:
+    def _task_acquire(self, key: Hashable, blocking: bool = True,
+                      timeout: float = -1) -> Coroutine[Any, Any, bool]:
         """``aio.acquire`` (and ``rw.aio.acquire_write``), bound by the view as its own: lock
         ``key`` for the current task (see ``AsyncLockManager``).
 
@@ -421,20 +433,35 @@ class _Tasks(_Operations):
         (as ``threading.Lock.acquire``; OverflowError past ``threading.TIMEOUT_MAX``),
         TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
         tasks and threads, RuntimeError outside a running asyncio task."""
-        return await _acquiring(self, lambda: self._task_release(key, _WRITE), self._task_enter,
-                                key, _WRITE, wait_seconds(blocking, timeout), False)
+        view = "AsyncRWLockManager" if hasattr(self, "acquire_read") else "AsyncLockManager"
+        return _named(self._acquiring_one(key, _WRITE, blocking, timeout),
+                      f"{view}.acquire_write" if view == "AsyncRWLockManager"
+                      else f"{view}.acquire")
 
-    async def _task_acquire_read(self, key: Hashable, blocking: bool = True,
-                                 timeout: float = -1) -> bool:
+    def _task_acquire_read(self, key: Hashable, blocking: bool = True,
+                           timeout: float = -1) -> Coroutine[Any, Any, bool]:
         """``rw.aio.acquire_read``, bound by the view as its own: ``key`` shared for the
         current task; raises what ``aio.acquire`` raises."""
-        return await _acquiring(self, lambda: self._task_release(key, _READ), self._task_enter,
-                                key, _READ, wait_seconds(blocking, timeout), False)
+        return _named(self._acquiring_one(key, _READ, blocking, timeout),
+                      "AsyncRWLockManager.acquire_read")
 
-    async def _task_acquire_many(self, make_items: Callable[[], list[tuple[Hashable, int]]],
-                                 blocking: bool = True, timeout: float = -1) -> bool:
+    async def _acquiring_one(self, key: Hashable, mode: int, blocking: bool,
+                             timeout: float) -> bool:
+        return await _acquiring(self, lambda: self._task_release(key, mode), self._task_enter,
+                                key, mode, wait_seconds(blocking, timeout), False)
+
+    def _task_acquire_many(self, make_items: Callable[[], list[tuple[Hashable, int]]],
+                           blocking: bool = True,
+                           timeout: float = -1) -> Coroutine[Any, Any, bool]:
         """``aio.acquire_many``: the set's items are made by ``make_items()``; raises what
-        ``aio.acquire`` raises, nothing taken."""
+        ``aio.acquire`` raises, nothing taken. The coroutine is named as the view's method
+        (a warning that it was never awaited says so)."""
+        view = "AsyncRWLockManager" if hasattr(self, "acquire_read") else "AsyncLockManager"
+        return _named(self._acquiring_many(make_items, blocking, timeout),
+                      f"{view}.acquire_many")
+
+    async def _acquiring_many(self, make_items: Callable[[], list[tuple[Hashable, int]]],
+                              blocking: bool, timeout: float) -> bool:
         items = make_items()
         return await _acquiring(self, lambda: self._task_release_many(items),
                                 self._task_enter_many, items, wait_seconds(blocking, timeout),
