@@ -263,8 +263,9 @@ def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
     here = sorted({pid for pids in backends.values() for pid in pids})
     return published, (
         " WITH RECURSIVE here(waiter, holder) AS ("
-        f"SELECT * FROM pg_catalog.unnest({_ints(p for p, _ in pairs)},"
-        f" {_ints(q for _, q in pairs)})"
+        # (unnest of two arrays is grammar only unqualified: ROWS FROM pairs them up)
+        f"SELECT * FROM ROWS FROM (pg_catalog.unnest({_ints(p for p, _ in pairs)}),"
+        f" pg_catalog.unnest({_ints(q for _, q in pairs)}))"
         f" UNION SELECT (classid::bigint - {PUBLISHED})::int, objid::int FROM pg_catalog.pg_locks"
         " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
         f" AND classid::bigint >= {PUBLISHED}"
