@@ -402,6 +402,147 @@ def test_a_multi_host_dsn_asking_for_the_primary_is_served(engine, dsn, namespac
     locks.close()
 
 
+# -- a search_path never shadows PostgreSQL's functions -----------------------------------------
+
+
+# Look-alikes of the functions lockmgr calls, each pretending to succeed, and of the
+# bigint "=" (never equal): a schema first on a session's search_path (the DSN's options,
+# the role's defaults) puts them before pg_catalog's, so an unqualified call or operator
+# runs them instead.
+_SHADOWS = (
+    "FUNCTION {schema}.never_equal(bigint, bigint) RETURNS boolean LANGUAGE sql"
+    " AS 'SELECT false'",
+    "OPERATOR {schema}.= (LEFTARG = bigint, RIGHTARG = bigint, FUNCTION = {schema}.never_equal)",
+    "FUNCTION {schema}.pg_is_in_recovery() RETURNS boolean LANGUAGE sql AS 'SELECT false'",
+    *(f"FUNCTION {{schema}}.{name}(bigint) RETURNS void LANGUAGE plpgsql AS 'BEGIN END'"
+      for name in ("pg_advisory_lock", "pg_advisory_lock_shared", "pg_advisory_xact_lock",
+                   "pg_advisory_xact_lock_shared")),
+    *(f"FUNCTION {{schema}}.{name}(bigint) RETURNS boolean LANGUAGE sql AS 'SELECT true'"
+      for name in ("pg_try_advisory_lock", "pg_try_advisory_lock_shared",
+                   "pg_try_advisory_xact_lock", "pg_try_advisory_xact_lock_shared",
+                   "pg_advisory_unlock", "pg_advisory_unlock_shared")),
+)
+
+
+@pytest.fixture
+def shadowing(dsn: str) -> Iterator[dict[str, str]]:
+    """Connection arguments whose search_path puts a schema of look-alikes (``_SHADOWS``)
+    before pg_catalog; made on the primary (a standby gets it by replication)."""
+    schema = f"shim_{uuid.uuid4().hex[:12]}"
+    admin(dsn, f"CREATE SCHEMA {schema}",
+          *("CREATE " + shadow.format(schema=schema) for shadow in _SHADOWS))
+    try:
+        yield {"options": f"-csearch_path={schema},pg_catalog"}
+    finally:
+        admin(dsn, f"DROP SCHEMA {schema} CASCADE")
+
+
+def shadowed(dsn: str, shadowing: dict[str, str]) -> bool:
+    """Whether an unqualified call on a session of ``shadowing``'s reaches a look-alike."""
+    with psycopg.connect(dsn, autocommit=True, **shadowing) as conn:
+        row = conn.execute("SELECT n.nspname FROM pg_catalog.pg_proc p JOIN"
+                           " pg_catalog.pg_namespace n ON n.oid = p.pronamespace"
+                           " WHERE p.oid = 'pg_is_in_recovery()'::pg_catalog.regprocedure"
+                           ).fetchone()
+    return bool(row and row[0] != "pg_catalog")
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_standby_is_refused_whatever_the_search_path(engine, dsn, namespace, standby,
+                                                       shadowing, owner) -> None:
+    """A ``pg_is_in_recovery()`` of a schema first on the search_path, answering false,
+    does not pass a standby off as a primary."""
+    wait_until(lambda: shadowed(standby, shadowing), "the standby has the look-alikes")
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        standby, namespace=namespace, connect_kwargs=shadowing)
+    with pytest.raises(postgres.UnsafeServerError, match="standby"):
+        if owner == "thread":
+            locks.acquire("k")
+        else:
+            asyncio.run(locks.aio.acquire("k"))
+    assert len(locks) == 0 and locks._idle == []
+    locks.close()
+
+
+def one_key(take: Callable[[Any], object], give_back: Callable[[Any], object]
+            ) -> tuple[list[str], Callable[[Any], object], Callable[[Any], object]]:
+    return ["k"], take, give_back
+
+
+def two_keys(**timeout: float) -> tuple[list[str], Callable[[Any], object], Callable[[Any], object]]:
+    return (["k", "j"], lambda locks: locks.acquire_many(["k", "j"], **timeout),
+            lambda locks: locks.release_many(["k", "j"]))
+
+
+# Each call of a manager (PgLockManager's, but a read's PgRWLockManager's): the keys it
+# takes, how it takes them, how it gives them back.
+SHADOWED_CALLS: dict[str, tuple[list[str], Callable[[Any], object], Callable[[Any], object]]] = {
+    "acquire": one_key(lambda locks: locks.acquire("k"), lambda locks: locks.release("k")),
+    "try": one_key(lambda locks: locks.acquire("k", timeout=0), lambda locks: locks.release("k")),
+    "timed": one_key(lambda locks: locks.acquire("k", timeout=PATIENCE),
+                     lambda locks: locks.release("k")),
+    "many": two_keys(),
+    "try many": two_keys(timeout=0),
+    "timed many": two_keys(timeout=PATIENCE),
+    "read": one_key(lambda locks: locks.acquire_read("k"), lambda locks: locks.release_read("k")),
+    "try read": one_key(lambda locks: locks.acquire_read("k", timeout=0),
+                        lambda locks: locks.release_read("k")),
+}
+
+
+@pytest.mark.parametrize("fencing", [False, True], ids=["plain", "fenced"])
+@pytest.mark.parametrize("call", sorted(SHADOWED_CALLS))
+def test_locks_are_taken_and_released_on_the_server_whatever_the_search_path(
+        engine, dsn, namespace, shadowing, call, fencing) -> None:
+    """Look-alikes of the advisory lock functions first on the search_path (doing nothing,
+    and saying so) do not stand in for PostgreSQL's: each key is held on the server, a
+    manager of another session cannot take it, and the release frees it."""
+    assert shadowed(dsn, shadowing)
+    keys, take, give_back = SHADOWED_CALLS[call]
+    kind = postgres.PgRWLockManager if "read" in call else postgres.PgLockManager
+    locks: Any = kind(dsn, namespace=namespace, fencing=fencing, connect_kwargs=shadowing)
+    other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    assert take(locks)
+    assert all(held_on_server(dsn, locks, key) for key in keys)
+    assert not any(other.acquire(key, timeout=0) for key in keys)
+    give_back(locks)
+    assert not any(held_on_server(dsn, locks, key) for key in keys)
+    locks.close()
+    other.close()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_key_held_elsewhere_is_locked_whatever_the_search_path(engine, dsn, namespace,
+                                                                 shadowing, owner) -> None:
+    """``locked`` compares advisory keys with "=": an "=" of a schema first on the
+    search_path, never equal, does not hide a key another session holds."""
+    assert shadowed(dsn, shadowing)
+    holder: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, connect_kwargs=shadowing)
+    with holder.hold("k"):
+        assert (locks.locked("k") if owner == "thread" else asyncio.run(locks.aio.locked("k")))
+    holder.close()
+    locks.close()
+
+
+@pytest.mark.parametrize("timeout", [None, 0, PATIENCE], ids=["untimed", "try", "timed"])
+def test_xact_lock_takes_the_lock_on_the_server_whatever_the_search_path(
+        engine, dsn, namespace, shadowing, timeout) -> None:
+    """On the caller's connection, whose search_path puts look-alikes first: the lock is
+    PostgreSQL's, and the caller's search_path is left as it was."""
+    assert shadowed(dsn, shadowing)
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    with psycopg.connect(dsn, autocommit=True, **shadowing) as conn:
+        search_path = conn.execute("SHOW search_path").fetchone()
+        with conn.transaction():
+            with locks.xact_lock(conn, "k", timeout=timeout):
+                assert held_on_server(dsn, locks, "k")
+        assert not held_on_server(dsn, locks, "k")
+        assert conn.execute("SHOW search_path").fetchone() == search_path
+    locks.close()
+
+
 # -- a lost connection fails the whole call ---------------------------------------------------
 
 

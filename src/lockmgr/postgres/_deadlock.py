@@ -263,14 +263,17 @@ def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
     here = sorted({pid for pids in backends.values() for pid in pids})
     return published, (
         " WITH RECURSIVE here(waiter, holder) AS ("
-        f"SELECT * FROM unnest({_ints(p for p, _ in pairs)}, {_ints(q for _, q in pairs)})"
-        f" UNION SELECT (classid::bigint - {PUBLISHED})::int, objid::int FROM pg_locks"
+        # (unnest of two arrays is grammar only unqualified: ROWS FROM pairs them up)
+        f"SELECT * FROM ROWS FROM (pg_catalog.unnest({_ints(p for p, _ in pairs)}),"
+        f" pg_catalog.unnest({_ints(q for _, q in pairs)}))"
+        f" UNION SELECT (classid::bigint - {PUBLISHED})::int, objid::int FROM pg_catalog.pg_locks"
         " WHERE locktype = 'advisory' AND objsubid = 2 AND granted"
         f" AND classid::bigint >= {PUBLISHED}"
         f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}"
         f" AND (classid::bigint - {PUBLISHED})::int <> ALL ({_ints(here)})),"
-        f" reach(pid) AS (SELECT unnest({_ints(sorted(start))}) UNION"
-        " SELECT next FROM reach, LATERAL (SELECT unnest(pg_blocking_pids(reach.pid))"
+        f" reach(pid) AS (SELECT pg_catalog.unnest({_ints(sorted(start))}) UNION"
+        " SELECT next FROM reach,"
+        " LATERAL (SELECT pg_catalog.unnest(pg_catalog.pg_blocking_pids(reach.pid))"
         " UNION ALL SELECT holder FROM here WHERE here.waiter = reach.pid) AS step(next))"
         f" SELECT EXISTS (SELECT 1 FROM reach WHERE pid = ANY ({_ints(sorted(mine))}))")
 
@@ -279,8 +282,8 @@ def publish_sql(published: Iterable[list[tuple[int, int]]]) -> str:
     """What publishes the waits ``published`` (of every waiter of a ``Lookout``), and
     takes back any published before."""
     pairs = sorted({pair for pairs in published for pair in pairs})
-    return "SELECT pg_advisory_unlock_all();" + (
-        " SELECT pg_try_advisory_lock_shared(waiter, holder) FROM (VALUES "
+    return "SELECT pg_catalog.pg_advisory_unlock_all();" + (
+        " SELECT pg_catalog.pg_try_advisory_lock_shared(waiter, holder) FROM (VALUES "
         + ", ".join(f"({int(p)}, {int(q)})" for p, q in pairs) + ") AS wait(waiter, holder);"
         if pairs else "")
 

@@ -322,23 +322,27 @@ class _PgEngine(Generic[K]):
         if conn.info.transaction_status != TransactionStatus.INTRANS:
             raise LockError("xact_lock needs an open transaction on conn: "
                             "use it inside `with conn.transaction():`")
+        # The caller's session and search_path: every name is qualified, nothing is set
+        # beyond the transaction.
         kind = "_shared" if shared else ""
         if seconds == 0:
-            row = conn.execute(f"SELECT pg_try_advisory_xact_lock{kind}(%s), now()",
-                               (ident,)).fetchone()
+            row = conn.execute(f"SELECT pg_catalog.pg_try_advisory_xact_lock{kind}(%s),"
+                               " pg_catalog.now()", (ident,)).fetchone()
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
             deadline = None if seconds < 0 else time.monotonic() + seconds
-            previous = conn.execute("SELECT current_setting('lock_timeout')").fetchone()
+            previous = conn.execute(
+                "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
             try:
                 while True:
                     left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
                     try:
                         with conn.transaction():  # a savepoint: a timeout leaves the caller's intact
                             conn.execute(f"SET LOCAL lock_timeout = {left}")
-                            row = conn.execute(f"SELECT pg_advisory_xact_lock{kind}(%s), now()",
-                                               (ident,)).fetchone()
+                            row = conn.execute(
+                                f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
+                                " pg_catalog.now()", (ident,)).fetchone()
                         break
                     except pg_errors.LockNotAvailable:
                         # lock_timeout's ceiling (about 24.8 days) is below threading's
@@ -348,7 +352,8 @@ class _PgEngine(Generic[K]):
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
             finally:
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
-                    conn.execute("SELECT set_config('lock_timeout', %s, true)", (previous[0],))
+                    conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
+                                 (previous[0],))
         assert row is not None
         self._note_xact_lock(conn, ident, shared, row[1])
         yield
@@ -765,7 +770,8 @@ class _PgEngine(Generic[K]):
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
         return self._ask(
             f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {self.advisory_key(key)}"
-            f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            f" AND database = (SELECT oid FROM pg_catalog.pg_database"
+            " WHERE datname = pg_catalog.current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
     def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:

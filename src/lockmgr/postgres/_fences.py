@@ -27,7 +27,7 @@ _MADE_MEANWHILE = (pg_errors.UniqueViolation, pg_errors.DuplicateObject, pg_erro
 
 # The single-key calls, prepared on each connection at first use.
 _STATEMENTS = {
-    f"lockmgr_{function}".encode(): f"SELECT {function}($1::bigint)".encode()
+    f"lockmgr_{function}".encode(): f"SELECT pg_catalog.{function}($1::bigint)".encode()
     for function in ("pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
                      "pg_try_advisory_lock_shared", "pg_advisory_unlock",
                      "pg_advisory_unlock_shared")
@@ -49,14 +49,14 @@ class _FenceTable:
                              f" {DEFAULT_FENCE_TABLE!r}, not {qualified!r}")
         self.name = ".".join('"' + part.replace('"', '""') + '"' for part in parts)
         literal = "'" + self.name.replace("'", "''") + "'"
-        self.exists_sql = f"SELECT to_regclass({literal}) IS NOT NULL"
+        self.exists_sql = f"SELECT pg_catalog.to_regclass({literal}) IS NOT NULL"
         self.create_sql = (f"CREATE TABLE IF NOT EXISTS {self.name}"
                            " (key bigint PRIMARY KEY, fence bigint NOT NULL)")
         self.statements = _STATEMENTS | {
             b"lockmgr_fenced_lock": self.next_fences_sql(
-                ["$1"], "SELECT pg_advisory_lock($1::bigint), true AS granted").encode(),
+                ["$1"], "SELECT pg_catalog.pg_advisory_lock($1::bigint), true AS granted").encode(),
             b"lockmgr_fenced_try_lock": self.next_fences_sql(
-                ["$1"], "SELECT pg_try_advisory_lock($1::bigint) AS granted").encode(),
+                ["$1"], "SELECT pg_catalog.pg_try_advisory_lock($1::bigint) AS granted").encode(),
         }
 
     def next_fences_sql(self, idents: Sequence[str], got: str = "SELECT true AS granted") -> str:
@@ -66,7 +66,7 @@ class _FenceTable:
         session has: a server crash must never hand out a fence again."""
         values = ", ".join(f"({ident}::bigint)" for ident in idents)
         return (f"WITH got AS ({got}),"
-                " durable AS (SELECT set_config('synchronous_commit', 'on', true))"
+                " durable AS (SELECT pg_catalog.set_config('synchronous_commit', 'on', true))"
                 f" INSERT INTO {self.name} AS f (key, fence)"
                 f" SELECT key, 1 FROM got, durable, (VALUES {values}) AS bumped(key) WHERE granted"
                 " ON CONFLICT (key) DO UPDATE SET fence = f.fence + 1 RETURNING f.key, f.fence")

@@ -15,7 +15,7 @@ from psycopg import errors as pg_errors
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 
 from .._tuning import MAIN_THREAD_SLICE
-from ._server import _CHECK_UNSUPPORTED, _refusal, _setup_sql
+from ._server import _CHECK_UNSUPPORTED, _WHO_IS_THIS_AT, _refusal, _setup_sql
 
 
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
@@ -168,10 +168,11 @@ def _set_up_steps(link: _Link) -> _Steps[None]:
         results = yield from _run_all_steps(link, _setup_sql(version), True)
     except _CHECK_UNSUPPORTED:
         results = yield from _run_all_steps(link, _setup_sql(version, False), True)
-    refusal = _refusal(results[0], link.pgconn.backend_pid)
+    who = results[_WHO_IS_THIS_AT]
+    refusal = _refusal(who, link.pgconn.backend_pid)
     if refusal is not None:
         raise refusal
-    link.server = bytes(results[0].get_value(0, 2))
+    link.server = bytes(who.get_value(0, 2))
 
 
 def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[Any]:

@@ -9,9 +9,18 @@ from psycopg import errors as pg_errors
 
 from .._errors import LockError
 
-# Run first on every connection, one message: what the session is (``_refusal`` reads
-# the first row), then every setting correctness depends on, pinned for the session
-# whatever the server's, the role's or the database's defaults say:
+# Run first on every connection, one message: the search_path pinned, then what the
+# session is (``_refusal`` reads its row, ``_WHO_IS_THIS_AT``), then every other setting
+# correctness depends on, pinned for the session whatever the server's, the role's, the
+# database's or the DSN's defaults say:
+# - search_path = pg_catalog, pg_temp: a schema ahead of pg_catalog (a role's default, a
+#   DSN's options) could shadow a function, operator or type of lockmgr's statements with
+#   one that only pretends (a pg_is_in_recovery() saying false on a standby, a
+#   pg_advisory_lock() taking nothing). With pg_catalog first nothing comes before it, and
+#   pg_temp named last is searched last for tables, never for functions and operators.
+#   Every function and catalog table lockmgr names is qualified as well; operators and
+#   types rely on the pinned path. Set first: each statement of the message is resolved
+#   once the ones before it have run;
 # - lock_timeout, statement_timeout: a wait without a timeout waits for ever (timed waits
 #   set a transaction-local lock_timeout of their own);
 # - idle_session_timeout (14+), idle_in_transaction_session_timeout: a session holding
@@ -25,9 +34,11 @@ from .._errors import LockError
 # changes only new sessions (which are set up again).
 # The third column names the server (its start, in seconds since 1970 whatever the session's
 # time zone and date style, and its port): backend pids are its own.
-_WHO_IS_THIS = ("SELECT pg_is_in_recovery(), pg_backend_pid(),"
-                " extract(epoch FROM pg_postmaster_start_time())::text || ' port '"
-                " || current_setting('port')")
+_PINNED_SEARCH_PATH = "search_path = pg_catalog, pg_temp"
+_WHO_IS_THIS = ("SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(),"
+                " extract(epoch FROM pg_catalog.pg_postmaster_start_time())::text || ' port '"
+                " || pg_catalog.current_setting('port')")
+_WHO_IS_THIS_AT = 1  # its result's index in the message's
 _PINNED = ("lock_timeout = 0", "statement_timeout = 0", "idle_in_transaction_session_timeout = 0",
            "default_transaction_isolation = 'read committed'",
            "default_transaction_read_only = off", "standard_conforming_strings = on")
@@ -50,7 +61,8 @@ def _setup_sql(server_version: int, check_client: bool = True) -> str:
         pinned.append("idle_session_timeout = 0")
         if check_client:
             pinned.append(_CHECKING_CLIENT)
-    return "; ".join([_WHO_IS_THIS, *(f"SET {setting}" for setting in pinned)])
+    return "; ".join([f"SET {_PINNED_SEARCH_PATH}", _WHO_IS_THIS,
+                      *(f"SET {setting}" for setting in pinned)])
 
 
 class UnsafeServerError(LockError):

@@ -169,7 +169,7 @@ def _xact_question(record: _XactLock) -> str:
     pid = int(record.backend_pid)
     return (f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
             f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
-            f" AND {pid} IN (SELECT pid FROM pg_stat_activity WHERE xact_start ="
+            f" AND {pid} IN (SELECT pid FROM pg_catalog.pg_stat_activity WHERE xact_start ="
             f" '{record.started.isoformat()}'::timestamptz))")
 
 

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 # pg_locks rows of granted advisory locks (bigint keys use objsubid 1 and split the key into
 # classid, the high half, and objid, the low half), then "= key" ends the condition.
 _KEY_IS = "((classid::bigint << 32) | objid::bigint) ="
-_GRANTED_ADVISORY = f"pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND {_KEY_IS}"
+_GRANTED_ADVISORY = ("pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+                     f" AND {_KEY_IS}")
 # ... and this session's own, the key still to be named.
-_MINE = "pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 AND pid = pg_backend_pid()"
+_MINE = ("pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
+         " AND pid = pg_catalog.pg_backend_pid()")
 _MODE_NAMES = {READ: "ShareLock", WRITE: "ExclusiveLock"}
 
 def _kind(mode: int) -> str:
@@ -33,7 +35,7 @@ _MAX_LOCK_TIMEOUT = 2**31 - 1  # lock_timeout's ceiling, in milliseconds (about 
 
 def _unlock_sql(items: Sequence[tuple[Hashable, int]], advisory_key: Callable[[Hashable], int]) -> str:
     """Release ``items`` in one statement: a boolean column each (false: not held)."""
-    return "SELECT " + ", ".join(f"pg_advisory_unlock{_kind(mode)}({advisory_key(key)})"
+    return "SELECT " + ", ".join(f"pg_catalog.pg_advisory_unlock{_kind(mode)}({advisory_key(key)})"
                                  for key, mode in items)
 
 
@@ -46,7 +48,7 @@ def _not_released(result: Any, items: list[tuple[Hashable, int]]) -> list[tuple[
 def _drop_sql(items: Sequence[tuple[Hashable, int]], advisory_key: Callable[[Hashable], int]) -> str:
     """Release whichever of ``items`` the session holds (after a failed or cancelled call,
     which may or may not have taken them)."""
-    return "; ".join(f"SELECT pg_advisory_unlock{_kind(mode)}({ident}) FROM {_MINE} AND"
+    return "; ".join(f"SELECT pg_catalog.pg_advisory_unlock{_kind(mode)}({ident}) FROM {_MINE} AND"
                      f" {_KEY_IS} {ident} AND mode = '{_MODE_NAMES[mode]}'"
                      for ident, mode in ((advisory_key(key), mode) for key, mode in items))
 
@@ -71,7 +73,8 @@ def _wait_lock_sql(ordered: list[tuple[int, int]], fenced: list[str],
                    fences: _FenceTable | None) -> str:
     """Wait as long as it takes: session locks, one statement each, in order; then the
     fences (a failure there leaves the locks to the caller's clean-up)."""
-    waits = "; ".join(f"SELECT pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
+    waits = "; ".join(f"SELECT pg_catalog.pg_advisory_lock{_kind(mode)}({ident})"
+                      for ident, mode in ordered)
     return f"{waits}; {fences.next_fences_sql(fenced)}" if fences else waits
 
 
@@ -79,8 +82,10 @@ def _try_lock_sql(ordered: list[tuple[int, int]], fenced: list[str],
                   fences: _FenceTable | None) -> str:
     """Try once: all or nothing (transaction locks first, released at the statement's end);
     the fences only if granted, in the same statement."""
-    trial = " AND ".join(f"pg_try_advisory_xact_lock{_kind(mode)}({ident})" for ident, mode in ordered)
-    taking = " AND ".join(f"pg_try_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
+    trial = " AND ".join(f"pg_catalog.pg_try_advisory_xact_lock{_kind(mode)}({ident})"
+                         for ident, mode in ordered)
+    taking = " AND ".join(f"pg_catalog.pg_try_advisory_lock{_kind(mode)}({ident})"
+                          for ident, mode in ordered)
     granted = f"CASE WHEN {trial} THEN {taking} ELSE false END"
     if fences is None:
         return f"SELECT {granted}"
@@ -93,13 +98,15 @@ def _timed_lock_sql(ordered: list[tuple[int, int]], milliseconds: int, fenced: l
     rolls back a grant that raced it), then take the fences, still under the timeout (so
     it rolls them back too), and the session locks (which no longer wait). One implicit
     transaction: statement_timestamp() is when the message arrived."""
-    elapsed = "(extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000)::bigint"
+    elapsed = ("(extract(epoch FROM pg_catalog.clock_timestamp()"
+               " - pg_catalog.statement_timestamp()) * 1000)::bigint")
     left = f"greatest(1, least({_MAX_LOCK_TIMEOUT}, {milliseconds} - {elapsed}))::text"
-    time_left = f"SELECT set_config('lock_timeout', {left}, true)"
-    waits = "; ".join(f"{time_left}; SELECT pg_advisory_xact_lock{_kind(mode)}({ident})"
+    time_left = f"SELECT pg_catalog.set_config('lock_timeout', {left}, true)"
+    waits = "; ".join(f"{time_left}; SELECT pg_catalog.pg_advisory_xact_lock{_kind(mode)}({ident})"
                       for ident, mode in ordered)
     fencing = f"; {time_left}; {fences.next_fences_sql(fenced)}" if fences else ""
-    taking = ", ".join(f"pg_advisory_lock{_kind(mode)}({ident})" for ident, mode in ordered)
+    taking = ", ".join(f"pg_catalog.pg_advisory_lock{_kind(mode)}({ident})"
+                       for ident, mode in ordered)
     return f"{waits}{fencing}; SELECT {taking}"
 
 

@@ -488,7 +488,8 @@ class _Tasks:
         manager = self.manager
         return await self.ask(
             f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {manager.advisory_key(key)}"
-            f" AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            f" AND database = (SELECT oid FROM pg_catalog.pg_database"
+            " WHERE datname = pg_catalog.current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
     async def borrow(self) -> _AsyncLink:
