@@ -112,27 +112,33 @@ slots = st.sampled_from([0, 0, 1])
 block_hows = st.sampled_from(["wait", "wait", "zero", "timed"])
 
 
+def _mostly_acquiring(acquire: st.SearchStrategy[Op], acquire_many: st.SearchStrategy[Op],
+                      release: st.SearchStrategy[Op], release_many: st.SearchStrategy[Op]
+                      ) -> st.SearchStrategy[Op]:
+    """Acquisitions outweigh releases, so that queues, cycles and deadlocks form."""
+    return st.one_of(acquire, acquire, acquire, acquire_many, acquire_many, release, release,
+                     release_many, st.just(Op("release_all")))
+
+
 def _rw_ops() -> st.SearchStrategy[Op]:
     """What threads and tasks both do on an ``RWLockManager`` (tasks through ``rw.aio``)."""
-    return st.one_of(
-        st.builds(lambda mode, key, how: Op(f"acquire_{mode}", (key,), how),
-                  st.sampled_from(["read", "write"]), keys, hows),
-        st.builds(lambda mode, key: Op(f"release_{mode}", (key,)), st.sampled_from(["read", "write"]), keys),
+    modes = st.sampled_from(["read", "write"])
+    return _mostly_acquiring(
+        st.builds(lambda mode, key, how: Op(f"acquire_{mode}", (key,), how), modes, keys, hows),
         st.builds(lambda reads, writes, how: Op("acquire_many", (reads, writes), how),
                   some_keys, some_keys, hows),
+        st.builds(lambda mode, key: Op(f"release_{mode}", (key,)), modes, keys),
         st.builds(lambda reads, writes: Op("release_many", (reads, writes)), some_keys, some_keys),
-        st.just(Op("release_all")),
     )
 
 
 def _lock_ops() -> st.SearchStrategy[Op]:
     """What threads and tasks both do on a ``LockManager`` (tasks through ``locks.aio``)."""
-    return st.one_of(
+    return _mostly_acquiring(
         st.builds(lambda key, how: Op("acquire", (key,), how), keys, hows),
-        st.builds(lambda key: Op("release", (key,)), keys),
         st.builds(lambda keys, how: Op("acquire_many", (keys,), how), some_keys, hows),
+        st.builds(lambda key: Op("release", (key,)), keys),
         st.builds(lambda keys: Op("release_many", (keys,)), some_keys),
-        st.just(Op("release_all")),
     )
 
 
@@ -172,8 +178,17 @@ MANAGERS: dict[str, tuple[Callable[[Any], Any], st.SearchStrategy[Step]]] = {
                                 _steps(_lock_ops(), _LOCK_BLOCKS)),
 }
 
+
+
+def _program(steps: st.SearchStrategy[Step]) -> st.SearchStrategy[list[Step]]:
+    """Up to 36 steps, in runs of a few: a flat list of steps would mostly be a handful long
+    (hypothesis' usual list lengths), too short for cycles of waits to form."""
+    return st.lists(st.lists(steps, min_size=1, max_size=6), max_size=6).map(
+        lambda runs: [step for run in runs for step in run])
+
+
 programs = st.sampled_from(list(MANAGERS)).flatmap(
-    lambda manager: st.tuples(st.just(manager), st.lists(MANAGERS[manager][1], max_size=25)))
+    lambda manager: st.tuples(st.just(manager), _program(MANAGERS[manager][1])))
 
 
 # -- the actors ---------------------------------------------------------------------------------
