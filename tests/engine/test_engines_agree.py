@@ -1,26 +1,45 @@
 """The compiled core and the pure twin agree: hypothesis writes random programs for a few
-threads and asyncio tasks on an ``RWLockManager`` (read, write, try, timeout, upgrade,
-downgrade, ``*_many``, release, ``release_all``, ``async with`` objects shared by tasks), and
-both engines run each program side by side, step by step. After every step they must agree on
-what each call returned or raised, which actors are still waiting, ``snapshot()``,
-``stats()``, the metrics' counts and ``len()``. At the end of a program every actor that is
-not waiting releases what it holds, until nobody is waiting: a waiter left when nobody else
-can release anything is a deadlock that went undetected (both engines may agree on that).
+threads and asyncio tasks on one manager, and both engines run each program side by side, step
+by step. The managers: ``RWLockManager()`` (read, write, try, timeout, upgrade, downgrade,
+``*_many``, release, ``release_all``; tasks' ``aio.read``/``write``/``hold_many`` objects),
+and ``LockManager(fair=True)`` and ``LockManager(fair=False)`` (acquire, release, ``*_many``,
+``release_all``; tasks' ``aio.hold``/``hold_many`` objects and ``aio[key]``). A task's
+``async with`` object sits in a slot that any task may enter or exit. After every step the
+engines must agree on what each call returned or raised (the exception's type; its message
+with owners named by actor; a DeadlockError's ``cycle`` as (actor, key) pairs), which actors
+are still waiting, ``snapshot()``, ``stats()``, the metrics' counts and ``len()``. At the end
+of a program every actor that is not waiting releases what it holds, until nobody is waiting:
+a waiter left when nobody else can release anything is a deadlock that went undetected (both
+engines may agree on that).
 
 How a step is observed, without sleeps: a call that may wait (no timeout) ends the step once
 it returned or its actor shows among the snapshot's waiters; a call with a timeout or a
 try-lock must return within ``STEP`` (nobody releases while it waits, so a timed wait surely
 times out). Then the table *settles*: the actors the snapshot shows waiting are exactly those
-whose call has not returned (a granted waiter leaves the queue before its call returns).
+whose call has not returned (a granted waiter leaves the queue before its call returns), and
+no key nobody holds has a single-key waiter first in its queue.
 
-``LOCKMGR_FUZZ_EXAMPLES`` sets how many programs run (CI's long run sets it; the default is
-a short run for the suite).
+That last condition is what makes ``fair=False`` deterministic here. An unfair release hands
+the key to its queue's head only if the head has waited ``HANDOFF_AFTER`` (1 ms); otherwise it
+frees the key and wakes the head to race for it, and whoever acquires first wins: a head that
+waited 0.9 ms or 1.1 ms, or an acquirer that runs before the woken head, changes the outcome.
+Here nothing else runs between a release and the next step, and the next step starts only
+once every woken head has taken its key: so the head always wins, as a fair hand-off would,
+and everything above is compared for unfair managers as for fair ones. Barging itself (an
+acquirer overtaking a woken head) is timing and is not generated; the outcome does not depend
+on which side of ``HANDOFF_AFTER`` the head's wait fell (both grant it, counted alike). Steps
+are slower than 1 ms, so a head has mostly waited longer by the next release: a woken head
+shows in about one program in a thousand, the unfair manager otherwise hands off directly.
+
+``LOCKMGR_FUZZ_EXAMPLES`` sets how many programs run, spread over the three managers (CI's
+long run sets it; the default is a short run for the suite).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +52,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 import lockmgr._core
 import lockmgr._pure
 from conftest import Call, Worker, wait_until
-from lockmgr._owners import WAIT_CHECK
+from lockmgr._errors import describe_owner
+from lockmgr._owners import LOOP_THREAD, WAIT_CHECK
 
 pytestmark = pytest.mark.compiled
 
@@ -71,7 +91,9 @@ class Op:
         return f"{self.name}({', '.join(map(repr, self.args))}{how})"
 
 
-_HOW_TAKERS = {"acquire_read", "acquire_write", "acquire_many", "block"}
+#: The calls that take ``blocking``/``timeout`` (``HOW``).
+_ACQUIRERS = {"acquire", "acquire_read", "acquire_write", "acquire_many"}
+_HOW_TAKERS = _ACQUIRERS | {"block"}
 
 
 @dataclass(frozen=True)
@@ -87,40 +109,102 @@ keys = st.sampled_from(KEYS)
 some_keys = st.lists(keys, unique=True, max_size=2).map(tuple)
 #: Mostly calls that may wait: the interesting states are queues.
 hows = st.sampled_from(["wait", "wait", "wait", "try", "zero", "timed"])
+#: Mostly one ``async with`` object: tasks meet on it.
+slots = st.sampled_from([0, 0, 1])
+block_hows = st.sampled_from(["wait", "wait", "zero", "timed"])
 
 
-def _common_ops() -> st.SearchStrategy[Op]:
-    """What threads and tasks both do (tasks through ``rw.aio``)."""
-    return st.one_of(
-        st.builds(lambda mode, key, how: Op(f"acquire_{mode}", (key,), how),
-                  st.sampled_from(["read", "write"]), keys, hows),
-        st.builds(lambda mode, key: Op(f"release_{mode}", (key,)), st.sampled_from(["read", "write"]), keys),
+def _mostly_acquiring(acquire: st.SearchStrategy[Op], acquire_many: st.SearchStrategy[Op],
+                      release: st.SearchStrategy[Op], release_many: st.SearchStrategy[Op]
+                      ) -> st.SearchStrategy[Op]:
+    """Acquisitions outweigh releases, so that queues, cycles and deadlocks form."""
+    return st.one_of(acquire, acquire, acquire, acquire_many, acquire_many, release, release,
+                     release_many, st.just(Op("release_all")))
+
+
+def _evenly(acquire: st.SearchStrategy[Op], acquire_many: st.SearchStrategy[Op],
+            release: st.SearchStrategy[Op], release_many: st.SearchStrategy[Op]
+            ) -> st.SearchStrategy[Op]:
+    """Each kind of call as likely as the others (see ``MANAGERS``)."""
+    return st.one_of(acquire, release, acquire_many, release_many, st.just(Op("release_all")))
+
+
+def _rw_ops(weigh: Callable[..., st.SearchStrategy[Op]]) -> st.SearchStrategy[Op]:
+    """What threads and tasks both do on an ``RWLockManager`` (tasks through ``rw.aio``)."""
+    modes = st.sampled_from(["read", "write"])
+    return weigh(
+        st.builds(lambda mode, key, how: Op(f"acquire_{mode}", (key,), how), modes, keys, hows),
         st.builds(lambda reads, writes, how: Op("acquire_many", (reads, writes), how),
                   some_keys, some_keys, hows),
+        st.builds(lambda mode, key: Op(f"release_{mode}", (key,)), modes, keys),
         st.builds(lambda reads, writes: Op("release_many", (reads, writes)), some_keys, some_keys),
-        st.just(Op("release_all")),
     )
 
 
-def _block_ops() -> st.SearchStrategy[Op]:
-    """A task makes an ``async with`` object in a slot (``read``/``write``/``hold_many``),
-    enters or exits the object in a slot; any task may use any slot's object."""
-    slots = st.sampled_from([0, 0, 1])  # mostly one object: tasks meet on it
-    kinds = st.one_of(st.tuples(st.sampled_from(["read", "write"]), keys),
-                      st.tuples(st.just("hold_many"), some_keys, some_keys))
+def _lock_ops() -> st.SearchStrategy[Op]:
+    """What threads and tasks both do on a ``LockManager`` (tasks through ``locks.aio``)."""
+    return _mostly_acquiring(
+        st.builds(lambda key, how: Op("acquire", (key,), how), keys, hows),
+        st.builds(lambda keys, how: Op("acquire_many", (keys,), how), some_keys, hows),
+        st.builds(lambda key: Op("release", (key,)), keys),
+        st.builds(lambda keys: Op("release_many", (keys,)), some_keys),
+    )
+
+
+def _block_ops(kinds: st.SearchStrategy[tuple[Any, ...]]) -> st.SearchStrategy[Op]:
+    """A task makes an ``async with`` object of one of ``kinds`` in a slot, enters or exits
+    the object in a slot; any task may use any slot's object. ``("item", key)`` is
+    ``aio[key]``, which has no timeout: it always may wait."""
     return st.one_of(
-        st.builds(lambda slot, kind, how: Op("block", (slot, kind), how), slots, kinds,
-                  st.sampled_from(["wait", "wait", "zero", "timed"])),
+        st.builds(lambda slot, kind, how: Op("block", (slot, kind), "wait" if kind[0] == "item" else how),
+                  slots, kinds, block_hows),
         st.builds(lambda slot: Op("enter", (slot,)), slots),
         st.builds(lambda slot: Op("enter", (slot,)), slots),
         st.builds(lambda slot: Op("exit", (slot,)), slots),
     )
 
 
-steps = st.one_of(
-    st.builds(Step, st.sampled_from(THREADS), _common_ops()),
-    st.builds(Step, st.sampled_from(TASKS), st.one_of(_common_ops(), _block_ops())),
-)
+_RW_BLOCKS = st.one_of(st.tuples(st.sampled_from(["read", "write"]), keys),
+                       st.tuples(st.just("hold_many"), some_keys, some_keys))
+_LOCK_BLOCKS = st.one_of(st.tuples(st.sampled_from(["hold", "item"]), keys),
+                         st.tuples(st.just("hold_many"), some_keys))
+
+
+def _steps(common: st.SearchStrategy[Op], blocks: st.SearchStrategy[tuple[Any, ...]]
+           ) -> st.SearchStrategy[Step]:
+    return st.one_of(
+        st.builds(Step, st.sampled_from(THREADS), common),
+        st.builds(Step, st.sampled_from(TASKS), st.one_of(common, _block_ops(blocks))),
+    )
+
+
+def _program(steps: st.SearchStrategy[Step]) -> st.SearchStrategy[list[Step]]:
+    """Up to 36 steps, in runs of a few: a flat list of steps would mostly be a handful long
+    (hypothesis' usual list lengths), too short for cycles of waits to form."""
+    return st.lists(st.lists(steps, min_size=1, max_size=6), max_size=6).map(
+        lambda runs: [step for run in runs for step in run])
+
+
+_LOCK_PROGRAMS = _program(_steps(_lock_ops(), _LOCK_BLOCKS))
+
+#: The managers a program runs on, by name: how to make one, and its programs.
+#:
+#: ``RWLockManager`` programs keep their former shape (a flat list, mostly a handful of
+#: steps; each kind of call equally likely): in longer, more acquisitive ones both engines
+#: leave an undetected deadlock in the liveness oracle (a multi-key write that upgrades a
+#: read goes ahead of another owner's multi-key read queued on that key, which waits for a
+#: key the writer needs; the search does not see the cycle). ``_program`` and
+#: ``_mostly_acquiring`` instead of ``st.lists(..., max_size=25)`` and ``_evenly`` for them
+#: find it within a few thousand programs.
+MANAGERS: dict[str, tuple[Callable[[Any], Any], st.SearchStrategy[list[Step]]]] = {
+    "RWLockManager()": (lambda engine: engine.RWLockManager(),
+                        st.lists(_steps(_rw_ops(_evenly), _RW_BLOCKS), max_size=25)),
+    "LockManager(fair=True)": (lambda engine: engine.LockManager(fair=True), _LOCK_PROGRAMS),
+    "LockManager(fair=False)": (lambda engine: engine.LockManager(fair=False), _LOCK_PROGRAMS),
+}
+
+programs = st.sampled_from(list(MANAGERS)).flatmap(
+    lambda manager: st.tuples(st.just(manager), MANAGERS[manager][1]))
 
 
 # -- the actors ---------------------------------------------------------------------------------
@@ -133,14 +217,15 @@ class TaskActor:
     """An asyncio task on ``loop`` that runs the coroutine functions submitted to it, one at a
     time (the owner of what they take is this one task)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
         self._loop = loop
         self._calls: asyncio.Queue[tuple[Callable[[], Awaitable[object]], threading.Event, list[object]] | None]
-        self.task: asyncio.Task[None] = asyncio.run_coroutine_threadsafe(self._start(), loop).result(STEP)
+        self.task: asyncio.Task[None] = asyncio.run_coroutine_threadsafe(
+            self._start(name), loop).result(STEP)
 
-    async def _start(self) -> asyncio.Task[None]:
+    async def _start(self, name: str) -> asyncio.Task[None]:
         self._calls = asyncio.Queue()
-        return asyncio.create_task(self._run())
+        return asyncio.create_task(self._run(), name=name)
 
     async def _run(self) -> None:
         while (item := await self._calls.get()) is not None:
@@ -167,9 +252,9 @@ class Arena:
     """One engine's manager, its actors (threads and tasks on an event loop of their own) and
     the calls still waiting."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, manager: str) -> None:
         self.engine = engine
-        self.rw = engine.RWLockManager()
+        self.manager = MANAGERS[manager][0](engine)
         self.abandoning = False
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="fuzz-loop", daemon=True)
@@ -177,12 +262,14 @@ class Arena:
         self.threads = {name: Worker(f"fuzz-{name}") for name in THREADS}
         for worker in self.threads.values():
             worker.run(self._install_wait_check)
-        self.tasks = {name: TaskActor(self.loop) for name in TASKS}
+        self.tasks = {name: TaskActor(self.loop, f"fuzz-{name}") for name in TASKS}
         self.names: dict[object, str] = {w.thread.ident: n for n, w in self.threads.items()}
         self.names.update({actor.task: n for n, actor in self.tasks.items()})
         self.blocks: list[Any] = [None] * SLOTS
         self.block_waits = [False] * SLOTS  # whether entering the slot's object may queue
+        self.block_many = [False] * SLOTS  # whether the slot's object takes several keys
         self.waiting: dict[str, Call] = {}  # actor -> its call that queued
+        self.waiting_many: set[str] = set()  # the actors whose queued call takes several keys
         self.last: dict[str, Call] = {}  # actor -> its latest call
 
     def _install_wait_check(self) -> None:
@@ -207,30 +294,33 @@ class Arena:
         if op.name == "enter":
             return self.block_waits[op.args[0]]
         if op.name == "block":
-            self.block_waits[op.args[0]] = op.how == "wait"
-        return op.how == "wait" and op.name in {"acquire_read", "acquire_write", "acquire_many"}
+            slot, kind = op.args
+            self.block_waits[slot] = op.how == "wait"
+            self.block_many[slot] = kind[0] == "hold_many"
+        return op.how == "wait" and op.name in _ACQUIRERS
+
+    def takes_many(self, op: Op) -> bool:
+        """Whether ``op`` asks for several keys at once (one request: never woken to race)."""
+        return op.name == "acquire_many" or (op.name == "enter" and self.block_many[op.args[0]])
 
     def _thread_call(self, op: Op) -> Callable[[], object]:
-        rw, how = self.rw, HOW[op.how]
-        if op.name.startswith("acquire_") and op.name != "acquire_many":
-            return lambda: getattr(rw, op.name)(*op.args, **how)
-        if op.name == "acquire_many":
-            return lambda: rw.acquire_many(*op.args, **how)
-        return lambda: getattr(rw, op.name)(*op.args)
+        manager, how = self.manager, HOW[op.how]
+        if op.name in _ACQUIRERS:
+            return lambda: getattr(manager, op.name)(*op.args, **how)
+        return lambda: getattr(manager, op.name)(*op.args)
 
     def _task_call(self, op: Op) -> Callable[[], Awaitable[object]]:
-        aio, how = self.rw.aio, HOW[op.how]
+        aio, how = self.manager.aio, HOW[op.how]
 
         async def call() -> object:
-            if op.name in {"acquire_read", "acquire_write", "acquire_many"}:
+            if op.name in _ACQUIRERS:
                 return await getattr(aio, op.name)(*op.args, **how)
             if op.name == "block":
-                slot, kind = op.args
-                timeout = how.get("timeout")
-                if kind[0] == "hold_many":
-                    self.blocks[slot] = aio.hold_many(*kind[1:], timeout=timeout)
+                slot, (kind, *args) = op.args
+                if kind == "item":
+                    self.blocks[slot] = aio[args[0]]
                 else:
-                    self.blocks[slot] = getattr(aio, kind[0])(kind[1], timeout=timeout)
+                    self.blocks[slot] = getattr(aio, kind)(*args, timeout=how.get("timeout"))
                 return None
             if op.name in {"enter", "exit"}:
                 block = self.blocks[op.args[0]]
@@ -254,41 +344,70 @@ class Arena:
             (state.key,
              tuple((name(h.owner), h.kind, h.mode, h.count) for h in state.holders),
              tuple((name(w.owner), w.kind, w.mode) for w in state.waiters))
-            for state in self.rw.snapshot())
+            for state in self.manager.snapshot())
 
     def waiters(self) -> set[str]:
         return {actor for _, _, waiters in self.snapshot() for actor, _, _ in waiters}
 
     def counters(self) -> tuple[Any, ...]:
-        metrics = self.rw.metrics()
-        return (self.rw.stats(), len(self.rw), metrics.wait_time.count, metrics.hold_time.count)
+        metrics = self.manager.metrics()
+        return (self.manager.stats(), len(self.manager), metrics.wait_time.count,
+                metrics.hold_time.count)
 
     def is_queued(self, actor: str) -> bool:
         return actor in self.waiters()
 
-    def settle(self) -> dict[str, tuple[str, Any]]:
+    def settle(self) -> dict[str, tuple[Any, ...]]:
         """Wait until the actors shown waiting are those whose call has not returned; answer
         the outcomes of the waiting calls that returned (granted, refused, timed out)."""
         def settled() -> bool:
             pending = {actor for actor, call in self.waiting.items() if not call.done()}
-            return self.waiters() == pending
+            return self.waiters() == pending and not self._woken_heads(pending)
 
         wait_until(settled, f"the {self.engine.__name__} table settled", patience=STEP)
-        ended = {actor: outcome(call) for actor, call in self.waiting.items() if call.done()}
+        ended = {actor: self.outcome(call) for actor, call in self.waiting.items() if call.done()}
         for actor in ended:
             del self.waiting[actor]
+            self.waiting_many.discard(actor)
         return ended
+
+    def _woken_heads(self, pending: set[str]) -> list[str]:
+        """The single-key waiters first in the queue of a key nobody holds: with
+        ``fair=False``, woken to take it, but not yet run (nobody can overtake them between
+        steps, so this waits until they have taken it). A fair manager grants such a head
+        before the release returns; a multi-key head is granted directly too (or waits for
+        another of its keys)."""
+        return [waiters[0][0] for _, holders, waiters in self.snapshot()
+                if not holders and waiters and waiters[0][0] in pending
+                and waiters[0][0] not in self.waiting_many]
+
+    def outcome(self, call: Call, patience: float = STEP) -> tuple[Any, ...]:
+        """What a call returned; or what it raised: its type, its message with the owners
+        named by actor, and a DeadlockError's cycle as (actor, key) pairs."""
+        try:
+            return ("returned", call.result(patience))
+        except AssertionError:
+            raise
+        except BaseException as exc:
+            message = _named_tasks(str(exc))
+            for owner, name in self.names.items():
+                message = message.replace(describe_owner(owner), f"<{name}>")
+            cycle = getattr(exc, "cycle", None)
+            if cycle is not None:
+                cycle = [(self.names.get(owner, repr(owner)), "LOOP_THREAD" if key is LOOP_THREAD else key)
+                         for owner, key in cycle]
+            return ("raised", type(exc).__name__, message, cycle)
 
     # -- the end --
 
-    def release_everything(self) -> list[tuple[str, tuple[str, Any]]]:
+    def release_everything(self) -> list[tuple[str, tuple[Any, ...]]]:
         """Every actor not waiting releases all it holds, until nobody waits or nothing moves
         any more; answers each release's and each waiter's outcome, in order."""
-        log: list[tuple[str, tuple[str, Any]]] = []
+        log: list[tuple[str, tuple[Any, ...]]] = []
         while True:
             for actor in THREADS + TASKS:
                 if actor not in self.waiting:
-                    log.append((actor, outcome(self.submit(Step(actor, Op("release_all"))), STEP)))
+                    log.append((actor, self.outcome(self.submit(Step(actor, Op("release_all"))))))
             ended = self.settle()
             log += sorted(ended.items())
             if not self.waiting or not ended:
@@ -316,81 +435,89 @@ class Arena:
         self.loop.close()
 
 
-def outcome(call: Call, patience: float = STEP) -> tuple[str, Any]:
-    """What a call returned, or the type of what it raised."""
-    try:
-        return ("returned", call.result(patience))
-    except AssertionError:
-        raise
-    except BaseException as exc:
-        return ("raised", type(exc).__name__)
-
-
 # -- running a program on both engines ----------------------------------------------------------
 
-def run_step(arena: Arena, step: Step, call: Call) -> tuple[str, Any]:
+def run_step(arena: Arena, step: Step, call: Call) -> tuple[Any, ...]:
     """Observe a submitted step: its outcome, or "waiting" once it queued."""
     if arena.may_wait(step.op):
         wait_until(lambda: call.done() or arena.is_queued(step.actor),
                    f"{step} returned or queued", patience=STEP)
         if not call.done():
             arena.waiting[step.actor] = call
+            if arena.takes_many(step.op):
+                arena.waiting_many.add(step.actor)
             return ("waiting", None)
-    return outcome(call)
+    return arena.outcome(call)
 
 
-def agree(what: str, core: object, twin: object, program: list[Step], at: int) -> None:
-    if core != twin:
-        done = "\n  ".join(map(repr, program[:at + 1]))
-        raise AssertionError(f"the engines disagree on {what} after step {at}:\n  {done}\n"
-                             f"core: {core!r}\ntwin: {twin!r}")
+def _named_tasks(message: str) -> str:
+    """``message`` with each task's repr (its callbacks are the engine's own) shown as
+    ``<A0>``, by the name the actor gave its task."""
+    while (start := message.find("<Task ")) >= 0:
+        depth, end = 0, start
+        for end, char in enumerate(message[start:], start):
+            depth += {"<": 1, ">": -1}.get(char, 0)
+            if depth == 0:
+                break
+        name = re.search(r"name='fuzz-(\w+)'", message[start:end])
+        message = f"{message[:start]}<{name[1] if name else 'a task'}>{message[end + 1:]}"
+    return message
 
 
-def run_program(core: Arena, twin: Arena, program: list[Step]) -> None:
+def listing(manager: str, program: list[Step]) -> str:
+    return "\n  ".join([f"manager = {manager}", *map(repr, program)])
+
+
+def run_program(core: Arena, twin: Arena, manager: str, program: list[Step]) -> None:
+    def agree(what: str, in_core: object, in_twin: object, at: int) -> None:
+        if in_core != in_twin:
+            raise AssertionError(
+                f"the engines disagree on {what} after step {at}:\n  "
+                f"{listing(manager, program[:at + 1])}\ncore: {in_core!r}\ntwin: {in_twin!r}")
+
     for at, step in enumerate(program):
         if step.actor in core.waiting or step.actor in twin.waiting:
             continue  # busy waiting in both (the waiting sets agree after every step)
         calls = [arena.submit(step) for arena in (core, twin)]
         outcomes = [run_step(arena, step, call) for arena, call in zip((core, twin), calls)]
-        agree("what the step did", *outcomes, program, at)
-        agree("how the waiting calls ended", core.settle(), twin.settle(), program, at)
-        agree("who is waiting", sorted(core.waiting), sorted(twin.waiting), program, at)
-        agree("snapshot()", core.snapshot(), twin.snapshot(), program, at)
-        agree("stats(), len() and the metrics' counts", core.counters(), twin.counters(), program, at)
+        agree("what the step did", *outcomes, at)
+        agree("how the waiting calls ended", core.settle(), twin.settle(), at)
+        agree("who is waiting", sorted(core.waiting), sorted(twin.waiting), at)
+        agree("snapshot()", core.snapshot(), twin.snapshot(), at)
+        agree("stats(), len() and the metrics' counts", core.counters(), twin.counters(), at)
     end = len(program) - 1
-    agree("releasing everything at the end", core.release_everything(), twin.release_everything(),
-          program, end)
+    agree("releasing everything at the end", core.release_everything(), twin.release_everything(), end)
     for arena in (core, twin):
         if arena.waiting:
-            done = "\n  ".join(map(repr, program))
             raise AssertionError(
                 f"an undetected deadlock on {arena.engine.__name__}: {sorted(arena.waiting)} still "
-                f"wait once everyone else released everything:\n  {done}\n"
+                f"wait once everyone else released everything:\n  {listing(manager, program)}\n"
                 f"snapshot: {arena.snapshot()}")
-    agree("snapshot() at the end", core.snapshot(), twin.snapshot(), program, end)
-    agree("stats() at the end", core.counters(), twin.counters(), program, end)
+    agree("snapshot() at the end", core.snapshot(), twin.snapshot(), end)
+    agree("stats() at the end", core.counters(), twin.counters(), end)
 
 
 #: Hypothesis stops shrinking after 5 minutes of it; the test must outlive that so a failure
 #: ends with its counterexample, not with pytest-timeout's 300 s.
 @pytest.mark.timeout(900 + EXAMPLES)
 def test_engines_agree_on_random_programs_of_threads_and_tasks() -> None:
-    programs = failed = 0
+    programs_run = failed = 0
 
     # No "explain" phase: its notes repeat a long failing program in another, noisier form.
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow],
               phases=[p for p in Phase if p is not Phase.explain])
-    @given(st.lists(steps, max_size=25))
-    def program_runs_alike(program: list[Step]) -> None:
-        nonlocal programs, failed
-        programs += 1
-        core, twin = Arena(lockmgr._core), Arena(lockmgr._pure)
+    @given(programs)
+    def program_runs_alike(manager_and_program: tuple[str, list[Step]]) -> None:
+        nonlocal programs_run, failed
+        manager, program = manager_and_program
+        programs_run += 1
+        core, twin = Arena(lockmgr._core, manager), Arena(lockmgr._pure, manager)
         try:
-            run_program(core, twin, program)
+            run_program(core, twin, manager, program)
         except AssertionError:
             if not failed:  # how hard the search was, in the failure's captured output
-                failed = programs
-                print(f"the first failing program was program {programs}")
+                failed = programs_run
+                print(f"the first failing program was program {programs_run}")
             raise
         finally:
             core.close()
