@@ -189,16 +189,17 @@ _LOCK_PROGRAMS = _program(_steps(_lock_ops(), _LOCK_BLOCKS))
 
 #: The managers a program runs on, by name: how to make one, and its programs.
 #:
-#: ``RWLockManager`` programs keep their former shape (a flat list, mostly a handful of
-#: steps; each kind of call equally likely): in longer, more acquisitive ones both engines
-#: leave an undetected deadlock in the liveness oracle (a multi-key write that upgrades a
-#: read goes ahead of another owner's multi-key read queued on that key, which waits for a
-#: key the writer needs; the search does not see the cycle). ``_program`` and
-#: ``_mostly_acquiring`` instead of ``st.lists(..., max_size=25)`` and ``_evenly`` for them
-#: find it within a few thousand programs.
+#: ``RWLockManager`` programs come in two shapes: flat lists of a handful of steps, each kind
+#: of call equally likely, and longer, more acquisitive ones (``_program``,
+#: ``_mostly_acquiring``), in which queues, upgrades and cycles form (they found a multi-key
+#: write upgrading a read, queued ahead of another owner's waiting read, missed by the
+#: deadlock search).
 MANAGERS: dict[str, tuple[Callable[[Any], Any], st.SearchStrategy[list[Step]]]] = {
     "RWLockManager()": (lambda engine: engine.RWLockManager(),
                         st.lists(_steps(_rw_ops(_evenly), _RW_BLOCKS), max_size=25)),
+    "RWLockManager()  # long programs": (
+        lambda engine: engine.RWLockManager(),
+        _program(_steps(_rw_ops(_mostly_acquiring), _RW_BLOCKS))),
     "LockManager(fair=True)": (lambda engine: engine.LockManager(fair=True), _LOCK_PROGRAMS),
     "LockManager(fair=False)": (lambda engine: engine.LockManager(fair=False), _LOCK_PROGRAMS),
 }
