@@ -126,9 +126,11 @@ install() {
   else
     "$work/venv-$1/bin/python" -m pip install -q "$wheel[test]"
   fi
-  # What cibuildwheel's test-sources copies: the tests, their configuration, and the README
-  # and docs whose examples tests/project/test_docs_examples.py runs.
-  rm -rf "$work/tests" "$work/docs" && cp -r tests docs "$work/" && cp pyproject.toml README.md "$work/"
+  # What cibuildwheel's test-sources copies: the tests, their configuration, the README and
+  # docs whose examples tests/project/test_docs_examples.py runs, and the changelog
+  # tests/project/test_release.py reads.
+  rm -rf "$work/tests" "$work/docs" && cp -r tests docs "$work/" &&
+    cp pyproject.toml README.md CHANGELOG.md "$work/"
   took
 }
 

@@ -742,7 +742,7 @@ locks = impl.LockManager(fair=False)
 holder, waiter = Worker("holder"), Worker("waiter")
 go, in_handler, released, returned = (threading.Event(), threading.Event(),
                                       threading.Event(), threading.Event())
-started, inside_wait, queued_in_handler = [], [], []
+started, inside_wait, queued_in_handler, handling = [], [], [], []
 
 def release_then_stall():
     go.wait()  # runs as soon as the waiter sleeps: within HANDOFF_AFTER of its queueing
@@ -759,8 +759,12 @@ def wait_briefly():
     return locks.acquire("k", timeout=TIMEOUT)
 
 def handler(signum, frame):
-    if in_handler.is_set():
-        return  # a signal sent again before the first one was seen
+    # A signal sent again before the first one was seen, or while this handler runs (it may
+    # land inside in_handler.set(), which holds the event's lock: a second set() in a nested
+    # handler would wait for it for ever): a list's append is one step, with no lock.
+    if handling:
+        return
+    handling.append(True)
     # The main thread is in this handler, so its request stays queued until the release:
     # what the handler sees is what the release will find.
     queued_in_handler.append(locks.stats().waiting if inside_wait else 0)
@@ -811,6 +815,7 @@ while len(runs) < RUNS and missed < 10 * RUNS:
         event.clear()
     started.clear()
     queued_in_handler.clear()
+    handling.clear()
     timeouts_before = locks.stats().timeouts
     holder.run(lambda: locks.acquire("k"))
     if GIL:

@@ -309,11 +309,8 @@ class _Operations(_Table):
         # Keys ``request`` upgrades: queued at their head, before every request there.
         upgrades = [node.entry for node in request.members() if node.queued and node.at_head]
 
-        def reach(thread: _Token, successor: _Token | None, waits_for: Any,
-                  to_run: bool) -> bool:
-            # As the core's ``reach``: to be granted and, ``to_run``, to run on (a task runs
-            # only when its loop's thread does: that thread is reached from it too, and so
-            # is ``me`` if the task may be awaiting it).
+        def mark(thread: _Token, successor: _Token | None, waits_for: Any) -> bool:
+            # ``thread`` waits for ``successor``: True if that closes the cycle.
             if successor is None or successor is thread:
                 return False
             if successor is me:
@@ -322,11 +319,21 @@ class _Operations(_Table):
             if successor not in reached:
                 reached[successor] = (thread, waits_for)
                 stack.append(successor)
+            return False
+
+        def reach(thread: _Token, successor: _Token | None, waits_for: Any,
+                  to_run: bool) -> bool:
+            # As the core's ``reach``: to be granted and, ``to_run``, to run on (a task runs
+            # only when its loop's thread does: that thread is reached from it too, and so
+            # is ``me`` if the task may be awaiting it). Not recursive: no closure of this
+            # search refers to itself, so its dictionary goes with its frame, collector or
+            # not (a free-threaded build kept every search's until a collection).
+            if mark(thread, successor, waits_for):
+                return True
             if to_run and type(successor) is _TaskToken:
                 if successor.ident is awaiting:
-                    return reach(successor, me, _AWAITED_THREAD, True)
-                return reach(successor, _thread_tokens.get(successor.loop_ident), _LOOP_THREAD,
-                             True)
+                    return mark(successor, me, _AWAITED_THREAD)
+                return mark(successor, _thread_tokens.get(successor.loop_ident), _LOOP_THREAD)
             return False
 
         def reach_waited_for(

@@ -353,6 +353,11 @@ class _TaskWait:
         self._ended()
 
     def abandon(self) -> None:
+        if self.request.token.wait is not self:
+            # Ended already (its loop closed, say, and the coroutine awaiting it is closed
+            # only now, maybe by the collector inside a section): the token's request, if
+            # any, is another acquisition's, which this must leave alone.
+            return
         _section(self.manager._abandon_section, self.request.token, None)
         self._ended()
 
