@@ -353,12 +353,14 @@ class _TaskWait:
         self._ended()
 
     def abandon(self) -> None:
-        if self.request.token.wait is not self:
+        token = self.request.token
+        assert type(token) is _TaskToken
+        if token.wait is not self:
             # Ended already (its loop closed, say, and the coroutine awaiting it is closed
             # only now, maybe by the collector inside a section): the token's request, if
             # any, is another acquisition's, which this must leave alone.
             return
-        _section(self.manager._abandon_section, self.request.token, None)
+        _section(self.manager._abandon_section, token, None)
         self._ended()
 
     def log_slow(self) -> None:
