@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,20 +15,7 @@ import pytest
 from conftest import PATIENCE
 from lockmgr import DeadlockError
 from lockmgr._owners import AWAITED_THREAD
-
-
-def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(main(), PATIENCE)
-    return asyncio.run(bounded())
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.001)
+from test_aio import run, until
 
 
 def acquire_in_thread(locks: Any, key: object) -> tuple[int, Any]:
