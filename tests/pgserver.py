@@ -2,9 +2,10 @@
 127.0.0.1 and a free port, started as the ``postgres`` user when running as root (initdb
 refuses root), stopped afterwards; ``restart(dsn)`` restarts it in between, as an
 administrator or a failover would. Beside it, a streaming hot standby of it
-(``running_standby``) and Debian's pgbouncer in front of it (``running_pgbouncer``). A missing
-server binary is a skip that names what is missing (``pytest -ra`` prints it), or an error
-where ``LOCKMGR_REQUIRE_SERVERS=1`` says the servers must be there (``.ci/run``)."""
+(``running_standby``; ``stop`` and ``promote`` fail over to it) and Debian's pgbouncer in
+front of it (``running_pgbouncer``). A missing server binary is a skip that names what is
+missing (``pytest -ra`` prints it), or an error where ``LOCKMGR_REQUIRE_SERVERS=1`` says the
+servers must be there (``.ci/run``)."""
 
 from __future__ import annotations
 
@@ -118,23 +119,26 @@ def _control(as_owner: list[str], workdir: str, port: int, settings: str = "") -
 
 
 @contextlib.contextmanager
-def running_server() -> Iterator[str]:
+def running_server(*settings: str) -> Iterator[str]:
     """Start a throwaway server; yields its DSN. A SIGTERM meanwhile (CI's time limit,
-    ``timeout``) still stops it: pg_ctl runs it as a daemon, not a child of this process."""
+    ``timeout``) still stops it: pg_ctl runs it as a daemon, not a child of this process.
+    ``settings`` ("name=value", the value quoted for a shell) go on its command line: a
+    standby copied from it does not inherit them."""
     with sigterm_interrupts():
-        yield from _running_server()
+        yield from _running_server(settings)
 
 
-def _running_server() -> Iterator[str]:
+def _running_server(settings: tuple[str, ...]) -> Iterator[str]:
     """initdb's defaults let a standby follow it: wal_level replica, 10 WAL senders, and
     replication connections from 127.0.0.1 trusted (``--auth=trust``)."""
     workdir, as_owner = _workdir("lockmgr-pg-")
     port = _free_port()
+    options = "".join(f" -c {setting}" for setting in settings)
     try:
         subprocess.run([*as_owner, f"{_bindir()}/initdb", "-D", os.path.join(workdir, "data"),
                         "-U", "postgres", "--auth=trust", "--no-sync"], check=True,
                        capture_output=True, timeout=120)
-        with _started(_control(as_owner, workdir, port), port) as dsn:
+        with _started(_control(as_owner, workdir, port, options), port) as dsn:
             yield dsn
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -155,16 +159,18 @@ def _started(control: list[str], port: int) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_standby(primary_dsn: str) -> Iterator[str]:
+def running_standby(primary_dsn: str, synchronous: bool = False) -> Iterator[str]:
     """Start a hot standby of the server at ``primary_dsn``, copied with ``pg_basebackup -R``
     and streaming from it; yields its DSN once it is in recovery and the primary streams to
-    it, so that what a test writes on the primary soon shows there (read-only). ``restart``
-    takes it too; stopped and removed afterwards, SIGTERM included, as ``running_server``."""
+    it, so that what a test writes on the primary soon shows there (read-only), and with
+    ``synchronous`` once the primary's commits wait for it (the primary's
+    synchronous_standby_names must name it: '*'). ``restart``, ``stop`` and ``promote``
+    take it too; stopped and removed afterwards, SIGTERM included, as ``running_server``."""
     with sigterm_interrupts():
-        yield from _running_standby(primary_dsn)
+        yield from _running_standby(primary_dsn, synchronous)
 
 
-def _running_standby(primary_dsn: str) -> Iterator[str]:
+def _running_standby(primary_dsn: str, synchronous: bool) -> Iterator[str]:
     """The base backup carries the primary's postgresql.conf, and ``-R`` adds standby.signal
     and a primary_conninfo naming the primary's host, port and user."""
     workdir, as_owner = _workdir("lockmgr-pg-standby-")
@@ -177,23 +183,25 @@ def _running_standby(primary_dsn: str) -> Iterator[str]:
                        timeout=120)
         with _started(_control(as_owner, workdir, port,
                                f" -c hot_standby=on -c cluster_name={name}"), port) as dsn:
-            _await_streaming(primary_dsn, dsn, name)
+            _await_streaming(primary_dsn, dsn, name, synchronous)
             yield dsn
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _await_streaming(primary_dsn: str, standby_dsn: str, name: str) -> None:
+def _await_streaming(primary_dsn: str, standby_dsn: str, name: str, synchronous: bool) -> None:
     """Return once the standby is in recovery and the primary streams WAL to it (60 s at
-    most): pg_ctl's wait ends when the standby takes connections, which can be before its
-    WAL receiver has connected."""
+    most), as its synchronous standby if ``synchronous``: pg_ctl's wait ends when the
+    standby takes connections, which can be before its WAL receiver has connected."""
     with psycopg.connect(standby_dsn, autocommit=True, connect_timeout=10) as standby:
         if standby.execute("SELECT pg_is_in_recovery()").fetchone() != (True,):
             raise RuntimeError(f"the standby at {standby_dsn} is not in recovery")
     deadline = time.monotonic() + 60
+    states = ("sync",) if synchronous else ("sync", "potential", "quorum", "async")
     with psycopg.connect(primary_dsn, autocommit=True, connect_timeout=10) as primary:
         while primary.execute("SELECT count(*) FROM pg_stat_replication WHERE application_name"
-                              " = %s AND state = 'streaming'", (name,)).fetchone() != (1,):
+                              " = %s AND state = 'streaming' AND sync_state = ANY(%s)",
+                              (name, list(states))).fetchone() != (1,):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the primary at {primary_dsn} did not stream to the "
                                    f"standby at {standby_dsn} within 60 s")
@@ -263,4 +271,24 @@ def _running_pgbouncer(binary: str, primary_dsn: str, pool_mode: str) -> Iterato
 def restart(dsn: str) -> None:
     """Stop the server (ending every session at once) and start it again on the same port."""
     subprocess.run([*_CONTROLS[dsn], "-m", "immediate", "restart"], check=True,
+                   capture_output=True, timeout=120)
+
+
+def stop(dsn: str) -> None:
+    """Stop the server at once (immediate: as a crash would), keeping its data directory
+    (``promote`` starts a stopped standby again)."""
+    control = _CONTROLS[dsn]
+    subprocess.run([*control[:control.index("-w")], "-m", "immediate", "stop"], check=True,
+                   capture_output=True, timeout=60)
+
+
+def promote(standby_dsn: str) -> None:
+    """Start the stopped standby at ``standby_dsn`` cut off from its primary (no
+    primary_conninfo: as after the primary's failure, it has only the WAL it had received
+    when it stopped) and promote it; returns once it takes writes."""
+    control = _CONTROLS[standby_dsn]
+    options = control.index("-o") + 1
+    cut_off = [*control[:options], control[options] + " -c primary_conninfo=''"]
+    subprocess.run([*cut_off, "start"], check=True, capture_output=True, timeout=120)
+    subprocess.run([*control[:control.index("-l")], "promote"], check=True,
                    capture_output=True, timeout=120)
