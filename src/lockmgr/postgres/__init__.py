@@ -52,7 +52,10 @@ The rules that keep it correct:
   with the last release, a loss or a fork. Reads take none. A manager's first fenced
   acquisition makes sure the table exists first, in a round trip of its own, so that its
   creation is committed before any wait (in the lock's transaction, it would hold back
-  every other session's first use — timed ones too — until the lock was granted).
+  every other session's first use — timed ones too — until the lock was granted). A
+  commit whose wait for a synchronous standby was cut short (the server's warning, or a
+  deadline's cancel the statement survived) hands no fence out: a promoted standby could
+  hand it out again. The call raises ``FenceNotDurableError``; its clean-up releases.
 - ``aio``: asyncio tasks as owners, under the same rules (``lockmgr.postgres._aio`` says what the
   event loop adds).
 
@@ -76,10 +79,10 @@ except ImportError as exc:  # tested in a subprocess without psycopg
     ) from exc
 
 from .._errors import LockLost
-from ._fences import DEFAULT_FENCE_TABLE, Lease
+from ._fences import DEFAULT_FENCE_TABLE, FenceNotDurableError, Lease
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager
 from ._server import UnsafeServerError
 
-__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "UnsafeServerError",
-           "advisory_key"]
+__all__ = ["FenceNotDurableError", "Lease", "LockLost", "PgKeyLock", "PgLockManager",
+           "PgRWLockManager", "UnsafeServerError", "advisory_key"]

@@ -10,6 +10,7 @@ from psycopg import errors as pg_errors
 
 from .._args import WRITE
 from .._errors import LockError
+from .._views import _short
 from ._link import _Steps, _run_all_steps
 
 if TYPE_CHECKING:
@@ -70,6 +71,28 @@ class _FenceTable:
                 f" INSERT INTO {self.name} AS f (key, fence)"
                 f" SELECT key, 1 FROM got, durable, (VALUES {values}) AS bumped(key) WHERE granted"
                 " ON CONFLICT (key) DO UPDATE SET fence = f.fence + 1 RETURNING f.key, f.fence")
+
+
+class FenceNotDurableError(LockError):
+    """A fenced acquisition took its fence, but the server could not confirm that the
+    increment is durable as its settings ask: the commit's wait for a synchronous standby
+    was cancelled (at a timed call's or a try's deadline, or by another session), and
+    PostgreSQL ended it with a warning, the increment committed on the primary alone. A
+    failover to that standby could hand the same fence out again, so this one is not:
+    the call fails, and releases what it took. Later fences stay above it."""
+
+
+def _not_durable(items: Sequence[tuple[Hashable, int]], warning: str | None) -> FenceNotDurableError:
+    """The error of a fenced call on ``items`` whose commit was not confirmed: the server's
+    ``warning``, or none (the call's deadline cancelled its round trip, which succeeded
+    all the same: the cancel may have cut the commit's wait short)."""
+    keys = ", ".join(_short.repr(key) for key, mode in items if mode == WRITE)
+    cause = (f"PostgreSQL warned: {warning}" if warning else
+             "the call's deadline cancelled the commit, which succeeded without confirming")
+    return FenceNotDurableError(
+        f"the fence of {keys} is not known to be durable ({cause}): a synchronous standby"
+        " did not confirm it in time, and could hand it out again after a failover."
+        " Nothing was handed out or kept held; check the synchronous standby")
 
 
 def _no_fencing() -> LockError:

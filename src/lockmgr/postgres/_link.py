@@ -208,7 +208,7 @@ class _Link:
     of it on the same thread."""
 
     __slots__ = ("backend", "cancelled_late", "conn", "ended", "guard", "pgconn", "pid",
-                 "poller", "prepared", "server", "statements", "talking")
+                 "poller", "prepared", "server", "statements", "talking", "warned")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
@@ -222,6 +222,10 @@ class _Link:
         # list, not the link, so the connection keeps no cycle through it.)
         self.ended: list[str] = []
         conn.add_notice_handler(functools.partial(_note_ending, self.ended))
+        # The last warning the server sent (``_note_warning``): a fenced lock call clears it
+        # before its round trip, and hands out no fence if one came (``_lock_steps``).
+        self.warned: list[str] = []
+        conn.add_notice_handler(functools.partial(_note_warning, self.warned))
         self.conn = conn  # last but two: close() needs what comes before
         self.pgconn = conn.pgconn
         self.backend = self.pgconn.backend_pid  # the server's pid for this session
@@ -415,6 +419,14 @@ def _note_ending(ended: list[str], notice: pg_errors.Diagnostic) -> None:
     """A link's notice handler: keeps the FATAL (or PANIC) errors that end its session."""
     if notice.severity_nonlocalized in ("FATAL", "PANIC"):
         ended.append(notice.message_primary or "")
+
+
+def _note_warning(warned: list[str], notice: pg_errors.Diagnostic) -> None:
+    """A link's notice handler: keeps the last WARNING, known by its untranslated severity
+    or, from a server that does not send that, its SQLSTATE's warning class (01) — never by
+    its text, which lc_messages may translate."""
+    if notice.severity_nonlocalized == "WARNING" or (notice.sqlstate or "").startswith("01"):
+        warned[:] = [notice.message_primary or ""]
 
 
 def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:

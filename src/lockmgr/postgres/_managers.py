@@ -80,6 +80,8 @@ class PgLockManager(_PgEngine[K]):
         (as ``threading.Lock.acquire``), TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), DeadlockError if
         waiting would close a cycle (PostgreSQL's detector, or one through this process's
         threads), LockLost if the thread holds ``key`` on a session that was lost;
+        with ``fencing=True``, FenceNotDurableError if the server could not confirm the
+        fence durable (a synchronous standby that did not answer by the deadline);
         connecting may raise ``UnsafeServerError`` or psycopg's ``OperationalError``."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes

@@ -15,7 +15,7 @@ from psycopg import errors as pg_errors
 
 from .._args import WRITE
 from .._errors import DeadlockError
-from ._fences import _fence_table_steps, _fences_from
+from ._fences import _fence_table_steps, _fences_from, _not_durable
 from ._link import (
     _Attach,
     _Drop,
@@ -62,6 +62,7 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
             if fencing and not manager._fence_table_made:
                 yield from _fence_table_steps(link, manager._fence_table, answer_by or True)
                 manager._fence_table_made = True
+            link.warned.clear()
             if how != "timed" and len(ordered) == 1:
                 ident, mode = ordered[0]
                 statement = (_FENCED_LOCK[how] if fencing
@@ -98,7 +99,14 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
                 raise
             retried = True
             continue
-        return _fences_from(results, ordered, how, fencing)
+        fences = _fences_from(results, ordered, how, fencing)
+        if fences and (link.warned or link.cancelled_late):
+            # A fence is handed out only once its increment is durable as the server's
+            # settings ask: a warning (a synchronous standby's wait cancelled, the commit
+            # local only) or a cancel that did not fail the statement says it may not be.
+            # The caller's clean-up releases the keys.
+            raise _not_durable(items, link.warned[-1] if link.warned else None)
+        return fences
 
 
 def _unlock_steps(manager: _PgEngine[Any], session: _Session,
