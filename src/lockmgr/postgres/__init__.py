@@ -60,7 +60,8 @@ The package, by concern (each module imports only those above it; the two asynci
 imported on first use of ``aio``, so that ``import lockmgr.postgres`` does not load asyncio):
 
 - ``_keys``: keys to advisory keys; ``_server``: what a new connection checks and sets;
-  ``_link``: a thread's connection and its round trips with their deadlines; ``_fences``:
+  ``_link``: a thread's connection and its round trips with their deadlines; ``_capacity``:
+  ``max_connections``, and the queue for a connection beyond it; ``_fences``:
   fencing tokens; ``_sql``: the lock statements; ``_session``: what a thread holds;
 - ``_engine``: the thread manager (``_PgEngine``); ``_managers``: the public managers;
 - ``_aio_link``, ``_tasks``, ``_aio``: asyncio tasks as owners.
