@@ -61,7 +61,8 @@ imported on first use of ``aio``, so that ``import lockmgr.postgres`` does not l
 
 - ``_keys``: keys to advisory keys; ``_server``: what a new connection checks and sets;
   ``_link``: a thread's connection and its round trips with their deadlines; ``_capacity``:
-  ``max_connections``, and the queue for a connection beyond it; ``_fences``:
+  ``max_connections``, and the queue for a connection beyond it; ``_inspect``: who holds
+  what on the server (``snapshot(server=True)``); ``_fences``:
   fencing tokens; ``_sql``: the lock statements; ``_session``: what a thread holds;
 - ``_engine``: the thread manager (``_PgEngine``); ``_managers``: the public managers;
 - ``_aio_link``, ``_tasks``, ``_aio``: asyncio tasks as owners.
@@ -78,9 +79,10 @@ except ImportError as exc:  # tested in a subprocess without psycopg
 
 from .._errors import LockLost
 from ._fences import DEFAULT_FENCE_TABLE, Lease
+from ._inspect import ServerKeyState, ServerSession
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager
 from ._server import UnsafeServerError
 
-__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "UnsafeServerError",
-           "advisory_key"]
+__all__ = ["Lease", "LockLost", "PgKeyLock", "PgLockManager", "PgRWLockManager", "ServerKeyState",
+           "ServerSession", "UnsafeServerError", "advisory_key"]

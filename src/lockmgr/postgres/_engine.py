@@ -20,7 +20,7 @@ from .._args import READ, WRITE, hold_seconds
 from .._errors import DeadlockError, LockError, not_owned, timed_out
 from .._owners import WAIT_CHECK, current_task_or_none
 from .._views import LockStats
-from .._observe import KeyState, LockMetrics
+from .._observe import LockMetrics
 from ._capacity import _Capacity, crowded, keep_idle, new_link
 from ._deadlock import (
     LOOK_EVERY,
@@ -30,6 +30,7 @@ from ._deadlock import (
     managers_after_fork,
     register,
 )
+from ._inspect import _Inspecting, application_name
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -82,7 +83,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
     os.register_at_fork(after_in_child=_forget_parent_sessions)
 
 
-class _PgEngine(Generic[K]):
+class _PgEngine(_Inspecting, Generic[K]):
     """What both PostgreSQL managers share: sessions, the advisory-lock calls, loss."""
 
     _engine: Engine  # the in-process manager (lockmgr._contract)
@@ -109,7 +110,8 @@ class _PgEngine(Generic[K]):
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
-        self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
+        self._connect_kwargs = {**_KEEPALIVES, "fallback_application_name": application_name(namespace),
+                                **(connect_kwargs or {})}
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
@@ -194,12 +196,6 @@ class _PgEngine(Generic[K]):
         WARNING (None: never); waits on the server are PostgreSQL's ``log_lock_waits``."""
         after: float | None = self._engine.log_waits_after
         return after
-
-    def snapshot(self) -> list[KeyState]:
-        """The in-process engine's keys held or waited on by this process's threads and
-        tasks (other processes' locks are in PostgreSQL's ``pg_locks``). Raises nothing."""
-        states: list[KeyState] = self._engine.snapshot()
-        return states
 
     def metrics(self) -> LockMetrics:
         """The in-process engine's metrics (waits between this process's threads). Raises
