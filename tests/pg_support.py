@@ -195,6 +195,23 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(main(), PATIENCE * 3))
 
 
+def in_loop_thread(main: Callable[[], Awaitable[None]]
+                   ) -> tuple[threading.Thread, list[BaseException]]:
+    """``run(main)`` in a thread of its own, started (the test's thread goes on beside its
+    tasks); what it raised goes to the list."""
+    failures: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            run(main)
+        except BaseException as error:
+            failures.append(error)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, failures
+
+
 HOLDER = """
 locks.acquire("k")
 say(held=True)

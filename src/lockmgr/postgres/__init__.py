@@ -63,7 +63,9 @@ The package, by concern (each module imports only those above it; the two asynci
 imported on first use of ``aio``, so that ``import lockmgr.postgres`` does not load asyncio):
 
 - ``_keys``: keys to advisory keys; ``_server``: what a new connection checks and sets;
-  ``_link``: a thread's connection and its round trips with their deadlines; ``_fences``:
+  ``_link``: a thread's connection and its round trips with their deadlines; ``_capacity``:
+  ``max_connections``, and the queue for a connection beyond it; ``_inspect``: who holds
+  what on the server (``snapshot(server=True)``); ``_fences``:
   fencing tokens; ``_sql``: the lock statements; ``_session``: what a thread holds;
 - ``_engine``: the thread manager (``_PgEngine``); ``_managers``: the public managers;
 - ``_aio_link``, ``_tasks``, ``_aio``: asyncio tasks as owners.
@@ -80,9 +82,10 @@ except ImportError as exc:  # tested in a subprocess without psycopg
 
 from .._errors import LockLost
 from ._fences import DEFAULT_FENCE_TABLE, FenceNotDurableError, Lease
+from ._inspect import ServerKeyState, ServerSession
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager
 from ._server import UnsafeServerError
 
 __all__ = ["FenceNotDurableError", "Lease", "LockLost", "PgKeyLock", "PgLockManager",
-           "PgRWLockManager", "UnsafeServerError", "advisory_key"]
+           "PgRWLockManager", "ServerKeyState", "ServerSession", "UnsafeServerError", "advisory_key"]

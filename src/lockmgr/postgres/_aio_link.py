@@ -151,7 +151,7 @@ class _AsyncLink(_Link):
 
 
 async def _drive_async(steps: _Steps[_T],
-                       attach: Callable[[Any], Awaitable[Any]] | None = None,
+                       attach: Callable[[Any, float | None], Awaitable[Any]] | None = None,
                        lose: Callable[[Any], None] | None = None,
                        drop: Callable[[Any, list[Any]], Awaitable[None]] | None = None) -> _T:
     """``_link._drive`` for a task: each need answered by an awaited round trip (or
@@ -172,7 +172,7 @@ async def _drive_async(steps: _Steps[_T],
                     answer = await link._round_trip_async(need.deadline, need.send, *need.args)
                 elif isinstance(need, _Attach):
                     assert attach is not None
-                    answer = await attach(need.session)
+                    answer = await attach(need.session, need.deadline)
                 elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)

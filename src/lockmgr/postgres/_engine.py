@@ -20,7 +20,8 @@ from .._args import READ, WRITE, hold_seconds
 from .._errors import DeadlockError, LockError, not_owned, timed_out
 from .._owners import WAIT_CHECK, current_task_or_none
 from .._views import LockStats
-from .._observe import KeyState, LockMetrics
+from .._observe import LockMetrics
+from ._capacity import _Capacity, crowded, keep_idle, new_link
 from ._deadlock import (
     LOOK_EVERY,
     Look,
@@ -29,6 +30,7 @@ from ._deadlock import (
     managers_after_fork,
     register,
 )
+from ._inspect import _Inspecting, application_name
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -81,7 +83,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
     os.register_at_fork(after_in_child=_forget_parent_sessions)
 
 
-class _PgEngine(Generic[K]):
+class _PgEngine(_Inspecting, Generic[K]):
     """What both PostgreSQL managers share: sessions, the advisory-lock calls, loss."""
 
     _engine: Engine  # the in-process manager (lockmgr._contract)
@@ -96,7 +98,9 @@ class _PgEngine(Generic[K]):
         connect_kwargs: dict[str, Any] | None = None,
         fencing: bool = False,
         fence_table: str = DEFAULT_FENCE_TABLE,
+        max_connections: int | None = None,
     ) -> None:
+        self._capacity = _Capacity.of(max_connections)  # first: a bad one leaves nothing made
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace
@@ -106,7 +110,8 @@ class _PgEngine(Generic[K]):
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
-        self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
+        self._connect_kwargs = {**_KEEPALIVES, "fallback_application_name": application_name(namespace),
+                                **(connect_kwargs or {})}
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
@@ -191,12 +196,6 @@ class _PgEngine(Generic[K]):
         WARNING (None: never); waits on the server are PostgreSQL's ``log_lock_waits``."""
         after: float | None = self._engine.log_waits_after
         return after
-
-    def snapshot(self) -> list[KeyState]:
-        """The in-process engine's keys held or waited on by this process's threads and
-        tasks (other processes' locks are in PostgreSQL's ``pg_locks``). Raises nothing."""
-        states: list[KeyState] = self._engine.snapshot()
-        return states
 
     def metrics(self) -> LockMetrics:
         """The in-process engine's metrics (waits between this process's threads). Raises
@@ -611,8 +610,8 @@ class _PgEngine(Generic[K]):
             end = self._local.end = _ThreadEnd(self)
         return end.session
 
-    def _attach(self, session: _Session) -> tuple[_Link, bool]:
-        """Give the session a connection: an idle one that is still alive, or a new one."""
+    def _attach(self, session: _Session, deadline: float | None = None) -> tuple[_Link, bool]:
+        """Give the session a connection: an idle one still alive, or a new one (``new_link``)."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()  # their connections may hold what we wait for
@@ -620,7 +619,7 @@ class _PgEngine(Generic[K]):
             with self._guard:
                 link = self._idle.pop() if self._idle else None
             if link is None:
-                link, fresh = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements), True
+                link, fresh = new_link(self, deadline), True
                 break
             if link.idle():
                 fresh = False
@@ -639,7 +638,7 @@ class _PgEngine(Generic[K]):
         with self._guard:
             self._sessions.discard(session)
             session.reported.clear()
-            if link is not None and not session.dead and not link.broken():
+            if link is not None and not session.dead and not link.broken() and not crowded(self):
                 self._idle.append(link)  # checked again before its next use
                 link = None
         session.dead = False
@@ -732,6 +731,7 @@ class _PgEngine(Generic[K]):
         Keys the forking thread held belong to the parent: they are lost to the child."""
         self._guard = threading.Lock()  # another thread of the parent may have held it
         self._lookout = Lookout()  # (the parent's connection is left alone)
+        self._capacity = self._capacity and _Capacity(self._capacity.limit)  # (for the child's)
         me = threading.get_ident()
         links: list[_Link] = [*self._idle, *self._task_idle]
         self._idle, self._task_idle = [], []
@@ -764,7 +764,8 @@ class _PgEngine(Generic[K]):
         if link is None or not link.idle():
             if link is not None:
                 link.close()
-            link = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements)
+            # (the lookout's is not counted: a look must not wait behind the waiters it looks at)
+            link = new_link(self, True, counted=own)
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
@@ -785,8 +786,7 @@ class _PgEngine(Generic[K]):
                 link.close()
             raise
         if borrowed:
-            with self._guard:
-                self._idle.append(link)
+            keep_idle(self, link, self._idle)
         return _yes(result)
 
 

@@ -75,9 +75,12 @@ class _RoundTrip(NamedTuple):
 
 
 class _Attach(NamedTuple):
-    """A need: a connection for ``session`` (the driver's ``attach``): (link, fresh)."""
+    """A need: a connection for ``session`` (the driver's ``attach``): (link, fresh). A new
+    one waits for a free place under ``max_connections`` until ``deadline`` (None: however
+    long it takes)."""
 
     session: Any
+    deadline: float | None = None
 
 
 class _Lose(NamedTuple):
@@ -100,7 +103,7 @@ _Need = _RoundTrip | _Attach | _Lose | _Drop
 _Steps = Generator[_Need, Any, _T]
 
 
-def _drive(steps: _Steps[_T], attach: Callable[[Any], Any] | None = None,
+def _drive(steps: _Steps[_T], attach: Callable[[Any, float | None], Any] | None = None,
            lose: Callable[[Any], None] | None = None,
            drop: Callable[[Any, list[Any]], None] | None = None) -> _T:
     """Run ``steps`` in the calling thread: each need answered by a blocking round trip (or
@@ -118,7 +121,7 @@ def _drive(steps: _Steps[_T], attach: Callable[[Any], Any] | None = None,
                     answer = need.link._round_trip(need.deadline, need.send, *need.args)
                 elif isinstance(need, _Attach):
                     assert attach is not None
-                    answer = attach(need.session)
+                    answer = attach(need.session, need.deadline)
                 elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)
@@ -208,10 +211,11 @@ class _Link:
     of it on the same thread."""
 
     __slots__ = ("backend", "cancelled_late", "conn", "ended", "guard", "pgconn", "pid",
-                 "poller", "prepared", "server", "statements", "talking", "warned")
+                 "poller", "prepared", "server", "slot", "statements", "talking", "warned")
 
     def __init__(self, conn: psycopg.Connection[Any], statements: dict[bytes, bytes]) -> None:
         self.pid = os.getpid()  # a forked child must never speak on its parent's connection
+        self.slot: Any = None  # its place under max_connections (_capacity), given back at close
         self.guard = threading.RLock()  # see the class docstring
         self.talking = False  # the owner is in a round trip: checks keep off
         self.cancelled_late = False  # the owner's round trip passed its deadline: cancelled
@@ -394,6 +398,9 @@ class _Link:
         """End the session (and so every lock it holds). In a forked child, the socket is
         the parent's: it is first replaced by /dev/null, so the child's goodbye goes
         nowhere and the parent's session lives on."""
+        slot, self.slot = self.slot, None
+        if slot is not None and self.pid == os.getpid():  # first: a server that ended it too
+            slot.free()
         if self.conn.closed:
             return
         if self.pid != os.getpid():  # no guard: a thread of the parent's may have held it

@@ -45,8 +45,13 @@ class PgLockManager(_PgEngine[K]):
     - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
       ``fence()``), at the cost of a durable write per acquisition.
     - ``fence_table``: ``"schema.table"`` of the fence counters (made on first use).
+    - ``max_connections``: at most this many connections of the threads and tasks holding
+      keys (and idle ones kept for reuse) at once; beyond it, an acquisition that needs a
+      new one waits in line, first come first served, within its ``timeout`` (a try does
+      not wait). None (the default): no cap. Deadlock looks use one more, outside it.
 
-    Making a manager raises TypeError or ValueError for a bad ``fence_table``; connecting
+    Making a manager raises TypeError or ValueError for a bad ``fence_table`` or
+    ``max_connections``; connecting
     (at a thread's first acquisition) raises ``UnsafeServerError`` for a standby or a
     pooler, and psycopg's ``OperationalError`` for a server it cannot reach.
     """
@@ -57,11 +62,12 @@ class PgLockManager(_PgEngine[K]):
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
-                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
+                 fence_table: str = DEFAULT_FENCE_TABLE,
+                 max_connections: int | None = None) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table)
+                         fence_table=fence_table, max_connections=max_connections)
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
@@ -204,11 +210,12 @@ class PgRWLockManager(_PgEngine[K]):
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
-                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
+                 fence_table: str = DEFAULT_FENCE_TABLE,
+                 max_connections: int | None = None) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table)
+                         fence_table=fence_table, max_connections=max_connections)
 
     @property
     def aio(self) -> PgAsyncRWLockManager[K]:

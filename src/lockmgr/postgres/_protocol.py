@@ -49,7 +49,8 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
         if session.link is not None:
             link, fresh_link = session.link, False
         else:
-            link, fresh_link = yield _Attach(session)
+            # (a try waits for no free connection; a timed call, until its deadline)
+            link, fresh_link = yield _Attach(session, time.monotonic() if seconds == 0 else deadline)
         # Unsure before the server can take them (a lost connection clears it): an
         # interrupt after the grant, then another at the clean-up's first check point
         # (undo_take's entry), would leave them held on the connection, recorded nowhere.

@@ -19,6 +19,7 @@ from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_rai
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
 from ._fences import Lease, _no_fencing, _read_has_no_fence
+from ._capacity import _Slot, crowded, keep_idle, reserve_async
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
@@ -348,16 +349,17 @@ class _Tasks:
         if session.dead or not link.idle():
             self.lose(session)
 
-    async def attach(self, session: _TaskSession) -> tuple[_AsyncLink, bool]:
-        """Give the session a connection: an idle one still alive (False), or a new one."""
+    async def attach(self, session: _TaskSession,
+                     deadline: float | None = None) -> tuple[_AsyncLink, bool]:
+        """Give the session a connection: an idle one still alive (False), or a new one
+        (under ``max_connections``, waiting for one to be free until ``deadline``)."""
         manager = self.manager
         self.sweep_closed_loops()  # their connections may hold what this one will wait for
         while True:
             with manager._guard:
                 link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
-                link = await _AsyncLink.connect_async(
-                    manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+                link = await self.connect(await reserve_async(self.manager, deadline))
                 fresh = True
                 break
             if link.idle():
@@ -373,7 +375,8 @@ class _Tasks:
         link, session.link = session.link, None
         with self.manager._guard:
             session.reported.clear()
-            if link is not None and not session.dead and not link.broken():
+            if (link is not None and not session.dead and not link.broken()
+                    and not crowded(self.manager)):
                 self.manager._task_idle.append(link)
                 link = None
         session.dead = False
@@ -501,8 +504,20 @@ class _Tasks:
             return link
         if link is not None:
             link.close()
-        return await _AsyncLink.connect_async(
-            manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+        return await self.connect(await reserve_async(self.manager, True))
+
+    async def connect(self, slot: _Slot | None) -> _AsyncLink:
+        """A new connection, in ``slot`` (given back if it fails)."""
+        manager = self.manager
+        try:
+            link = await _AsyncLink.connect_async(
+                manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+        except BaseException:
+            if slot is not None:
+                slot.free()
+            raise
+        link.slot = slot
+        return link
 
     async def ask(self, question: str, deadline: float | bool = True) -> bool:
         """``_PgEngine._ask`` on an idle connection of the tasks'."""
@@ -513,8 +528,7 @@ class _Tasks:
         except BaseException:
             link.close()
             raise
-        with manager._guard:
-            manager._task_idle.append(link)
+        keep_idle(manager, link, manager._task_idle)
         return bool(result.get_value(0, 0) == b"t")
 
 

@@ -1,0 +1,281 @@
+"""``max_connections``: a manager's threads and tasks share at most that many connections, and
+wait in line for one beyond it (first come, first served, within their timeouts), against
+real servers — one of them with a small ``max_connections`` of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import pgserver  # first: it skips this module where psycopg cannot load libpq
+import psycopg
+from conftest import PATIENCE, wait_until
+from lockmgr import LockTimeout, postgres
+from lockmgr.postgres._deadlock import live_managers
+from pg_support import held_on_server, in_loop_thread, own_sessions_locks, until
+
+pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
+
+SERVER_LIMIT = 20  # the small server's max_connections
+HOLDERS = 25  # more than it takes
+
+
+@pytest.fixture(scope="module")
+def small_dsn() -> Iterator[str]:
+    """A server of its own that takes at most SERVER_LIMIT connections."""
+    with pgserver.running_server(f"max_connections={SERVER_LIMIT}") as running:
+        yield running
+
+
+def capped(engine: Any, dsn: str, namespace: str, limit: int,
+           cls: Any = postgres.PgLockManager) -> Any:
+    return cls(dsn, namespace=namespace, max_connections=limit)
+
+
+def client_backends(dsn: str) -> int:
+    """The server's client sessions, but the one asking."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE backend_type ="
+                            " 'client backend' AND pid <> pg_backend_pid()").fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.parametrize("cls", [postgres.PgLockManager, postgres.PgRWLockManager])
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-3, ValueError), (1.5, TypeError),
+                                          ("4", TypeError), (True, TypeError)])
+def test_a_bad_max_connections_is_refused_before_anything_is_made(
+        engine, dsn, namespace, cls, value, error) -> None:
+    before = len(live_managers())
+    with pytest.raises(error, match="max_connections must be"):
+        cls(dsn, namespace=namespace, max_connections=value)
+    assert len(live_managers()) == before
+
+
+class Peak:
+    """How many hold at once, and the most that ever did; ``full`` once ``limit`` hold."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.now = self.most = self.done = 0
+        self.full = threading.Event()
+        self.backends_at_full = -1
+
+    def enter(self) -> bool:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            return self.now == self.limit
+
+    def leave(self) -> None:
+        with self.lock:
+            self.now -= 1
+            self.done += 1
+
+
+def test_more_holders_than_the_server_takes_all_get_in_through_a_capped_manager(
+        engine, small_dsn, namespace) -> None:
+    """25 threads and 25 tasks each hold a key of its own on a server that takes 20
+    connections, through one manager capped at 10: none fails, and at most 10 hold at once
+    (the others wait for a connection to be free)."""
+    limit = 10
+    locks = capped(engine, small_dsn, namespace, limit)
+    peak = Peak(limit)
+    failures: list[BaseException] = []
+
+    def holds_while_full(entered_full: bool) -> None:
+        if entered_full:
+            peak.backends_at_full = client_backends(small_dsn)
+            peak.full.set()
+
+    def thread_holder(number: int) -> None:
+        try:
+            with locks.hold(f"thread {number}", timeout=PATIENCE * 2):
+                holds_while_full(peak.enter())
+                assert peak.full.wait(PATIENCE)
+                peak.leave()
+        except BaseException as error:
+            failures.append(error)
+
+    async def task_holder(number: int) -> None:
+        async with locks.aio.hold(f"task {number}", timeout=PATIENCE * 2):
+            if peak.enter():
+                await asyncio.to_thread(holds_while_full, True)
+            await until(peak.full.is_set, "as many as the cap held at once")
+            peak.leave()
+
+    async def tasks() -> None:
+        await asyncio.gather(*(task_holder(number) for number in range(HOLDERS)))
+
+    try:
+        loop_thread, task_failures = in_loop_thread(tasks)
+        threads = [threading.Thread(target=thread_holder, args=(number,))
+                   for number in range(HOLDERS)]
+        for thread in threads:
+            thread.start()
+        for thread in [*threads, loop_thread]:
+            thread.join(PATIENCE * 3)
+        assert not failures and not task_failures, (failures, task_failures)
+        assert peak.done == 2 * HOLDERS and peak.most == limit
+        assert 0 < peak.backends_at_full <= limit  # on the server too
+        assert own_sessions_locks(small_dsn) == 0
+    finally:
+        locks.close()
+
+
+def test_a_full_manager_serves_threads_and_tasks_in_the_order_they_came(
+        engine, dsn, namespace) -> None:
+    """Capped at 1: while the main thread holds, a thread, then a task, then a thread wait
+    for the connection; each release gives it to the next in that order."""
+    locks = capped(engine, dsn, namespace, 1)
+    order: list[str] = []
+    go = {name: threading.Event() for name in ("first", "second", "third")}
+    failures: list[BaseException] = []
+
+    def thread_waiter(name: str) -> None:
+        try:
+            with locks.hold(name):
+                order.append(name)
+                assert go[name].wait(PATIENCE)
+        except BaseException as error:
+            failures.append(error)
+
+    async def task_waiter() -> None:
+        async with locks.aio.hold("second"):
+            order.append("second")
+            await until(go["second"].is_set, "its turn to release")
+
+    capacity = locks._capacity
+    assert locks.acquire("main")
+    try:
+        first = threading.Thread(target=thread_waiter, args=("first",))
+        first.start()
+        wait_until(lambda: len(capacity.waiters) == 1, "the first waits for the connection")
+        loop_thread, task_failures = in_loop_thread(task_waiter)
+        wait_until(lambda: len(capacity.waiters) == 2, "the task waits behind it")
+        third = threading.Thread(target=thread_waiter, args=("third",))
+        third.start()
+        wait_until(lambda: len(capacity.waiters) == 3, "the third waits behind them")
+        locks.release("main")
+        for name in ("first", "second", "third"):
+            wait_until(lambda: order and order[-1] == name, f"{name} holds")
+            assert len(capacity.waiters) == 3 - len(order) and capacity.open == 1
+            go[name].set()
+        for thread in (first, loop_thread, third):
+            thread.join(PATIENCE)
+        assert order == ["first", "second", "third"]
+        assert not failures and not task_failures, (failures, task_failures)
+    finally:
+        for event in go.values():
+            event.set()
+        locks.close()
+
+
+def test_a_timed_wait_for_a_connection_times_out_holding_nothing_and_a_try_does_not_wait(
+        engine, dsn, namespace) -> None:
+    locks = capped(engine, dsn, namespace, 1)
+    results: list[object] = []
+
+    def other_thread() -> None:
+        results.append(locks.acquire("b", timeout=0))
+        results.append(locks.acquire("b", blocking=False))
+        results.append(locks.acquire("b", timeout=0.2))
+        try:
+            with locks.hold("b", timeout=0.2):
+                results.append("held")
+        except LockTimeout:
+            results.append("LockTimeout")
+        results.append(locks.owned("b"))
+
+    assert locks.acquire("a")
+    try:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(PATIENCE)
+        assert results == [False, False, False, "LockTimeout", False]
+        assert "b" not in locks and not held_on_server(dsn, locks, "b")
+        assert not locks._capacity.waiters and locks._capacity.open == 1
+    finally:
+        locks.release("a")
+    # The place it waited for is free once the holder gives its connection back.
+    thread = threading.Thread(target=lambda: results.append(locks.acquire("b", timeout=0)
+                                                            and locks.release("b")))
+    thread.start()
+    thread.join(PATIENCE)
+    assert results[-1] is None  # acquired, then released (release returns None)
+    locks.close()
+
+
+def test_a_task_waits_for_a_connection_without_blocking_its_loop(engine, dsn, namespace) -> None:
+    """Capped at 1 and held by a thread: a task's timed acquire awaits (another task runs
+    meanwhile) and times out holding nothing; a try does not wait; a cancelled wait gives
+    up its place."""
+    locks = capped(engine, dsn, namespace, 1)
+    capacity = locks._capacity
+    ticks = 0
+
+    async def main() -> None:
+        nonlocal ticks
+        aio = locks.aio
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            assert await aio.acquire("b", timeout=0) is False
+            before = ticks
+            assert await aio.acquire("b", timeout=0.3) is False
+            assert ticks > before  # the loop ran while it waited
+            with pytest.raises(LockTimeout):
+                async with aio.hold("b", timeout=0.2):
+                    pass
+            waiting = asyncio.create_task(aio.acquire("b"))
+            await until(lambda: len(capacity.waiters) == 1, "the task waits for the connection")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert not capacity.waiters and not aio.owned("b")
+        finally:
+            ticking.cancel()
+
+    assert locks.acquire("a")
+    try:
+        loop_thread, failures = in_loop_thread(main)
+        loop_thread.join(PATIENCE * 3)
+        assert not failures, failures
+        assert not held_on_server(dsn, locks, "b") and capacity.open == 1
+    finally:
+        locks.release("a")
+        locks.close()
+
+
+def test_an_idle_connection_of_threads_makes_room_for_a_task_and_back(
+        engine, dsn, namespace) -> None:
+    """Capped at 1: the threads' idle connection is closed to give its place to a task
+    (which does not wait, even trying), and the task's back to a thread."""
+    locks = capped(engine, dsn, namespace, 1, postgres.PgRWLockManager)
+
+    async def main() -> None:
+        assert await locks.aio.acquire_write("t", timeout=0)
+        await locks.aio.release_write("t")
+
+    assert locks.acquire_read("a", timeout=0)
+    locks.release_read("a")
+    assert len(locks._idle) == 1
+    loop_thread, failures = in_loop_thread(main)
+    loop_thread.join(PATIENCE * 3)
+    assert not failures, failures
+    assert not locks._idle and len(locks._task_idle) == 1
+    assert locks.acquire_write("a", timeout=0)
+    locks.release_write("a")
+    assert len(locks._idle) == 1 and not locks._task_idle and locks._capacity.open == 1
+    locks.close()
+    assert locks._capacity.open == 0
