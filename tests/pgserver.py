@@ -118,14 +118,16 @@ def _control(as_owner: list[str], workdir: str, port: int, settings: str = "") -
 
 
 @contextlib.contextmanager
-def running_server() -> Iterator[str]:
+def running_server(settings: str = "") -> Iterator[str]:
     """Start a throwaway server; yields its DSN. A SIGTERM meanwhile (CI's time limit,
-    ``timeout``) still stops it: pg_ctl runs it as a daemon, not a child of this process."""
+    ``timeout``) still stops it: pg_ctl runs it as a daemon, not a child of this process.
+    ``settings``: more of the server's command line (" -c max_connections=5"), after (and
+    so over) the defaults here."""
     with sigterm_interrupts():
-        yield from _running_server()
+        yield from _running_server(settings)
 
 
-def _running_server() -> Iterator[str]:
+def _running_server(settings: str = "") -> Iterator[str]:
     """initdb's defaults let a standby follow it: wal_level replica, 10 WAL senders, and
     replication connections from 127.0.0.1 trusted (``--auth=trust``)."""
     workdir, as_owner = _workdir("lockmgr-pg-")
@@ -134,7 +136,7 @@ def _running_server() -> Iterator[str]:
         subprocess.run([*as_owner, f"{_bindir()}/initdb", "-D", os.path.join(workdir, "data"),
                         "-U", "postgres", "--auth=trust", "--no-sync"], check=True,
                        capture_output=True, timeout=120)
-        with _started(_control(as_owner, workdir, port), port) as dsn:
+        with _started(_control(as_owner, workdir, port, settings), port) as dsn:
             yield dsn
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -45,7 +45,7 @@ from ._link import (
     _drive,
 )
 from ._protocol import _lock_steps, _unlock_steps
-from ._server import _KEEPALIVES
+from ._server import _KEEPALIVES, _conninfo
 from ._session import (
     _ThreadEnd,
     _XactLock,
@@ -97,6 +97,8 @@ class _PgEngine(Generic[K]):
         fencing: bool = False,
         fence_table: str = DEFAULT_FENCE_TABLE,
     ) -> None:
+        self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
+        _conninfo(dsn, self._connect_kwargs)  # first: a bad one fails here, with nothing made
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace
@@ -106,7 +108,6 @@ class _PgEngine(Generic[K]):
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
-        self._connect_kwargs = {**_KEEPALIVES, **(connect_kwargs or {})}
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
@@ -611,8 +612,9 @@ class _PgEngine(Generic[K]):
             end = self._local.end = _ThreadEnd(self)
         return end.session
 
-    def _attach(self, session: _Session) -> tuple[_Link, bool]:
-        """Give the session a connection: an idle one that is still alive, or a new one."""
+    def _attach(self, session: _Session, deadline: float | None = None) -> tuple[_Link, bool]:
+        """Give the session a connection: an idle one that is still alive, or a new one
+        (connected by ``deadline``: ``_Link.connect``)."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()  # their connections may hold what we wait for
@@ -620,7 +622,8 @@ class _PgEngine(Generic[K]):
             with self._guard:
                 link = self._idle.pop() if self._idle else None
             if link is None:
-                link, fresh = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements), True
+                link, fresh = _Link.connect(self._dsn, self._connect_kwargs,
+                                            self._fence_table.statements, deadline), True
                 break
             if link.idle():
                 fresh = False
@@ -753,9 +756,9 @@ class _PgEngine(Generic[K]):
         if tasks is not None:
             tasks.forget_parent_sessions()
 
-    def _borrow(self, own: bool = True) -> tuple[_Link, bool]:
+    def _borrow(self, own: bool = True, deadline: float | None = None) -> tuple[_Link, bool]:
         """A connection for a question: the calling thread's (if ``own``), or one from the
-        idle list."""
+        idle list, or a new one (connected by ``deadline``: ``_Link.connect``)."""
         session = self._session_or_none() if own else None
         if session is not None and session.link is not None and session.link.idle():
             return session.link, False
@@ -764,7 +767,8 @@ class _PgEngine(Generic[K]):
         if link is None or not link.idle():
             if link is not None:
                 link.close()
-            link = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements)
+            link = _Link.connect(self._dsn, self._connect_kwargs, self._fence_table.statements,
+                                 deadline)
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
@@ -777,7 +781,7 @@ class _PgEngine(Generic[K]):
     def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:
         """A yes-or-no ``question`` to the server, on a connection ``_borrow(own)`` gives,
         answered by ``deadline`` (``_Link.run``)."""
-        link, borrowed = self._borrow(own)
+        link, borrowed = self._borrow(own, None if deadline is True else deadline)
         try:
             result = link.run(question, deadline)
         except BaseException:

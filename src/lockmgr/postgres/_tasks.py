@@ -348,8 +348,10 @@ class _Tasks:
         if session.dead or not link.idle():
             self.lose(session)
 
-    async def attach(self, session: _TaskSession) -> tuple[_AsyncLink, bool]:
-        """Give the session a connection: an idle one still alive (False), or a new one."""
+    async def attach(self, session: _TaskSession,
+                     deadline: float | None = None) -> tuple[_AsyncLink, bool]:
+        """Give the session a connection: an idle one still alive (False), or a new one
+        (connected by ``deadline``: ``_AsyncLink.connect_async``)."""
         manager = self.manager
         self.sweep_closed_loops()  # their connections may hold what this one will wait for
         while True:
@@ -357,7 +359,8 @@ class _Tasks:
                 link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
                 link = await _AsyncLink.connect_async(
-                    manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+                    manager._dsn, manager._connect_kwargs, manager._fence_table.statements,
+                    deadline)
                 fresh = True
                 break
             if link.idle():
@@ -492,8 +495,8 @@ class _Tasks:
             " WHERE datname = pg_catalog.current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
-    async def borrow(self) -> _AsyncLink:
-        """An idle connection of the tasks', or a new one."""
+    async def borrow(self, deadline: float | None = None) -> _AsyncLink:
+        """An idle connection of the tasks', or a new one (connected by ``deadline``)."""
         manager = self.manager
         with manager._guard:
             link = manager._task_idle.pop() if manager._task_idle else None
@@ -502,12 +505,12 @@ class _Tasks:
         if link is not None:
             link.close()
         return await _AsyncLink.connect_async(
-            manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+            manager._dsn, manager._connect_kwargs, manager._fence_table.statements, deadline)
 
     async def ask(self, question: str, deadline: float | bool = True) -> bool:
         """``_PgEngine._ask`` on an idle connection of the tasks'."""
         manager = self.manager
-        link = await self.borrow()
+        link = await self.borrow(None if deadline is True else deadline)
         try:
             result = await link.run_async(question, deadline)
         except BaseException:
