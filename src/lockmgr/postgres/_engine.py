@@ -490,7 +490,7 @@ class _PgEngine(Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        look = Look(items)
+        look = Look(items, None if seconds < 0 else time.monotonic() + seconds)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = lambda: self._look_while_waiting(look)
         try:

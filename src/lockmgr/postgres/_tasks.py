@@ -129,7 +129,7 @@ class _Tasks:
                                  local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
         """``local_acquire(seconds)``, looking around every ``LOOK_EVERY`` seconds while it
         waits (``look_while_waiting``)."""
-        look = Look(items)
+        look = Look(items, None if seconds < 0 else time.monotonic() + seconds)
         check = TASK_WAIT_CHECK.set((LOOK_EVERY, lambda: self.look_while_waiting(look)))
         try:
             return await local_acquire(seconds)
@@ -150,8 +150,14 @@ class _Tasks:
         lookout = look.lookout = manager._lookout
         look.owner = task
         try:  # (a round trip: not on the loop)
-            found = await asyncio.get_running_loop().run_in_executor(
+            looking = asyncio.get_running_loop().run_in_executor(
                 lookout.task_executor(), lookout.look, manager, look)
+            # A timed wait waits for no look past its deadline (one may be queued behind
+            # another waiter's, in the one thread): the look goes on without it.
+            found = await asyncio.wait_for(
+                looking, None if look.deadline is None else look.deadline - time.monotonic())
+        except TimeoutError:
+            found = None
         except RuntimeError:  # the interpreter is shutting down: no thread starts any more
             found = None
         if look.confirms(found):
