@@ -86,5 +86,5 @@ from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager
 from ._server import PgConnectionError, UnsafeServerError
 
-__all__ = ["Lease", "LockLost", "PgConnectionError", "PgKeyLock", "PgLockManager", "PgRWLockManager",
-           "UnsafeServerError", "advisory_key"]
+__all__ = ["Lease", "LockLost", "PgConnectionError", "PgKeyLock", "PgLockManager",
+           "PgRWLockManager", "UnsafeServerError", "advisory_key"]
