@@ -47,7 +47,7 @@ from ._link import (
     _drive,
 )
 from ._protocol import _lock_steps, _unlock_steps
-from ._server import _KEEPALIVES
+from ._server import _KEEPALIVES, _conninfo
 from ._session import (
     _ThreadEnd,
     _XactLock,
@@ -101,6 +101,10 @@ class _PgEngine(_Inspecting, Generic[K]):
         max_connections: int | None = None,
     ) -> None:
         self._capacity = _Capacity.of(max_connections)  # first: a bad one leaves nothing made
+        self._connect_kwargs = {**_KEEPALIVES,
+                                "fallback_application_name": application_name(namespace),
+                                **(connect_kwargs or {})}
+        _conninfo(dsn, self._connect_kwargs)  # a bad one fails here, with nothing made
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace
@@ -110,8 +114,6 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
-        self._connect_kwargs = {**_KEEPALIVES, "fallback_application_name": application_name(namespace),
-                                **(connect_kwargs or {})}
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
@@ -488,7 +490,7 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        look = Look(items)
+        look = Look(items, None if seconds < 0 else time.monotonic() + seconds)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = lambda: self._look_while_waiting(look)
         try:
@@ -610,8 +612,11 @@ class _PgEngine(_Inspecting, Generic[K]):
             end = self._local.end = _ThreadEnd(self)
         return end.session
 
-    def _attach(self, session: _Session, deadline: float | None = None) -> tuple[_Link, bool]:
-        """Give the session a connection: an idle one still alive, or a new one (``new_link``)."""
+    def _attach(self, session: _Session, deadline: float | None = None,
+                connect_by: float | None = None) -> tuple[_Link, bool]:
+        """Give the session a connection: an idle one still alive, or a new one (``new_link``:
+        a place under ``max_connections`` waited for until ``deadline``, connected by
+        ``connect_by``)."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()  # their connections may hold what we wait for
@@ -619,7 +624,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             with self._guard:
                 link = self._idle.pop() if self._idle else None
             if link is None:
-                link, fresh = new_link(self, deadline), True
+                link, fresh = new_link(self, deadline, connect_by), True
                 break
             if link.idle():
                 fresh = False
@@ -753,9 +758,9 @@ class _PgEngine(_Inspecting, Generic[K]):
         if tasks is not None:
             tasks.forget_parent_sessions()
 
-    def _borrow(self, own: bool = True) -> tuple[_Link, bool]:
+    def _borrow(self, own: bool = True, deadline: float | None = None) -> tuple[_Link, bool]:
         """A connection for a question: the calling thread's (if ``own``), or one from the
-        idle list."""
+        idle list, or a new one (connected by ``deadline``: ``_Link.connect``)."""
         session = self._session_or_none() if own else None
         if session is not None and session.link is not None and session.link.idle():
             return session.link, False
@@ -765,7 +770,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             if link is not None:
                 link.close()
             # (the lookout's is not counted: a look must not wait behind the waiters it looks at)
-            link = new_link(self, True, counted=own)
+            link = new_link(self, True if deadline is None else deadline, deadline, counted=own)
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
@@ -778,7 +783,7 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:
         """A yes-or-no ``question`` to the server, on a connection ``_borrow(own)`` gives,
         answered by ``deadline`` (``_Link.run``)."""
-        link, borrowed = self._borrow(own)
+        link, borrowed = self._borrow(own, None if deadline is True else deadline)
         try:
             result = link.run(question, deadline)
         except BaseException:
