@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import datetime
 import os
 import threading
 import time
@@ -58,6 +57,7 @@ from ._session import (
 )
 from ._sql import (
     _GRANTED_ADVISORY,
+    _OWN_TRANSACTION,
     _drop_sql,
     _milliseconds,
 )
@@ -327,7 +327,7 @@ class _PgEngine(Generic[K]):
         kind = "_shared" if shared else ""
         if seconds == 0:
             row = conn.execute(f"SELECT pg_catalog.pg_try_advisory_xact_lock{kind}(%s),"
-                               " pg_catalog.now()", (ident,)).fetchone()
+                               f" {_OWN_TRANSACTION}", (ident,)).fetchone()
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
@@ -342,7 +342,7 @@ class _PgEngine(Generic[K]):
                             conn.execute(f"SET LOCAL lock_timeout = {left}")
                             row = conn.execute(
                                 f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
-                                " pg_catalog.now()", (ident,)).fetchone()
+                                f" {_OWN_TRANSACTION}", (ident,)).fetchone()
                         break
                     except pg_errors.LockNotAvailable:
                         # lock_timeout's ceiling (about 24.8 days) is below threading's
@@ -384,13 +384,14 @@ class _PgEngine(Generic[K]):
                     " itself, for ever", [(owner, key)])
 
     def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
-                        started: datetime.datetime) -> None:
-        """Remember an xact_lock taken in ``conn``'s transaction that ``started``
-        (``_xact_conflicts``), for the calling thread, and for the calling task if any:
+                        transaction: str) -> None:
+        """Remember an xact_lock taken in ``conn``'s ``transaction`` (its virtual
+        transaction id: ``_OWN_TRANSACTION``) (``_xact_conflicts``), for the calling
+        thread, and for the calling task if any:
         the thread blocked in a session lock would wait for that transaction whichever
         of its tasks took it, a task only for its own. Records of ended transactions go:
         a list holds at most the keys of the transactions still open."""
-        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
+        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, transaction, ident, shared)
         thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
         if thread_records is None:
             thread_records = self._local.xact_locks = []
