@@ -62,6 +62,7 @@ imported on first use of ``aio``, so that ``import lockmgr.postgres`` does not l
 - ``_keys``: keys to advisory keys; ``_server``: what a new connection checks and sets;
   ``_link``: a thread's connection and its round trips with their deadlines; ``_fences``:
   fencing tokens; ``_sql``: the lock statements; ``_session``: what a thread holds;
+- ``_elsewhere``: what the caller holds through the process's other managers;
 - ``_engine``: the thread manager (``_PgEngine``); ``_managers``: the public managers;
 - ``_aio_link``, ``_tasks``, ``_aio``: asyncio tasks as owners.
 """

@@ -79,7 +79,8 @@ class PgLockManager(_PgEngine[K]):
         Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
         (as ``threading.Lock.acquire``), TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), DeadlockError if
         waiting would close a cycle (PostgreSQL's detector, or one through this process's
-        threads), LockLost if the thread holds ``key`` on a session that was lost;
+        threads), or at once if the thread holds ``key`` through another manager of this
+        server and database (it would wait for itself), LockLost if the thread holds ``key`` on a session that was lost;
         connecting may raise ``UnsafeServerError`` or psycopg's ``OperationalError``."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
