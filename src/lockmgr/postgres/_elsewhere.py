@@ -68,10 +68,12 @@ def _session_of(manager: _PgEngine[Any], owner: Any, is_task: bool) -> _Session 
 
 def refuse_waiting_for_oneself(found: list[tuple[Hashable, Owner, _Link]], link: _Link) -> None:
     """DeadlockError if a connection of ``found`` (``held_elsewhere``) reaches the server
-    and database of ``link``, the connection the call would wait on."""
+    and database of ``link``, the connection the call would wait on, and lives: one the
+    server ended holds nothing there any more (its owner finds the loss at its next call;
+    busy, a task's release under way on it, it still holds)."""
     here = server_of(link)
     for key, owner, other in found:
-        if here is not None and server_of(other) == here:
+        if here is not None and server_of(other) == here and other.idle_unless_busy() is not False:
             raise DeadlockError(
                 f"the calling {_owner_kind(owner)} holds {key!r} through another manager of"
                 " this process on the same server and database: waiting for it here would"
