@@ -760,14 +760,15 @@ def test_a_timed_first_fenced_write_on_a_stopped_backend_returns_by_its_deadline
 
 @pytest.mark.posix_only
 def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
-        engine, dsn, namespace, ctrl_c_raises) -> None:
+        engine, dsn, namespace, ctrl_c_raises, workers) -> None:
     """Ctrl-C during a timed call whose backend stopped: the clean-up (a cancel nobody
     answers) is bounded by the call's deadline, and the interrupt is what the caller
     gets, never the clean-up's own failure."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    holding = workers("holder")  # (the caller's own lock through another manager is refused)
     try:
-        other.acquire("k")
+        holding.run(lambda: other.acquire("k"))
         locks.acquire("held")
         interrupting = threading.Timer(0.3, _thread.interrupt_main)
         with stopped_backend(dsn, locks, "held"):
@@ -782,7 +783,7 @@ def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
         assert took <= 3 + 2.0, f"returned {took:.2f} s after its call"
         with pytest.raises(LockLost):
             locks.release("held")
-        other.release("k")
+        holding.run(lambda: other.release("k"))
     finally:
         locks.close()
         other.close()
