@@ -16,6 +16,7 @@ hold none of the parent's keys (``_forget_parent_sessions``), so none are found.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ import psycopg
 
 from .._args import READ, WRITE
 from .._errors import DeadlockError
+from .._owners import current_task_or_none
 from ._deadlock import Owner, live_managers
 from ._session import _owner_kind
 
@@ -30,6 +32,28 @@ if TYPE_CHECKING:
     from ._engine import _PgEngine
     from ._link import _Link
     from ._session import _Session
+
+
+def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
+                               items: Sequence[tuple[Hashable, int]]) -> None:
+    """DeadlockError if the calling thread, or the task it runs (which cannot run while
+    the thread waits), holds one of ``items`` it does not hold through ``manager`` (its
+    ``session``) through another manager, on this call's server and database: a wait for
+    it would wait for itself. Without a connection yet, the session takes one to learn
+    the server."""
+    fresh = [item for item in items if not session.levels.get(item)]
+    if not fresh:
+        return  # re-entered: no wait on the server
+    task = current_task_or_none()
+    owners = [(threading.get_ident(), False)] + ([] if task is None else [(task, True)])
+    found = held_elsewhere(manager, owners, fresh)
+    if not found:
+        return
+    try:
+        link = session.link if session.link is not None else manager._attach(session)[0]
+        refuse_waiting_for_oneself(found, link)
+    finally:
+        manager._return_if_idle(session)
 
 
 def held_elsewhere(manager: _PgEngine[Any], owners: Sequence[tuple[Owner, bool]],

@@ -28,7 +28,7 @@ from ._deadlock import (
     managers_after_fork,
     register,
 )
-from ._elsewhere import held_elsewhere, refuse_waiting_for_oneself
+from ._elsewhere import refuse_own_locks_elsewhere
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -412,27 +412,6 @@ class _PgEngine(Generic[K]):
             if self._ask(_xact_question(record)):
                 raise _xact_deadlock(threading.get_ident(), key)
 
-    def _refuse_own_locks_elsewhere(self, session: _Session,
-                                    items: Sequence[tuple[Hashable, int]]) -> None:
-        """DeadlockError if the calling thread, or the task it runs (which cannot run
-        while the thread waits), holds one of ``items`` it does not hold here through
-        another manager, on this call's server and database (``_elsewhere``): a wait for
-        it would wait for itself. Without a connection yet, the thread's session takes one
-        to learn the server."""
-        fresh = [item for item in items if not session.levels.get(item)]
-        if not fresh:
-            return  # re-entered: no wait on the server
-        task = current_task_or_none()
-        owners = [(threading.get_ident(), False)] + ([] if task is None else [(task, True)])
-        found = held_elsewhere(self, owners, fresh)
-        if not found:
-            return
-        try:
-            link = session.link if session.link is not None else self._attach(session)[0]
-            refuse_waiting_for_oneself(found, link)
-        finally:
-            self._return_if_idle(session)
-
     def _xact_conflicts(self, records: list[_XactLock] | None,
                         items: Sequence[tuple[Hashable, int]]
                         ) -> Iterator[tuple[Hashable, _XactLock]]:
@@ -464,7 +443,7 @@ class _PgEngine(Generic[K]):
         session.refuse_lost(items)
         self._refuse_own_xact_lock(items)
         if seconds != 0:  # (a try never waits: it finds the key taken)
-            self._refuse_own_locks_elsewhere(session, items)
+            refuse_own_locks_elsewhere(self, session, items)
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False
