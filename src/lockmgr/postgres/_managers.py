@@ -66,8 +66,8 @@ class PgLockManager(_PgEngine[K]):
     @property
     def aio(self) -> PgAsyncLockManager[K]:
         """This manager with the current asyncio task as owner: the same methods, acquiring
-        and releasing awaited (a release talks to the server); tasks and threads of this
-        process exclude each other per key."""
+        awaited, releasing done at the call (its answer, awaited, tells when the server has
+        released); tasks and threads of this process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
         return PgAsyncLockManager(self, self._task_sessions())
