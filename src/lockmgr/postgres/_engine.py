@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import datetime
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from ._deadlock import (
     managers_after_fork,
     register,
 )
+from ._elsewhere import refuse_own_locks_elsewhere
 from ._inspect import _Inspecting, application_name
 from ._fences import (
     DEFAULT_FENCE_TABLE,
@@ -60,6 +60,7 @@ from ._session import (
 )
 from ._sql import (
     _GRANTED_ADVISORY,
+    _OWN_TRANSACTION,
     _drop_sql,
     _milliseconds,
 )
@@ -328,7 +329,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         kind = "_shared" if shared else ""
         if seconds == 0:
             row = conn.execute(f"SELECT pg_catalog.pg_try_advisory_xact_lock{kind}(%s),"
-                               " pg_catalog.now()", (ident,)).fetchone()
+                               f" {_OWN_TRANSACTION}", (ident,)).fetchone()
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
@@ -343,7 +344,7 @@ class _PgEngine(_Inspecting, Generic[K]):
                             conn.execute(f"SET LOCAL lock_timeout = {left}")
                             row = conn.execute(
                                 f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
-                                " pg_catalog.now()", (ident,)).fetchone()
+                                f" {_OWN_TRANSACTION}", (ident,)).fetchone()
                         break
                     except pg_errors.LockNotAvailable:
                         # lock_timeout's ceiling (about 24.8 days) is below threading's
@@ -385,13 +386,14 @@ class _PgEngine(_Inspecting, Generic[K]):
                     " itself, for ever", [(owner, key)])
 
     def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
-                        started: datetime.datetime) -> None:
-        """Remember an xact_lock taken in ``conn``'s transaction that ``started``
-        (``_xact_conflicts``), for the calling thread, and for the calling task if any:
+                        transaction: str) -> None:
+        """Remember an xact_lock taken in ``conn``'s ``transaction`` (its virtual
+        transaction id: ``_OWN_TRANSACTION``) (``_xact_conflicts``), for the calling
+        thread, and for the calling task if any:
         the thread blocked in a session lock would wait for that transaction whichever
         of its tasks took it, a task only for its own. Records of ended transactions go:
         a list holds at most the keys of the transactions still open."""
-        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
+        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, transaction, ident, shared)
         thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
         if thread_records is None:
             thread_records = self._local.xact_locks = []
@@ -441,6 +443,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
         self._refuse_own_xact_lock(items)
+        if seconds != 0:  # (a try never waits: it finds the key taken)
+            refuse_own_locks_elsewhere(self, session, items)
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False

@@ -78,8 +78,8 @@ class PgLockManager(_PgEngine[K]):
     @property
     def aio(self) -> PgAsyncLockManager[K]:
         """This manager with the current asyncio task as owner: the same methods, acquiring
-        and releasing awaited (a release talks to the server); tasks and threads of this
-        process exclude each other per key."""
+        awaited, releasing done at the call (its answer, awaited, tells when the server has
+        released); tasks and threads of this process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
         return PgAsyncLockManager(self, self._task_sessions())
@@ -91,12 +91,14 @@ class PgLockManager(_PgEngine[K]):
         Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
         (as ``threading.Lock.acquire``), TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), DeadlockError if
         waiting would close a cycle (PostgreSQL's detector, or one through this process's
-        threads), LockLost if the thread holds ``key`` on a session that was lost;
-        with ``fencing=True``, FenceNotDurableError if the server could not confirm the
-        fence durable (a synchronous standby that did not answer by the deadline);
-        connecting, PgConnectionError (refused, unreachable, out of connections, psycopg's
-        error as its cause; a timed call or a try whose connect is not done by its deadline
-        returns False instead) or UnsafeServerError (a standby, a pooler)."""
+        threads), or at once if the thread holds ``key`` through another manager of this
+        server and database (it would wait for itself), LockLost if the thread holds ``key``
+        on a session that was lost; with ``fencing=True``, FenceNotDurableError if the
+        server could not confirm the fence durable (a synchronous standby that did not
+        answer by the deadline); connecting, PgConnectionError (refused, unreachable, out of
+        connections, psycopg's error as its cause; a timed call or a try whose connect is
+        not done by its deadline returns False instead) or UnsafeServerError (a standby, a
+        pooler)."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
         return self._take([(key, WRITE)], seconds,
