@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
@@ -28,6 +29,7 @@ from lockmgr.postgres._deadlock import (
     LOOK_EVERY,
     PUBLISHABLE_PIDS,
     PUBLISHED,
+    STAMPED,
     Lookout,
     connections_of,
 )
@@ -110,11 +112,12 @@ def other(dsn: str, pg_locks: postgres.PgLockManager[Any]) -> Iterator[OtherProc
 
 
 def c_waits_on_the_server(pg_locks: postgres.PgLockManager[Any], other: OtherProcess,
-                          c: Worker) -> Call:
-    """The server side of the cycle: the other process holds "b" and waits for "a"; C,
-    holding "c", waits on the server for "b"."""
+                          c: Worker, hold_a: bool = True) -> Call:
+    """The server side of the cycle: the other process holds "b" and waits for "a" (unless
+    not ``hold_a``); C, holding "c", waits on the server for "b"."""
     other.hold("b")
-    other.wait_for("a")
+    if hold_a:
+        other.wait_for("a")
     c_waits = c.submit(lambda: pg_locks.acquire("b"))
     c_backend = holders_backend(pg_locks, "c")
     wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
@@ -627,3 +630,165 @@ def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
     assert pg_locks._lookout.link is None and not pg_locks._lookout.published
     assert published_waits(dsn) == 0
     holder.run(pg_locks.release_all)
+
+
+# -- whose publications count --------------------------------------------------------------------
+
+FORGER = "lockmgr_forger"
+
+
+@pytest.fixture(scope="module")
+def forging_logins(dsn: str) -> dict[str, str]:
+    """DSNs of logins an attacker may have on the managers' server: another role on their
+    database, their role on another database, and the other role there."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {FORGER} LOGIN")
+        admin.execute("CREATE DATABASE forgery")
+    return {"another role": make_conninfo(dsn, user=FORGER),
+            "another database": make_conninfo(dsn, dbname="forgery"),
+            "another role on another database": make_conninfo(dsn, user=FORGER,
+                                                              dbname="forgery")}
+
+
+class Forger:
+    """A session that publishes, as a lookout would, that the backend ``waiter`` waits in
+    process for the backend ``holder``, and stamps its publication anew every 20 ms (as
+    often as a busy lookout would), until the ``with`` block ends."""
+
+    def __init__(self, dsn: str, waiter: int, holder: int) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.conn.execute("SELECT pg_advisory_lock_shared(%s, %s), pg_advisory_lock_shared(%s, 0)",
+                          (PUBLISHED + waiter, holder, STAMPED))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stamp_anew)
+
+    def stamp_anew(self) -> None:
+        stamp = 0
+        while not self.stop.wait(0.02):
+            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s),"
+                              " pg_advisory_lock_shared(%s, %s)",
+                              (STAMPED, stamp, STAMPED, stamp + 1))
+            stamp += 1
+
+    def __enter__(self) -> Forger:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(PATIENCE)
+        self.conn.close()
+
+
+def counting_answered_looks(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """A semaphore released after each look, of a thread or a task, that the server
+    answered (its answer unchanged)."""
+    looked = threading.Semaphore(0)
+    look = Lookout.look
+
+    def counted_look(self: Lookout, *args: Any) -> bool | None:
+        found = look(self, *args)
+        if found is not None:
+            looked.release()
+        return found
+
+    monkeypatch.setattr(Lookout, "look", counted_look)
+    return looked
+
+
+def take_c_holding_a(manager: postgres.PgLockManager[Any], as_task: bool,
+                     holds_a: threading.Event, go: threading.Event) -> object:
+    """Take "a", set ``holds_a``, once ``go`` is set take "c" (for a while at most), and
+    give everything back: the outcome (True, False or the error). As a thread, or a task of
+    a loop of the calling thread's."""
+    if not as_task:
+        manager.acquire("a")
+        holds_a.set()
+        assert go.wait(PATIENCE)
+        return outcome_of(manager, "c")
+
+    async def task() -> object:
+        await manager.aio.acquire("a")
+        holds_a.set()
+        await until(go.is_set, "told to go")
+        try:
+            outcome: object = await manager.aio.acquire("c", timeout=PATIENCE)
+        except DeadlockError as error:
+            outcome = error
+        await manager.aio.release_all()
+        return outcome
+
+    return asyncio.run(asyncio.wait_for(task(), PATIENCE * 3))
+
+
+def looking_while_a_wait_is_forged(manager: postgres.PgLockManager[Any], dsn: str,
+                                   forging_login: str, as_task: bool, workers: Any,
+                                   looked: threading.Semaphore) -> object:
+    """A holds "a", C holds "c" and waits on the server for "b", which another process
+    holds; a forger publishes that the other process waits in process for A, and A waits
+    in process for "c": if its looks followed the forgery, the cycle would close. Once A
+    has looked (an answer) three times since, or its wait has ended, the other process lets
+    "b" go to C, which lets "c" go: A's outcome."""
+    other = OtherProcess(dsn, manager)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    try:
+        c.run(lambda: manager.acquire("c"))
+        c_waits = c_waits_on_the_server(manager, other, c, hold_a=False)
+        a_waits = a.submit(lambda: take_c_holding_a(manager, as_task, holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        with Forger(forging_login, other.pid, holders_backend(manager, "a")):
+            go.set()
+            wait_until(lambda: waits_in_process(manager, "c") or a_waits.done(),
+                       "A waits in process")
+            for _ in range(3):  # two of them at least began with the forgery in place
+                if not looked.acquire(timeout=PATIENCE) or a_waits.done():
+                    break
+        other.let_go()
+        assert c_waits.result() is True
+        c.run(manager.release_all)
+        outcome = a_waits.result()
+    finally:
+        go.set()
+        other.conn.close()
+    return outcome
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+@pytest.mark.parametrize("login", ["another role", "another database",
+                                   "another role on another database"])
+def test_a_wait_published_by_a_session_of_another_role_or_database_is_not_followed(
+        pg_locks, dsn, forging_logins, workers, monkeypatch, login, owner) -> None:  # type: ignore[no-untyped-def]
+    """Advisory locks need no privilege: anyone who can log in can take the keys that
+    publish waits. A manager's looks follow only the publications of its own database and
+    role: the forged wait closes no cycle, and A waits on until C lets go."""
+    looked = counting_answered_looks(monkeypatch)
+    outcome = looking_while_a_wait_is_forged(
+        pg_locks, dsn, forging_logins[login], owner == "task", workers, looked)
+    assert outcome is True
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_wait_published_by_a_session_of_a_trusted_role_is_followed(
+        engine, dsn, namespace, forging_logins, workers, monkeypatch, owner) -> None:  # type: ignore[no-untyped-def]
+    """A manager told to trust another role (``trusted_roles``) follows that role's
+    publications on its database: the same forgery closes the cycle, and A is refused."""
+    looked = counting_answered_looks(monkeypatch)
+    trusting: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, trusted_roles=[FORGER])
+    try:
+        outcome = looking_while_a_wait_is_forged(
+            trusting, dsn, forging_logins["another role"], owner == "task", workers, looked)
+    finally:
+        trusting.close()
+    assert isinstance(outcome, DeadlockError), outcome
+
+
+@pytest.mark.parametrize("roles, error", [
+    ("lockmgr", TypeError), ([b"lockmgr"], TypeError), ([""], ValueError),
+    (["lock\x00mgr"], ValueError)])
+def test_trusted_roles_must_be_names(engine, dsn, roles, error) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match="trusted_roles"):
+        postgres.PgLockManager(dsn, trusted_roles=roles)
+    with pytest.raises(error, match="trusted_roles"):
+        postgres.PgRWLockManager(dsn, trusted_roles=roles)

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -28,6 +28,7 @@ from ._deadlock import (
     deadlock_through_server,
     managers_after_fork,
     register,
+    trusted_roles_checked,
 )
 from ._fences import (
     DEFAULT_FENCE_TABLE,
@@ -96,7 +97,9 @@ class _PgEngine(Generic[K]):
         connect_kwargs: dict[str, Any] | None = None,
         fencing: bool = False,
         fence_table: str = DEFAULT_FENCE_TABLE,
+        trusted_roles: Iterable[str] = (),
     ) -> None:
+        self._trusted_roles = trusted_roles_checked(trusted_roles)
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace

@@ -45,8 +45,12 @@ class PgLockManager(_PgEngine[K]):
     - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
       ``fence()``), at the cost of a durable write per acquisition.
     - ``fence_table``: ``"schema.table"`` of the fence counters (made on first use).
+    - ``trusted_roles``: names of roles besides the manager's own whose sessions' published
+      waits its deadlock looks follow (those of other processes' managers logging in as
+      another role); the sessions of any other role, and of other databases, are ignored.
 
-    Making a manager raises TypeError or ValueError for a bad ``fence_table``; connecting
+    Making a manager raises TypeError or ValueError for a bad ``fence_table`` or
+    ``trusted_roles``; connecting
     (at a thread's first acquisition) raises ``UnsafeServerError`` for a standby or a
     pooler, and psycopg's ``OperationalError`` for a server it cannot reach.
     """
@@ -57,11 +61,12 @@ class PgLockManager(_PgEngine[K]):
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
-                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
+                 fence_table: str = DEFAULT_FENCE_TABLE,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table)
+                         fence_table=fence_table, trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
@@ -202,11 +207,12 @@ class PgRWLockManager(_PgEngine[K]):
                  on_lost: Callable[[list[Hashable]], None] | None = None,
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
-                 fence_table: str = DEFAULT_FENCE_TABLE) -> None:
+                 fence_table: str = DEFAULT_FENCE_TABLE,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table)
+                         fence_table=fence_table, trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncRWLockManager[K]:
