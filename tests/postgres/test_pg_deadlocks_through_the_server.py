@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import sys
 import threading
 import time
@@ -792,3 +794,108 @@ def test_trusted_roles_must_be_names(engine, dsn, roles, error) -> None:  # type
         postgres.PgLockManager(dsn, trusted_roles=roles)
     with pytest.raises(error, match="trusted_roles"):
         postgres.PgRWLockManager(dsn, trusted_roles=roles)
+
+
+# -- publications that outlive their waits ---------------------------------------------------------
+
+GIVEN_UP_LOOKOUT_CHILD = """
+results = {}
+h_holds, w_has_h = threading.Event(), threading.Event()
+steps = {step: threading.Event() for step in ("let h go", "h waits for a", "end")}
+
+def thread_h():
+    locks.acquire("h")
+    h_holds.set()
+    steps["let h go"].wait()
+    locks.release("h")
+    steps["h waits for a"].wait()
+    results["h"] = locks.acquire("a", timeout=60)  # waits on the server for the parent's A
+    locks.release_all()
+
+def thread_w():
+    locks.acquire("w")
+    results["w"] = locks.acquire("h", timeout=60)  # waits in process for H: published
+    w_has_h.set()
+    steps["end"].wait()
+    locks.release_all()
+
+h = threading.Thread(target=thread_h)
+h.start()
+h_holds.wait()
+w = threading.Thread(target=thread_w)
+w.start()
+say(started=True)
+steps[sys.stdin.readline().strip()].set()  # let h go
+w_has_h.wait()
+deadline = time.monotonic() + 30
+while locks._lookout.link is not None and time.monotonic() < deadline:
+    time.sleep(0.01)
+say(lookout_closed=locks._lookout.link is None)
+steps[sys.stdin.readline().strip()].set()  # h waits for a
+steps[sys.stdin.readline().strip()].set()  # end
+h.join()
+w.join()
+say(**results)
+sys.stdin.readline()
+"""
+
+
+def publishers(dsn: str) -> set[int]:
+    """The backend pids of the sessions that publish waits in process."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {row[0] for row in conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            f" AND classid::bigint >= {PUBLISHED}"
+            f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}")}
+
+
+def tell(process: Any, step: str) -> None:
+    assert process.stdin is not None
+    process.stdin.write(step + "\n")
+    process.stdin.flush()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_wait_published_by_a_lookout_given_up_closes_no_cycle(
+        engine, pg_locks, dsn, namespace, workers, monkeypatch, owner) -> None:  # type: ignore[no-untyped-def]
+    """There, W holds "w" and waits in process for H: its look publishes the wait. Its
+    lookout's backend then stops answering (SIGSTOP); H lets "h" go to W, whose wait ends,
+    and the child gives the lookout up, but the stopped session keeps the publication. H
+    waits on the server for A's "a". Here, C holds "c" and waits on the server for W's "w",
+    and A waits in process for "c". Following the stale publication, A -> C -> W -> H -> A
+    would be a cycle; there is none (W waits for nothing), and A is not refused: it gets
+    "c" once W lets go, and every wait ends."""
+    looked = counting_answered_looks(monkeypatch)
+    process = child(dsn, namespace, GIVEN_UP_LOOKOUT_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    expect(process, started=True)
+    wait_until(lambda: len(publishers(dsn)) == 1, "W's wait is published")
+    [lookout] = publishers(dsn)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    os.kill(lookout, signal.SIGSTOP)
+    try:
+        tell(process, "let h go")
+        expect(process, lookout_closed=True)
+        assert publishers(dsn) == {lookout}  # the stopped session still publishes W's wait
+        a_waits = a.submit(lambda: take_c_holding_a(pg_locks, owner == "task", holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        c.run(lambda: pg_locks.acquire("c"))
+        c_waits = c.submit(lambda: outcome_of(pg_locks, "w"))
+        wait_until(lambda: waiting_on_server(dsn, holders_backend(pg_locks, "c")),
+                   "C waits on the server")
+        tell(process, "h waits for a")
+        wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "H waits on the server")
+        go.set()
+        wait_until(lambda: waits_in_process(pg_locks, "c") or a_waits.done(),
+                   "A waits in process")
+        for _ in range(3):  # A looks three times (each answered), or is refused
+            if not looked.acquire(timeout=PATIENCE) or a_waits.done():
+                break
+        tell(process, "end")  # W lets "w" go to C, which lets "c" go to A, then "a" to H
+        assert expect(process) == {"w": True, "h": True}
+        assert c_waits.result() is True
+        assert a_waits.result() is True
+        finish(process)
+    finally:
+        go.set()
+        os.kill(lookout, signal.SIGCONT)
