@@ -899,3 +899,110 @@ def test_a_wait_published_by_a_lookout_given_up_closes_no_cycle(
     finally:
         go.set()
         os.kill(lookout, signal.SIGCONT)
+
+
+# -- cycles through xact_lock transactions -----------------------------------------------------------
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_cycle_through_an_xact_lock_transaction_waiting_on_the_server_is_found(
+        pg_locks, dsn, workers, owner) -> None:  # type: ignore[no-untyped-def]
+    """A holds "a"; C holds "c", and in its own transaction waits with xact_lock for "a";
+    A waits in process for "c": A -> C -> C's transaction -> A. A is refused, C's
+    transaction gets "a"."""
+    conn = psycopg.connect(dsn)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    try:
+        a_waits = a.submit(lambda: take_c_holding_a(pg_locks, owner == "task", holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        c.run(lambda: pg_locks.acquire("c"))
+
+        def c_takes_a_in_its_transaction() -> bool:
+            with conn.transaction():
+                with pg_locks.xact_lock(conn, "a", timeout=PATIENCE):
+                    return True
+
+        transaction_backend = conn.info.backend_pid
+        c_waits = c.submit(c_takes_a_in_its_transaction)
+        wait_until(lambda: waiting_on_server(dsn, transaction_backend),
+                   "C's transaction waits on the server")
+        go.set()
+        outcome = a_waits.result()
+        assert c_waits.result() is True  # A let "a" go, refused or not
+        c.run(pg_locks.release_all)
+        assert isinstance(outcome, DeadlockError), outcome
+    finally:
+        go.set()
+        conn.close()
+
+
+XACT_CYCLE_CHILD = """
+import psycopg
+results = {}
+e_holds, e_go, d_holds = threading.Event(), threading.Event(), threading.Event()
+
+def thread_e():
+    locks.acquire("e")
+    e_holds.set()
+    e_go.wait()
+    with psycopg.connect(os.environ["DSN"]) as conn:
+        try:
+            with conn.transaction():
+                with locks.xact_lock(conn, "a", timeout=60):  # waits for the parent's A
+                    results["e"] = True
+        except DeadlockError:
+            results["e"] = "deadlock"
+    locks.release_all()
+
+e = threading.Thread(target=thread_e)
+e.start()
+e_holds.wait()
+with psycopg.connect(os.environ["DSN"]) as conn:
+    with conn.transaction():
+        with locks.xact_lock(conn, "d"):  # D holds "d" in its transaction only
+            pass
+        say(held=True, transaction=conn.info.backend_pid)
+        sys.stdin.readline()
+        e_go.set()
+        try:
+            results["d"] = locks.acquire("e", timeout=60)  # waits in process for E
+        except DeadlockError:
+            results["d"] = "deadlock"
+        locks.release_all()
+e.join()
+say(**results)
+"""
+
+
+def test_a_cycle_through_xact_lock_transactions_of_two_processes_is_found(
+        engine, pg_locks, dsn, namespace, workers) -> None:  # type: ignore[no-untyped-def]
+    """Here, A waits in process for C, which waits on the server for the child's D; there,
+    D, which holds "d" in its transaction only, waits in process for E, whose transaction
+    waits on the server for A. The waits published there are those of D's transaction, for
+    E's transaction: a member gets DeadlockError, every wait ends, nothing stays held."""
+    process = child(dsn, namespace, XACT_CYCLE_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    transaction = expect(process, held=True)["transaction"]
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+
+    def take_then_give_back(key: str) -> object:
+        try:
+            outcome: object = pg_locks.acquire(key, timeout=60)
+        except DeadlockError:
+            outcome = "deadlock"
+        pg_locks.release_all()
+        return outcome
+
+    c_waits = c.submit(lambda: take_then_give_back("d"))
+    wait_until(lambda: waiting_on_server(dsn, holders_backend(pg_locks, "c")),
+               "C waits on the server")
+    tell(process, "go")
+    wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "E waits on the server")
+    a_waits = a.submit(lambda: take_then_give_back("c"))
+    said = expect(process)
+    outcomes = {"A": a_waits.result(), "C": c_waits.result(), "D": said["d"], "E": said["e"]}
+    assert "deadlock" in (outcomes["A"], outcomes["D"]), outcomes
+    assert outcomes["C"] is True and outcomes["E"] is True, outcomes
+    assert not waiting_on_server(dsn, transaction)
+    finish(process)

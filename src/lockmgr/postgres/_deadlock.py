@@ -13,7 +13,9 @@ cycle (its wait check: ``lockmgr._owners.WAIT_CHECK``, ``TASK_WAIT_CHECK``), and
 manager's ``Lookout`` connection:
 
 - It *publishes* the waiter's own in-process waits, as pairs of backend pids (its
-  connections', those of the owners it waits for), for the looks of other processes: each
+  connections', those of the owners it waits for; an owner's connections include the
+  transactions it took keys in with xact_lock, while open, and the one it waits in
+  xact_lock on: ``xact_backends``), for the looks of other processes: each
   pair is a shared advisory lock of two int keys, ``(PUBLISHED + waiter's pid, the other
   pid)``, held by that connection until the waiter's wait ends; beside them, one more,
   ``(STAMPED, a number new at each publication)``, the publication's stamp.
@@ -271,22 +273,20 @@ def blocking_connections(waits: dict[Owner, set[Owner]], backends: dict[Owner, s
 
 
 def cycle_question(waiter: Owner, waits: dict[Owner, set[Owner]],
-                   backends: dict[Owner, set[int]], transactions: Iterable[int] = (),
-                   trusted_roles: Iterable[str] = (), stamps: Iterable[int] = ()
-                   ) -> tuple[list[tuple[int, int]], str] | None:
+                   backends: dict[Owner, set[int]], trusted_roles: Iterable[str] = (),
+                   stamps: Iterable[int] = ()) -> tuple[list[tuple[int, int]], str] | None:
     """The waiter's waits to publish (two int keys each), and the question whose answers
     are whether it is in a cycle through the server, and the stamps of the sessions that
-    published (``backends``: each owner's connections' backend pids; ``transactions``:
-    those of the waiter's open xact_lock transactions, asked about, never published: this
-    process knows no other owner's). Publications count only from sessions of this
-    database logged in as this session's role or one of ``trusted_roles``, and, given the
-    ``stamps`` of the last look, only those published since. None when it cannot be (it
-    waits in process for no owner with a connection, or has none itself): nothing to
-    publish."""
+    published (``backends``: the backend pids of each owner's connections and of its open
+    xact_lock transactions, whose locks are its too). Publications count only from
+    sessions of this database logged in as this session's role or one of
+    ``trusted_roles``, and, given the ``stamps`` of the last look, only those published
+    since. None when it cannot be (it waits in process for no owner with a connection, or
+    has none itself): nothing to publish."""
     start = blocking_connections(waits, backends, waiter)
     published = sorted((PUBLISHED + pid, other) for pid in backends.get(waiter, ())
                        if pid < PUBLISHABLE_PIDS for other in start)
-    mine = backends.get(waiter, set()) | set(transactions)
+    mine = backends.get(waiter, set())
     if not mine or not start:
         return None
     # This process's waits in process as pairs of connections, as they are now; those it
@@ -412,8 +412,8 @@ def look_sql(manager: _PgEngine[Any], owner: Owner, stamps: Iterable[int] = ()
     """``cycle_question`` for ``owner`` (a thread's ident or a task), waiting in
     ``manager``: from the waits in process of every PostgreSQL manager of this process,
     the connections they have to ``manager``'s server (whatever their DSN says: the
-    server's pids are its own), the owner's xact_lock transactions, the roles ``manager``
-    trusts and the ``stamps`` of the owner's last look."""
+    server's pids are its own) and the transactions their owners took keys in with
+    xact_lock, the roles ``manager`` trusts and the ``stamps`` of the owner's last look."""
     waits: dict[Owner, set[Owner]] = {}
     connections = [(other, connections_of(other)) for other in live_managers()]
     server = next((server for other, links in connections if other is manager
@@ -421,7 +421,6 @@ def look_sql(manager: _PgEngine[Any], owner: Owner, stamps: Iterable[int] = ()
     if server is None:
         return None  # no owner of it has a connection: no cycle goes through the server
     backends: dict[Owner, set[int]] = {}
-    transactions: list[int] = []
     for other, links in connections:
         for waiter, ahead in waits_in_process(other._engine.snapshot()).items():
             waits.setdefault(waiter, set()).update(ahead)
@@ -429,8 +428,9 @@ def look_sql(manager: _PgEngine[Any], owner: Owner, stamps: Iterable[int] = ()
             if on == server:
                 backends.setdefault(holder, set()).add(pid)
         if other is manager or any(on == server for _, _, on in links):
-            transactions += xact_backends(other, owner)
-    return cycle_question(owner, waits, backends, transactions, manager._trusted_roles, stamps)
+            for holder, pids in xact_backends(other).items():
+                backends.setdefault(holder, set()).update(pids)
+    return cycle_question(owner, waits, backends, manager._trusted_roles, stamps)
 
 
 def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int, bytes]]:
@@ -449,12 +449,23 @@ def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int, bytes]]:
     return links
 
 
-def xact_backends(manager: _PgEngine[Any], owner: Owner) -> list[int]:
-    """The backend pids of the transactions still open in which ``owner``, the calling
-    thread (its ident) or task, took keys with ``manager``'s xact_lock: its locks too."""
-    if isinstance(owner, int):
-        records: list[_XactLock] = getattr(manager._local, "xact_locks", None) or []
-    else:
-        with manager._guard:
-            records = list(manager._task_xact_locks.get(owner, ()))
-    return [record.backend_pid for record in records if record.may_hold()]
+def xact_backends(manager: _PgEngine[Any]) -> dict[Owner, set[int]]:
+    """The backend pids of the transactions still open in which a thread (its ident) or a
+    task of ``manager`` took keys with its xact_lock, or waits in it, by owner: their
+    locks are that owner's too, and their waits. The records of threads that ended go."""
+    with manager._guard:
+        threads = manager._thread_xact_locks
+        for ident, (thread, _) in list(threads.items()):
+            alive = thread()
+            if alive is None or not alive.is_alive():
+                del threads[ident]
+        owned: list[tuple[Owner, list[_XactLock]]] = [
+            (ident, list(records)) for ident, (_, records) in threads.items()]
+        owned += [(task, list(records)) for task, records in manager._task_xact_locks.items()]
+        waiting = list(manager._xact_waits.items())
+    found: dict[Owner, set[int]] = {owner: {pid} for owner, pid in waiting}
+    for owner, records in owned:
+        pids = {record.backend_pid for record in records if record.may_hold()}
+        if pids:
+            found.setdefault(owner, set()).update(pids)
+    return found

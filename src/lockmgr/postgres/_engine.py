@@ -124,6 +124,13 @@ class _PgEngine(Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
+        # Each thread's list of them (its ``_local``'s), by ident, with the thread, for other
+        # owners' deadlock looks (their xact locks are the thread's too), under ``_guard``.
+        self._thread_xact_locks: dict[int, tuple[weakref.ref[threading.Thread],
+                                                 list[_XactLock]]] = {}
+        # The backend of the transaction each thread or task waits in xact_lock on, if
+        # any, under ``_guard`` (``_xact_waiting``).
+        self._xact_waits: dict[Hashable, int] = {}
         self._lookout = Lookout()  # the connection of its waiters' looks
         register(self)  # last: a look may use it from now on
 
@@ -337,6 +344,7 @@ class _PgEngine(Generic[K]):
             deadline = None if seconds < 0 else time.monotonic() + seconds
             previous = conn.execute(
                 "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
+            waiting = self._xact_waiting(conn)
             try:
                 while True:
                     left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
@@ -354,12 +362,31 @@ class _PgEngine(Generic[K]):
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
             finally:
+                self._xact_waited(waiting)
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
                                  (previous[0],))
         assert row is not None
         self._note_xact_lock(conn, ident, shared, row[1])
         yield
+
+    def _xact_waiting(self, conn: psycopg.Connection[Any]) -> list[Hashable]:
+        """The calling thread, and task if any, wait in xact_lock on ``conn``: until
+        ``_xact_waited``, its transaction's backend is theirs for other owners' deadlock
+        looks (before its first key is granted, no record says so). The owners."""
+        owners: list[Hashable] = [threading.get_ident()]
+        task = current_task_or_none()
+        if task is not None:
+            owners.append(task)
+        with self._guard:
+            for owner in owners:
+                self._xact_waits[owner] = conn.info.backend_pid
+        return owners
+
+    def _xact_waited(self, owners: list[Hashable]) -> None:
+        with self._guard:
+            for owner in owners:
+                self._xact_waits.pop(owner, None)
 
     def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
         """``xact_lock`` runs on the caller's connection, another server session than the
@@ -397,6 +424,9 @@ class _PgEngine(Generic[K]):
         thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
         if thread_records is None:
             thread_records = self._local.xact_locks = []
+            with self._guard:
+                self._thread_xact_locks[threading.get_ident()] = (
+                    weakref.ref(threading.current_thread()), thread_records)
         _keep_open(thread_records, record)
         task = current_task_or_none()
         if task is not None:
@@ -736,6 +766,9 @@ class _PgEngine(Generic[K]):
         self._guard = threading.Lock()  # another thread of the parent may have held it
         self._lookout = Lookout()  # (the parent's connection is left alone)
         me = threading.get_ident()
+        self._thread_xact_locks = {ident: records for ident, records
+                                   in self._thread_xact_locks.items() if ident == me}
+        self._xact_waits = {}
         links: list[_Link] = [*self._idle, *self._task_idle]
         self._idle, self._task_idle = [], []
         for session in list(self._sessions):
