@@ -297,26 +297,37 @@ def test_a_cycle_through_the_waits_in_process_of_two_processes_is_found(
     gets DeadlockError (each of the two waiters in process may), every wait ends, and
     nothing stays held."""
     process = child(dsn, namespace, CYCLE_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    outcomes, took = cycle_through_two_processes(pg_locks, process, dsn, workers)
+    # The first DeadlockError ended the cycle: the child, the last to finish, was done
+    # within the bound (the waiters' first looks publish their waits: half a second).
+    assert took < deadlock_timeout + WITHIN + LOOK_EVERY + SLACK, outcomes
+
+
+def cycle_through_two_processes(manager: postgres.PgLockManager[Any], process: Any, dsn: str,
+                                workers: Any) -> tuple[dict[str, object], float]:
+    """The cycle of the test above, with ``manager`` here and a child running
+    ``CYCLE_CHILD``, checked: the outcomes of A, C, D and E, and the seconds from A's wait
+    to the child's end."""
     expect(process, held=True)
     a, c = workers("A"), workers("C")
-    a.run(lambda: pg_locks.acquire("a"))
-    c.run(lambda: pg_locks.acquire("c"))
+    a.run(lambda: manager.acquire("a"))
+    c.run(lambda: manager.acquire("c"))
 
     def take_then_give_back(worker_key: str) -> object:
         try:
-            outcome: object = pg_locks.acquire(worker_key, timeout=60)
+            outcome: object = manager.acquire(worker_key, timeout=60)
         except DeadlockError:
             outcome = "deadlock"
-        pg_locks.release_all()
+        manager.release_all()
         return outcome
 
     c_waits = c.submit(lambda: take_then_give_back("d"))
-    c_backend = holders_backend(pg_locks, "c")
+    c_backend = holders_backend(manager, "c")
     wait_until(lambda: waiting_on_server(dsn, c_backend), "C waits on the server")
     assert process.stdin is not None
     process.stdin.write("go\n")
     process.stdin.flush()
-    wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "E waits on the server")
+    wait_until(lambda: waits_for_key_on_server(dsn, manager, "a"), "E waits on the server")
     started = time.monotonic()
     a_waits = a.submit(lambda: take_then_give_back("c"))
     said = expect(process)
@@ -324,10 +335,8 @@ def test_a_cycle_through_the_waits_in_process_of_two_processes_is_found(
     outcomes = {"A": a_waits.result(), "C": c_waits.result(), "D": said["d"], "E": said["e"]}
     assert "deadlock" in (outcomes["A"], outcomes["D"]), outcomes
     assert outcomes["C"] is True and outcomes["E"] is True, outcomes
-    # The first DeadlockError ended the cycle: the child, the last to finish, was done
-    # within the bound (the waiters' first looks publish their waits: half a second).
-    assert ended - started < deadlock_timeout + WITHIN + LOOK_EVERY + SLACK, outcomes
     finish(process)
+    return outcomes, ended - started
 
 
 def waits_for_key_on_server(dsn: str, manager: postgres.PgLockManager[Any], key: str) -> bool:
@@ -1006,3 +1015,31 @@ def test_a_cycle_through_xact_lock_transactions_of_two_processes_is_found(
     assert outcomes["C"] is True and outcomes["E"] is True, outcomes
     assert not waiting_on_server(dsn, transaction)
     finish(process)
+
+
+@pytest.fixture(scope="module")
+def application_roles(dsn: str) -> tuple[str, str]:
+    """Two roles, neither a superuser, that two applications log in as."""
+    roles = ("lockmgr_app_here", "lockmgr_app_there")
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for role in roles:
+            admin.execute(f"CREATE ROLE {role} LOGIN")
+    return roles
+
+
+def test_a_cycle_through_two_processes_of_two_roles_that_trust_each_other_is_found(
+        engine, dsn, namespace, application_roles, workers) -> None:  # type: ignore[no-untyped-def]
+    """The cycle through the waits in process of two processes, whose managers log in as
+    two roles, neither a superuser (each sees of the other's sessions only their role,
+    database and locks), each trusting the other's: a member gets DeadlockError."""
+    here, there = application_roles
+    manager: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        make_conninfo(dsn, user=here), namespace=namespace, trusted_roles=[there])
+    trusting = (f"locks.close()\nlocks = postgres.PgLockManager(os.environ['DSN'],"
+                f" namespace=os.environ['NAMESPACE'], trusted_roles=[{here!r}])\n")
+    try:
+        process = child(make_conninfo(dsn, user=there), namespace, trusting + CYCLE_CHILD,
+                        pure=engine.__name__ == "lockmgr._pure")
+        cycle_through_two_processes(manager, process, dsn, workers)
+    finally:
+        manager.close()
