@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from .._errors import DeadlockError
+from .._owners import current_task_or_none
 
 if TYPE_CHECKING:
     from .._observe import KeyState
@@ -135,15 +136,49 @@ class Lookout:
     comes again later. ``lock`` is taken only by ``with`` (a signal handler's exception
     cannot come between taking it and the block that gives it back). Whoever gives it
     back closes the connection if nothing is published any more (``_close_if_idle``):
-    a wait that ended while the lock was taken took its waits out without it."""
+    a wait that ended while the lock was taken took its waits out without it.
 
-    def __init__(self) -> None:
+    It also keeps what the looks of the manager's waiters need to know besides its
+    ``trusted_roles`` (``cycle_question``): each thread's xact_lock records (a thread's
+    own are in its ``_local``; tasks' are the manager's), and the transaction each thread
+    or task waits in xact_lock on (before its first grant, no record says so), under
+    ``owners_guard``: ``xact_backends``."""
+
+    def __init__(self, trusted_roles: Iterable[str] = ()) -> None:
+        self.trusted_roles = trusted_roles_checked(trusted_roles)
         self.lock = threading.Lock()
         self.link: _Link | None = None  # changed under ``lock``
         # By owner; changed under ``lock``, or popped by a leaving waiter without it.
         self.published: dict[Owner, list[tuple[int, int]]] = {}
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None  # tasks' looks
         self.stamp = 0  # the last publication's stamp; changed under ``lock``
+        self.owners_guard = threading.Lock()
+        self.thread_xact_locks: dict[int, tuple[weakref.ref[threading.Thread],
+                                                list[_XactLock]]] = {}
+        self.xact_waits: dict[Owner, int] = {}
+
+    def note_xact_locks(self, records: list[_XactLock]) -> None:
+        """``records`` are the calling thread's xact_lock records."""
+        with self.owners_guard:
+            self.thread_xact_locks[threading.get_ident()] = (
+                weakref.ref(threading.current_thread()), records)
+
+    def xact_waiting(self, conn: psycopg.Connection[Any]) -> list[Owner]:
+        """The calling thread, and task if any, wait in xact_lock on ``conn`` until
+        ``xact_waited``: the owners."""
+        owners: list[Owner] = [threading.get_ident()]
+        task = current_task_or_none()
+        if task is not None:
+            owners.append(task)
+        with self.owners_guard:
+            for owner in owners:
+                self.xact_waits[owner] = conn.info.backend_pid
+        return owners
+
+    def xact_waited(self, owners: list[Owner]) -> None:
+        with self.owners_guard:
+            for owner in owners:
+                self.xact_waits.pop(owner, None)
 
     def look(self, manager: _PgEngine[Any], look: Look) -> bool | None:
         """One look of the wait ``look`` (of ``look.owner``, in ``manager``): its waits
@@ -430,7 +465,7 @@ def look_sql(manager: _PgEngine[Any], owner: Owner, stamps: Iterable[int] = ()
         if other is manager or any(on == server for _, _, on in links):
             for holder, pids in xact_backends(other).items():
                 backends.setdefault(holder, set()).update(pids)
-    return cycle_question(owner, waits, backends, manager._trusted_roles, stamps)
+    return cycle_question(owner, waits, backends, manager._lookout.trusted_roles, stamps)
 
 
 def connections_of(manager: _PgEngine[Any]) -> list[tuple[Owner, int, bytes]]:
@@ -453,16 +488,18 @@ def xact_backends(manager: _PgEngine[Any]) -> dict[Owner, set[int]]:
     """The backend pids of the transactions still open in which a thread (its ident) or a
     task of ``manager`` took keys with its xact_lock, or waits in it, by owner: their
     locks are that owner's too, and their waits. The records of threads that ended go."""
-    with manager._guard:
-        threads = manager._thread_xact_locks
+    lookout = manager._lookout
+    with lookout.owners_guard:
+        threads = lookout.thread_xact_locks
         for ident, (thread, _) in list(threads.items()):
             alive = thread()
             if alive is None or not alive.is_alive():
                 del threads[ident]
         owned: list[tuple[Owner, list[_XactLock]]] = [
             (ident, list(records)) for ident, (_, records) in threads.items()]
+        waiting = list(lookout.xact_waits.items())
+    with manager._guard:
         owned += [(task, list(records)) for task, records in manager._task_xact_locks.items()]
-        waiting = list(manager._xact_waits.items())
     found: dict[Owner, set[int]] = {owner: {pid} for owner, pid in waiting}
     for owner, records in owned:
         pids = {record.backend_pid for record in records if record.may_hold()}

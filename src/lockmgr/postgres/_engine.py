@@ -28,7 +28,6 @@ from ._deadlock import (
     deadlock_through_server,
     managers_after_fork,
     register,
-    trusted_roles_checked,
 )
 from ._fences import (
     DEFAULT_FENCE_TABLE,
@@ -99,7 +98,6 @@ class _PgEngine(Generic[K]):
         fence_table: str = DEFAULT_FENCE_TABLE,
         trusted_roles: Iterable[str] = (),
     ) -> None:
-        self._trusted_roles = trusted_roles_checked(trusted_roles)
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace
@@ -124,14 +122,7 @@ class _PgEngine(Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
-        # Each thread's list of them (its ``_local``'s), by ident, with the thread, for other
-        # owners' deadlock looks (their xact locks are the thread's too), under ``_guard``.
-        self._thread_xact_locks: dict[int, tuple[weakref.ref[threading.Thread],
-                                                 list[_XactLock]]] = {}
-        # The backend of the transaction each thread or task waits in xact_lock on, if
-        # any, under ``_guard`` (``_xact_waiting``).
-        self._xact_waits: dict[Hashable, int] = {}
-        self._lookout = Lookout()  # the connection of its waiters' looks
+        self._lookout = Lookout(trusted_roles)  # the connection of its waiters' looks
         register(self)  # last: a look may use it from now on
 
     def __repr__(self) -> str:
@@ -344,7 +335,7 @@ class _PgEngine(Generic[K]):
             deadline = None if seconds < 0 else time.monotonic() + seconds
             previous = conn.execute(
                 "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
-            waiting = self._xact_waiting(conn)
+            waiting = self._lookout.xact_waiting(conn)
             try:
                 while True:
                     left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
@@ -362,31 +353,13 @@ class _PgEngine(Generic[K]):
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
             finally:
-                self._xact_waited(waiting)
+                self._lookout.xact_waited(waiting)
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
                                  (previous[0],))
         assert row is not None
         self._note_xact_lock(conn, ident, shared, row[1])
         yield
-
-    def _xact_waiting(self, conn: psycopg.Connection[Any]) -> list[Hashable]:
-        """The calling thread, and task if any, wait in xact_lock on ``conn``: until
-        ``_xact_waited``, its transaction's backend is theirs for other owners' deadlock
-        looks (before its first key is granted, no record says so). The owners."""
-        owners: list[Hashable] = [threading.get_ident()]
-        task = current_task_or_none()
-        if task is not None:
-            owners.append(task)
-        with self._guard:
-            for owner in owners:
-                self._xact_waits[owner] = conn.info.backend_pid
-        return owners
-
-    def _xact_waited(self, owners: list[Hashable]) -> None:
-        with self._guard:
-            for owner in owners:
-                self._xact_waits.pop(owner, None)
 
     def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
         """``xact_lock`` runs on the caller's connection, another server session than the
@@ -424,9 +397,7 @@ class _PgEngine(Generic[K]):
         thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
         if thread_records is None:
             thread_records = self._local.xact_locks = []
-            with self._guard:
-                self._thread_xact_locks[threading.get_ident()] = (
-                    weakref.ref(threading.current_thread()), thread_records)
+        self._lookout.note_xact_locks(thread_records)  # (again: a fork made a new lookout)
         _keep_open(thread_records, record)
         task = current_task_or_none()
         if task is not None:
@@ -764,11 +735,8 @@ class _PgEngine(Generic[K]):
         """In a forked child: no connection of the parent's is ever used or closed here.
         Keys the forking thread held belong to the parent: they are lost to the child."""
         self._guard = threading.Lock()  # another thread of the parent may have held it
-        self._lookout = Lookout()  # (the parent's connection is left alone)
+        self._lookout = Lookout(self._lookout.trusted_roles)  # (not the parent's connection)
         me = threading.get_ident()
-        self._thread_xact_locks = {ident: records for ident, records
-                                   in self._thread_xact_locks.items() if ident == me}
-        self._xact_waits = {}
         links: list[_Link] = [*self._idle, *self._task_idle]
         self._idle, self._task_idle = [], []
         for session in list(self._sessions):
