@@ -51,15 +51,19 @@ class PgLockManager(_PgEngine[K]):
       keys (and idle ones kept for reuse) at once; beyond it, an acquisition that needs a
       new one waits in line, first come first served, within its ``timeout`` (a try does
       not wait). None (the default): no cap. Deadlock looks use one more, outside it.
+    - ``trusted_roles``: names of roles besides the manager's own whose sessions' published
+      waits its deadlock looks follow (those of other processes' managers logging in as
+      another role); the sessions of any other role, and of other databases, are ignored.
 
     Making a manager raises TypeError for a ``dsn`` that is not a str, ValueError for one
     libpq cannot parse (or bad ``connect_kwargs``), and TypeError or ValueError for a bad
-    ``fence_table`` or ``max_connections``; nothing connects. Connecting (at a thread's
-    first acquisition, and for a question to the server) raises ``PgConnectionError`` when
-    the server refuses (out of connections: "sorry, too many clients already"), cannot be
-    reached or does not complete the connection in time, psycopg's error as its cause — a
-    timed call, or a try, times out instead when the connection is not complete by its
-    deadline — and ``UnsafeServerError`` for a standby or a pooler.
+    ``fence_table``, ``max_connections`` or ``trusted_roles``; nothing connects. Connecting
+    (at a thread's first acquisition, and for a question to the server) raises
+    ``PgConnectionError`` when the server refuses (out of connections: "sorry, too many
+    clients already"), cannot be reached or does not complete the connection in time,
+    psycopg's error as its cause — a timed call, or a try, times out instead when the
+    connection is not complete by its deadline — and ``UnsafeServerError`` for a standby
+    or a pooler.
     """
 
     _engine: LockEngine[Hashable]
@@ -69,11 +73,13 @@ class PgLockManager(_PgEngine[K]):
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table, max_connections=max_connections)
+                         fence_table=fence_table, max_connections=max_connections,
+                         trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
@@ -222,11 +228,13 @@ class PgRWLockManager(_PgEngine[K]):
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table, max_connections=max_connections)
+                         fence_table=fence_table, max_connections=max_connections,
+                         trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncRWLockManager[K]:

@@ -28,6 +28,7 @@ from ._link import (
     _call_steps,
 )
 from ._protocol import _lock_steps, _unlock_steps
+from ._xact import xact_conflicts
 from ._session import _holding, _lost_error, _xact_deadlock, _xact_question
 from ._sql import (
     _GRANTED_ADVISORY,
@@ -122,14 +123,14 @@ class _Tasks:
         return taken
 
     async def refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
-        """``_PgEngine._refuse_own_xact_lock`` for the current task."""
+        """``_xact.refuse_own_xact_lock`` for the current task."""
         manager = self.manager
         if not manager._task_xact_locks:
             return
         task = current_task_or_raise()
         with manager._guard:
             records = manager._task_xact_locks.get(task)
-        for key, record in manager._xact_conflicts(records, items):
+        for key, record in xact_conflicts(manager, records, items):
             if await self.ask(_xact_question(record)):
                 raise _xact_deadlock(task, key)
 
