@@ -20,7 +20,7 @@ import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, wait_until
 from lockmgr import LockError, LockTimeout, postgres
-from lockmgr.postgres import _deadlock, _link, _server
+from lockmgr.postgres import _deadlock, _protocol, _server
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -181,16 +181,17 @@ def test_a_server_out_of_connections_raises_pg_connection_error(
 @pytest.mark.parametrize("timeout", [0, 1], ids=["try", "timed"])
 @pytest.mark.parametrize("owner", ["thread", "task"])
 def test_a_timed_call_gives_up_connecting_at_its_deadline(
-        engine, namespace, owner, timeout) -> None:
+        engine, namespace, owner, timeout, monkeypatch) -> None:
     """The DSN's server takes the TCP connection and never answers: a timed acquire times
     out (False; ``hold`` raises LockTimeout) by its deadline plus the documented half
     second, a try after its two seconds to connect, with nothing held. It used to wait for
     psycopg's connect timeout (130 s)."""
+    monkeypatch.setattr(_protocol, "_TRY_CONNECTS_WITHIN", 0.5)  # (2 s by default)
     with silent_port() as dsn:
         locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
         got, took = outcome_within(acquirer(locks, owner, timeout=timeout), owner)
         assert got is False, repr(got)
-        assert took < (timeout or _link._TRY_CONNECTS_WITHIN) + SLACK, \
+        assert took < (timeout or _protocol._TRY_CONNECTS_WITHIN) + SLACK, \
             f"returned {took:.1f} s after its call"
         assert len(locks) == 0 and not locks.owned("k")
         if owner == "thread":
