@@ -1207,6 +1207,49 @@ def test_a_release_nobody_awaits_still_releases_on_the_server(locks, rwlocks, ds
     run(main)
 
 
+def releases_under_way(locks: postgres.PgLockManager[Any]) -> bool:
+    """Whether a task's release (``aio.release``, not awaited) is still under way."""
+    tasks = locks._tasks  # (alive while a release of its tasks is under way)
+    return tasks is not None and any(session.cleaning is not None and not session.cleaning.done()
+                                     for session in list(tasks.sessions.values()))
+
+
+@pytest.mark.parametrize("loop_is", ["this thread's, running", "stopped"])
+def test_a_thread_that_would_wait_for_an_unfinished_release_its_loop_must_run_is_refused(
+        locks, dsn, loop_is) -> None:
+    """A task released ``k`` without awaiting it: its server release waits for its event
+    loop. A thread asking for ``k`` while that loop cannot run — the thread runs it (a sync
+    call in a coroutine), or it is stopped (``run_until_complete`` returned) — would wait
+    for ever: DeadlockError at once, nothing taken; once the loop runs, the key is free."""
+    loop = asyncio.new_event_loop()
+
+    async def release_without_awaiting() -> None:
+        assert await locks.aio.acquire("k")
+        locks.aio.release("k")  # not awaited
+
+    async def then_ask_from_this_thread() -> None:
+        await release_without_awaiting()
+        with pytest.raises(DeadlockError, match="without awaiting it"):
+            locks.acquire("k", timeout=PATIENCE)
+
+    try:
+        if loop_is == "stopped":
+            loop.run_until_complete(release_without_awaiting())
+            with pytest.raises(DeadlockError, match="without awaiting it"):
+                locks.acquire("k", timeout=PATIENCE)
+        else:
+            loop.run_until_complete(then_ask_from_this_thread())
+        assert len(locks) == 0 and not locks.owned("k")
+        # (a release answered on the server but not yet by its task is still refused)
+        loop.run_until_complete(until(lambda: not releases_under_way(locks),
+                                      "the release finished once its loop ran"))
+        assert not held_on_server(dsn, locks, "k")
+        assert locks.acquire("k", timeout=PATIENCE) is True
+        locks.release("k")
+    finally:
+        loop.close()
+
+
 def test_a_release_raises_not_owned_and_lock_lost_at_the_call(locks, dsn) -> None:
     """NotOwnedError at the call, nothing changed; a key whose connection the call finds
     dead is LockLost at the call (one the server's release finds gone, when awaited), the

@@ -377,6 +377,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         refuse_own_xact_lock(self, items)
         if seconds != 0:  # (a try never waits: it finds the key taken)
             refuse_own_locks_elsewhere(self, session, items)
+            if tasks is not None:
+                tasks.refuse_unfinished_releases(items)
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psycopg
 
 from .._args import READ, WRITE
-from .._errors import block_in_use, not_entered, not_owned, not_owned_block
+from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
@@ -395,6 +395,34 @@ class _Tasks:
             session.cleaning.add_done_callback(lambda _: self.end(task))
         else:
             self.end(task)
+
+    def refuse_unfinished_releases(self, items: Sequence[tuple[Hashable, int]]) -> None:
+        """For a thread about to wait for ``items``: a task's release of one of them (in a
+        conflicting mode) still under way on the server (``give``: not awaited) on an event
+        loop that cannot run while the thread waits — the thread's own running loop, which
+        its wait blocks, or a loop not running at all — would keep it waiting for ever:
+        DeadlockError at once. A loop running in another thread finishes it: waited for."""
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        manager = self.manager
+        with manager._guard:
+            under_way = [(task, list(session.unsure)) for task, session in self.sessions.items()
+                         if session.cleaning is not None and not session.cleaning.done()]
+        for task, releasing in under_way:
+            loop = task.get_loop()
+            if loop.is_running() and loop is not here:
+                continue
+            for key, mode in items:
+                ident = manager.advisory_key(key)
+                if any(manager.advisory_key(other) == ident and WRITE in (mode, other_mode)
+                       for other, other_mode in releasing):
+                    raise DeadlockError(
+                        f"task {task.get_name()!r} released {key!r} without awaiting it, and"
+                        " its release on the server waits for its event loop, which cannot"
+                        " run while this thread waits (it is this thread's, or not running):"
+                        " await the release first", [(task, key)])
 
     def end(self, task: asyncio.Task[Any]) -> None:
         with self.manager._guard:
