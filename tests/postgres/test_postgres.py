@@ -596,7 +596,7 @@ def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> N
 
 def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
     """``--redis start`` runs Debian's redis-server (scripts/test-servers.sh installs it) for
-    the run."""
+    the run; lockmgr's pairs come with the bare psycopg and libpq loops' on the same server."""
     from lockmgr import bench
 
     pgserver.require_redis_server()
@@ -605,8 +605,10 @@ def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
                        "start", "--threads", "2", "--json", str(out)]) == 0
     rows = {(row["impl"], row["metric"]): row["value"]
             for row in json.loads(out.read_text())["results"]}
-    assert set(rows) == {(impl, metric) for impl in ("postgres", "redis-py")
-                         for metric in ("1-process", "2-processes")} | {
+    assert set(rows) == {(impl, metric + measure)
+                         for impl in ("postgres", "psycopg", "libpq", "redis-py")
+                         for metric in ("1-process", "2-processes")
+                         for measure in ("", " client CPU per pair")} | {
         ("postgres", "1-process vs redis-py"), ("postgres", "2-processes vs redis-py")}
     assert all(value > 0 for value in rows.values())
     assert bench.main(["--scenario", "server-pairs"]) == 2  # it needs a server to measure
