@@ -198,8 +198,7 @@ def claim(manager: _PgEngine[Any],
         with capacity.lock:
             if capacity.waiters or capacity.open < capacity.limit:
                 return capacity.take_or_queue(loop)
-        idle: list[Any] = manager._idle or manager._task_idle
-        link = idle.pop() if idle else None
+        link = manager._pop_idle() or (manager._task_idle.pop() if manager._task_idle else None)
         if link is None or link.slot is None:
             with capacity.lock:
                 taken = capacity.take_or_queue(loop)
