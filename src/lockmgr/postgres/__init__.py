@@ -41,7 +41,12 @@ The rules that keep it correct:
   so the lock and the caller's writes commit or roll back together.
 - **Deadlines**: every round trip has one on the client (``_ANSWER_WITHIN``,
   ``_WAIT_MARGIN``); past it the statement is cancelled, and if the cancel goes
-  unanswered too (``_CANCEL_GRACE``) the connection is closed and its keys are lost.
+  unanswered too (``_CANCEL_GRACE``) the connection is closed and its keys are lost. So
+  does every connect (a timed call's deadline, else ``connect_timeout``, else
+  ``_CONNECT_WITHIN``: ``_link._connect_by``; libpq's non-blocking connect for a thread),
+  and every deadlock look (``LOOK_FOR``, and its wait's deadline). A connect that fails
+  raises ``PgConnectionError`` (psycopg's error as its cause); a DSN libpq cannot parse
+  fails when the manager is made.
 - **Fencing tokens** (``fencing=True``): the first level of each write acquisition takes
   the key's next fence — its row of the fence table (``_FenceTable``), keyed by advisory key, incremented
   — in the lock's own message, after the lock and only if it was granted; a timed wait
@@ -86,7 +91,8 @@ from ._fences import DEFAULT_FENCE_TABLE, FenceNotDurableError, Lease
 from ._inspect import ServerKeyState, ServerSession
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager
-from ._server import UnsafeServerError
+from ._server import PgConnectionError, UnsafeServerError
 
-__all__ = ["FenceNotDurableError", "Lease", "LockLost", "PgKeyLock", "PgLockManager",
-           "PgRWLockManager", "ServerKeyState", "ServerSession", "UnsafeServerError", "advisory_key"]
+__all__ = ["FenceNotDurableError", "Lease", "LockLost", "PgConnectionError", "PgKeyLock",
+           "PgLockManager", "PgRWLockManager", "ServerKeyState", "ServerSession",
+           "UnsafeServerError", "advisory_key"]

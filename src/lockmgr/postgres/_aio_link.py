@@ -8,19 +8,24 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 
 from ._link import (
     _ABORT_SECONDS,
     _CANCEL_GRACE,
+    _NOT_CONNECTED_IN_TIME,
     _Attach,
     _Link,
     _Lose,
+    _NotConnectedInTime,
     _Overdue,
     _RoundTrip,
     _Steps,
     _T,
     _checked,
+    _connect_by,
+    _not_connected,
     _poll,
     _run_all_steps,
     _set_up_steps,
@@ -38,13 +43,26 @@ class _AsyncLink(_Link):
 
     @classmethod
     async def connect_async(cls, dsn: str, connect_kwargs: dict[str, Any],
-                            statements: dict[bytes, bytes]) -> _AsyncLink:
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, **connect_kwargs)
+                            statements: dict[bytes, bytes],
+                            deadline: float | None = None) -> _AsyncLink:
+        """``_Link.connect`` on the event loop (psycopg's async connect, which never blocks
+        the loop, given up at the deadline)."""
+        conninfo = make_conninfo(dsn, **connect_kwargs)
+        by = _connect_by(conninfo, deadline)
+        try:  # (the loop's clock is time.monotonic: see _ready)
+            async with asyncio.timeout(None if by is None else by - time.monotonic()):
+                conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+        except TimeoutError:
+            raise _NotConnectedInTime(_NOT_CONNECTED_IN_TIME) from None
+        except psycopg.Error as error:
+            raise _not_connected(error) from error
         link = cls(conn, statements)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used
         try:
-            await _drive_async(_set_up_steps(link))
-        except BaseException:
+            await _drive_async(_set_up_steps(link, by))
+        except BaseException as error:
             link.close()
+            if isinstance(error, psycopg.Error):
+                raise _not_connected(error) from error
             raise
         return link
 
@@ -151,7 +169,8 @@ class _AsyncLink(_Link):
 
 
 async def _drive_async(steps: _Steps[_T],
-                       attach: Callable[[Any, float | None], Awaitable[Any]] | None = None,
+                       attach: Callable[[Any, float | None, float | None], Awaitable[Any]]
+                       | None = None,
                        lose: Callable[[Any], None] | None = None,
                        drop: Callable[[Any, list[Any]], Awaitable[None]] | None = None) -> _T:
     """``_link._drive`` for a task: each need answered by an awaited round trip (or
@@ -172,7 +191,7 @@ async def _drive_async(steps: _Steps[_T],
                     answer = await link._round_trip_async(need.deadline, need.send, *need.args)
                 elif isinstance(need, _Attach):
                     assert attach is not None
-                    answer = await attach(need.session, need.deadline)
+                    answer = await attach(need.session, need.deadline, need.connect_by)
                 elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)

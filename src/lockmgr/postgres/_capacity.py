@@ -210,13 +210,14 @@ def claim(manager: _PgEngine[Any],
 
 
 def new_link(manager: _PgEngine[Any], deadline: float | bool | None,
-             counted: bool = True) -> _Link:
+             connect_by: float | None = None, counted: bool = True) -> _Link:
     """A new connection of ``manager``'s threads, in a slot under its cap, waited for until
     ``deadline`` (True: soon, ``_answer_by``) and given back if connecting fails; outside
-    the cap if not ``counted``."""
+    the cap if not ``counted``. Connected by ``connect_by`` (``_Link.connect``)."""
     slot = reserve(manager, _answer_by() if deadline is True else deadline) if counted else None
     try:
-        link = _Link.connect(manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+        link = _Link.connect(manager._dsn, manager._connect_kwargs, manager._fence_table.statements,
+                             connect_by)
     except BaseException:
         if slot is not None:
             slot.free()

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from .._errors import DeadlockError
+from .._errors import DeadlockError, LockError
 
 if TYPE_CHECKING:
     from .._observe import KeyState
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 #: and between two looks (PostgreSQL's ``deadlock_timeout`` is 1 s by default).
 LOOK_EVERY = 0.5
 
-#: Seconds one question may take before the wait goes on without its answer.
+#: Seconds one question may take before the wait goes on without its answer (a timed wait's
+#: look gives up at the wait's deadline too, its connect included: ``Look.deadline``).
 LOOK_FOR = 1.0
 
 
@@ -71,7 +72,8 @@ class Look:
     """One wait's looks: what it waits for, when the next look is due, whether the last
     one found a cycle, and the ``Lookout`` its looks publish its waits through, with the
     owner they are published as (set before the first look; ``stop`` takes them back when
-    the wait ends, and keeps a look still under way from publishing them).
+    the wait ends, and keeps a look still under way from publishing them). ``deadline``:
+    the wait's (None: none), which its looks never pass by more than ``_CANCEL_GRACE``.
 
     A cycle must be found by two looks in a row, ``LOOK_EVERY`` apart. A look puts together
     the waits of this process of a moment before and the server's as they are, and other
@@ -79,10 +81,12 @@ class Look:
     could make a cycle that was never all there at once. A deadlock stays; by the next
     look every waiter of it has published again."""
 
-    __slots__ = ("due", "found", "items", "lookout", "owner", "stopped")
+    __slots__ = ("deadline", "due", "found", "items", "lookout", "owner", "stopped")
 
-    def __init__(self, items: Sequence[tuple[Hashable, int]]) -> None:
+    def __init__(self, items: Sequence[tuple[Hashable, int]],
+                 deadline: float | None = None) -> None:
         self.items = items
+        self.deadline = deadline
         self.due = time.monotonic() + LOOK_EVERY
         self.found = False
         self.lookout: Lookout | None = None
@@ -137,17 +141,20 @@ class Lookout:
             self._close_if_idle()
 
     def _look(self, manager: _PgEngine[Any], look: Look) -> bool | None:
-        if look.stopped:
+        answer_by = time.monotonic() + LOOK_FOR
+        if look.deadline is not None:
+            answer_by = min(answer_by, look.deadline)
+        if look.stopped or answer_by <= time.monotonic():
             return None
         owner = look.owner
         found = look_sql(manager, owner)
         if found is None:
             self.published.pop(owner, None)
-            self._publish(manager, None)
+            self._publish(manager, None, answer_by)
             return None
         pairs, question = found
         self.published[owner] = pairs
-        answer = self._publish(manager, question)
+        answer = self._publish(manager, question, answer_by)
         if look.stopped:  # its wait ended meanwhile (a task's, in another thread)
             self.published.pop(owner, None)
             return None
@@ -168,18 +175,20 @@ class Lookout:
             if not self.published:
                 self._close()
 
-    def _publish(self, manager: _PgEngine[Any], question: str | None) -> bool | None:
+    def _publish(self, manager: _PgEngine[Any], question: str | None,
+                 answer_by: float) -> bool | None:
         """Publish every waiter's waits and answer ``question`` (None: no question), in
-        one round trip, under ``lock``: the answer, or None if there is none."""
+        one round trip, under ``lock``, by ``answer_by`` (a connect first included): the
+        answer, or None if there is none."""
         if not self.published:
             self._close()
             return None
         try:
             if self.link is None:
-                self.link, _ = manager._borrow(own=False)
+                self.link, _ = manager._borrow(own=False, deadline=answer_by)
             result = self.link.run(publish_sql(list(self.published.values()))
-                                   + (question or " SELECT false"), time.monotonic() + LOOK_FOR)
-        except psycopg.Error:
+                                   + (question or " SELECT false"), answer_by)
+        except (psycopg.Error, LockError):  # (LockError: no connection, PgConnectionError)
             self._close()  # unanswered: nothing published (the next look publishes again)
             return None
         return bool(result.get_value(0, 0) == b"t")

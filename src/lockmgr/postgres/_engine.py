@@ -47,7 +47,7 @@ from ._link import (
     _drive,
 )
 from ._protocol import _lock_steps, _unlock_steps
-from ._server import _KEEPALIVES
+from ._server import _KEEPALIVES, _conninfo
 from ._session import (
     _ThreadEnd,
     _XactLock,
@@ -101,6 +101,10 @@ class _PgEngine(_Inspecting, Generic[K]):
         max_connections: int | None = None,
     ) -> None:
         self._capacity = _Capacity.of(max_connections)  # first: a bad one leaves nothing made
+        self._connect_kwargs = {**_KEEPALIVES,
+                                "fallback_application_name": application_name(namespace),
+                                **(connect_kwargs or {})}
+        _conninfo(dsn, self._connect_kwargs)  # a bad one fails here, with nothing made
         self._dsn = dsn
         self._engine = engine
         self._namespace = namespace
@@ -110,8 +114,6 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._salt = _salt(namespace)
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
-        self._connect_kwargs = {**_KEEPALIVES, "fallback_application_name": application_name(namespace),
-                                **(connect_kwargs or {})}
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _parked, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
@@ -498,7 +500,7 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        waiting = _Waiting(self, items)
+        waiting = _Waiting(self, items, None if seconds < 0 else time.monotonic() + seconds)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = waiting.check
         try:
@@ -621,8 +623,11 @@ class _PgEngine(_Inspecting, Generic[K]):
             end = self._local.end = _ThreadEnd(self)
         return end.session
 
-    def _attach(self, session: _Session, deadline: float | None = None) -> tuple[_Link, bool]:
-        """Give the session a connection: an idle one still alive, or a new one (``new_link``)."""
+    def _attach(self, session: _Session, deadline: float | None = None,
+                connect_by: float | None = None) -> tuple[_Link, bool]:
+        """Give the session a connection: an idle one still alive, or a new one (``new_link``:
+        a place under ``max_connections`` waited for until ``deadline``, connected by
+        ``connect_by``)."""
         tasks = self._tasks
         if tasks is not None:
             tasks.sweep_closed_loops()  # their connections may hold what we wait for
@@ -630,7 +635,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             with self._guard:
                 link = self._pop_idle()
             if link is None:
-                link, fresh = new_link(self, deadline), True
+                link, fresh = new_link(self, deadline, connect_by), True
                 break
             if link.idle():
                 fresh = False
@@ -807,9 +812,9 @@ class _PgEngine(_Inspecting, Generic[K]):
         if tasks is not None:
             tasks.forget_parent_sessions()
 
-    def _borrow(self, own: bool = True) -> tuple[_Link, bool]:
+    def _borrow(self, own: bool = True, deadline: float | None = None) -> tuple[_Link, bool]:
         """A connection for a question: the calling thread's (if ``own``), or one from the
-        idle list."""
+        idle list, or a new one (connected by ``deadline``: ``_Link.connect``)."""
         session = self._session_or_none() if own else None
         if (session is not None and not session.parked and session.link is not None
                 and session.link.idle()):
@@ -820,7 +825,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             if link is not None:
                 link.close()
             # (the lookout's is not counted: a look must not wait behind the waiters it looks at)
-            link = new_link(self, True, counted=own)
+            link = new_link(self, True if deadline is None else deadline, deadline, counted=own)
         return link, True
 
     def _held_on_server(self, key: Hashable, mode: str | None) -> bool:
@@ -833,7 +838,7 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _ask(self, question: str, deadline: float | bool = True, own: bool = True) -> bool:
         """A yes-or-no ``question`` to the server, on a connection ``_borrow(own)`` gives,
         answered by ``deadline`` (``_Link.run``)."""
-        link, borrowed = self._borrow(own)
+        link, borrowed = self._borrow(own, None if deadline is True else deadline)
         try:
             result = link.run(question, deadline)
         except BaseException:
@@ -850,16 +855,18 @@ class _Waiting:
     made at the first check, once the thread waits (the engines check only then), so that
     an acquisition that does not wait, the usual one, sets up no look."""
 
-    __slots__ = ("items", "look", "manager")
+    __slots__ = ("deadline", "items", "look", "manager")
 
-    def __init__(self, manager: _PgEngine[Any], items: Sequence[tuple[Hashable, int]]) -> None:
+    def __init__(self, manager: _PgEngine[Any], items: Sequence[tuple[Hashable, int]],
+                 deadline: float | None) -> None:
         self.manager = manager
         self.items = items
+        self.deadline = deadline  # the wait's, which its looks keep (``Look``)
         self.look: Look | None = None
 
     def check(self) -> None:
         if self.look is None:
-            self.look = Look(self.items)
+            self.look = Look(self.items, self.deadline)
         self.manager._look_while_waiting(self.look)
 
 

@@ -12,10 +12,19 @@ from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
+from psycopg import pq
+from psycopg.conninfo import make_conninfo
+from psycopg.pq import ConnStatus, ExecStatus, PollingStatus, TransactionStatus
 
 from .._tuning import MAIN_THREAD_SLICE
-from ._server import _CHECK_UNSUPPORTED, _WHO_IS_THIS_AT, _refusal, _setup_sql
+from ._server import (
+    _CHECK_UNSUPPORTED,
+    _WHO_IS_THIS_AT,
+    PgConnectionError,
+    _connect_limit,
+    _refusal,
+    _setup_sql,
+)
 
 
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
@@ -29,6 +38,9 @@ _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 # connection (``_Unanswered``): its session's locks are lost, and nothing is left that
 # could be granted to it later. A timed call so returns by its deadline plus at most
 # _WAIT_MARGIN + _CANCEL_GRACE, and _CANCEL_GRACE for the release of what it may have taken.
+# Connecting has a deadline as well: a timed call's (and a try's) is its round trips'; any
+# other's ``connect_timeout`` of the DSN or connect_kwargs, else _server._CONNECT_WITHIN
+# (``_connect_by``). A new connection's set-up round trip shares it.
 _ANSWER_WITHIN = 10.0
 _WAIT_MARGIN = 0.25
 _CANCEL_GRACE = 0.25
@@ -52,7 +64,12 @@ class _Overdue(psycopg.OperationalError):
     taken locks before the cancel: the caller drops them); the connection lives."""
 
 
-_CLIENT_TIMEOUTS = (_Unanswered, _Overdue)
+class _NotConnectedInTime(PgConnectionError):
+    """A new connection was not complete, or not set up, by its deadline: given up (and
+    closed). A timed call times out; any other raises it."""
+
+
+_CLIENT_TIMEOUTS = (_Unanswered, _Overdue, _NotConnectedInTime)
 _T = TypeVar("_T")
 
 # This process's pid, for ``_Link.idle``, which every acquisition asks (os.getpid is a
@@ -84,10 +101,11 @@ class _RoundTrip(NamedTuple):
 class _Attach(NamedTuple):
     """A need: a connection for ``session`` (the driver's ``attach``): (link, fresh). A new
     one waits for a free place under ``max_connections`` until ``deadline`` (None: however
-    long it takes)."""
+    long it takes), and is connected by ``connect_by`` (None: ``_connect_by``'s bound)."""
 
     session: Any
     deadline: float | None = None
+    connect_by: float | None = None
 
 
 class _Lose(NamedTuple):
@@ -110,7 +128,8 @@ _Need = _RoundTrip | _Attach | _Lose | _Drop
 _Steps = Generator[_Need, Any, _T]
 
 
-def _drive(steps: _Steps[_T], attach: Callable[[Any, float | None], Any] | None = None,
+def _drive(steps: _Steps[_T],
+           attach: Callable[[Any, float | None, float | None], Any] | None = None,
            lose: Callable[[Any], None] | None = None,
            drop: Callable[[Any, list[Any]], None] | None = None) -> _T:
     """Run ``steps`` in the calling thread: each need answered by a blocking round trip (or
@@ -128,7 +147,7 @@ def _drive(steps: _Steps[_T], attach: Callable[[Any, float | None], Any] | None 
                     answer = need.link._round_trip(need.deadline, need.send, *need.args)
                 elif isinstance(need, _Attach):
                     assert attach is not None
-                    answer = attach(need.session, need.deadline)
+                    answer = attach(need.session, need.deadline, need.connect_by)
                 elif isinstance(need, _Lose):
                     assert lose is not None
                     answer = lose(need.session)
@@ -177,14 +196,15 @@ def _prepared_call(link: _Link, statement: bytes, ident: int,
                       (statement, [b"%d" % ident]))
 
 
-def _set_up_steps(link: _Link) -> _Steps[None]:
+def _set_up_steps(link: _Link, deadline: float | None) -> _Steps[None]:
     """A new connection's one message: its settings pinned, and the server checked
-    (``_setup_sql``, ``_refusal``)."""
+    (``_setup_sql``, ``_refusal``), by ``deadline`` (its connect's; None: soon)."""
     version = link.pgconn.server_version
+    answer_by = True if deadline is None else deadline
     try:
-        results = yield from _run_all_steps(link, _setup_sql(version), True)
+        results = yield from _run_all_steps(link, _setup_sql(version), answer_by)
     except _CHECK_UNSUPPORTED:
-        results = yield from _run_all_steps(link, _setup_sql(version, False), True)
+        results = yield from _run_all_steps(link, _setup_sql(version, False), answer_by)
     who = results[_WHO_IS_THIS_AT]
     refusal = _refusal(who, link.pgconn.backend_pid)
     if refusal is not None:
@@ -254,14 +274,25 @@ class _Link:
 
     @classmethod
     def connect(cls, dsn: str, connect_kwargs: dict[str, Any],
-                statements: dict[bytes, bytes]) -> _Link:
-        """A new connection, set up and checked (``_setup_sql``, ``_refusal``): closed
-        again if that fails or it is refused."""
-        link = cls(psycopg.connect(dsn, autocommit=True, **connect_kwargs), statements)
+                statements: dict[bytes, bytes], deadline: float | None = None) -> _Link:
+        """A new connection, set up and checked (``_setup_sql``, ``_refusal``) by
+        ``deadline`` (``_connect_by``): closed again if that fails or it is refused.
+        Raises ``PgConnectionError`` (``_NotConnectedInTime`` past the deadline),
+        ``UnsafeServerError``."""
+        conninfo = make_conninfo(dsn, **connect_kwargs)
+        by = _connect_by(conninfo, deadline)
         try:
-            _drive(_set_up_steps(link))
-        except BaseException:
+            conn = psycopg.Connection(_connect_pgconn(conninfo, by))
+        except psycopg.Error as error:
+            raise _not_connected(error) from error
+        conn.autocommit = True  # (no round trip: the session is idle)
+        link = cls(conn, statements)
+        try:
+            _drive(_set_up_steps(link, by))
+        except BaseException as error:
             link.close()
+            if isinstance(error, psycopg.Error):
+                raise _not_connected(error) from error
             raise
         return link
 
@@ -333,15 +364,7 @@ class _Link:
         if event != _POLLIN:
             self.poller.modify(self.pgconn.socket, event)
         try:
-            while True:
-                milliseconds = _SLICE_MS
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:  # an answer already there still counts
-                        return bool(_poll(self.poller, 0)) if event == _POLLIN else False
-                    milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
-                if _poll(self.poller, milliseconds):
-                    return True
+            return _ready_by(self.poller, deadline, event == _POLLIN)
         finally:
             if event != _POLLIN:
                 self.poller.modify(self.pgconn.socket, _POLLIN)
@@ -448,6 +471,65 @@ def _note_warning(warned: list[str], notice: pg_errors.Diagnostic) -> None:
     its text, which lc_messages may translate."""
     if notice.severity_nonlocalized == "WARNING" or (notice.sqlstate or "").startswith("01"):
         warned[:] = [notice.message_primary or ""]
+
+
+def _ready_by(poller: Any, deadline: float | None, reading: bool) -> bool:
+    """Until ``poller``'s socket is ready (True) or ``deadline`` passed (False), in slices
+    (``_Link._wait``)."""
+    while True:
+        milliseconds = _SLICE_MS
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:  # an answer already there still counts
+                return bool(_poll(poller, 0)) if reading else False
+            milliseconds = min(_SLICE_MS, int(left * 1000) + 1)
+        if _poll(poller, milliseconds):
+            return True
+
+
+def _connect_by(conninfo: str, deadline: float | None) -> float | None:
+    """When a connect to ``conninfo`` gives up: at ``deadline`` (a timed call's or a try's),
+    and at the end of ``_connect_limit`` (None: never)."""
+    limit = _connect_limit(conninfo)
+    if limit is not None:
+        limit += time.monotonic()
+        deadline = limit if deadline is None else min(deadline, limit)
+    return deadline
+
+
+def _connect_pgconn(conninfo: str, by: float | None) -> pq.abc.PGconn:
+    """A connection to ``conninfo`` by ``by``: libpq's non-blocking connect (several hosts,
+    ``target_session_attrs`` and the rest are libpq's own), waiting as round trips do
+    (``_ready_by``). psycopg.connect cannot end its wait sooner than 2 s."""
+    pgconn = pq.PGconn.connect_start(conninfo.encode())
+    try:
+        while True:
+            status = (PollingStatus.FAILED if pgconn.status == ConnStatus.BAD
+                      else pgconn.connect_poll())
+            if status == PollingStatus.OK:
+                pgconn.nonblocking = 1  # as psycopg.connect leaves it
+                return pgconn
+            if status == PollingStatus.FAILED:
+                raise psycopg.OperationalError(pgconn.get_error_message().strip())
+            poller = select.poll() if hasattr(select, "poll") else _SelectPoller()
+            reading = status == PollingStatus.READING
+            poller.register(pgconn.socket, _POLLIN if reading else _POLLOUT)  # (it may change)
+            if not _ready_by(poller, by, reading):
+                raise _NotConnectedInTime(_NOT_CONNECTED_IN_TIME)
+    except BaseException:
+        pgconn.finish()
+        raise
+
+
+_NOT_CONNECTED_IN_TIME = ("PostgreSQL did not complete a new connection in time (by the"
+                          " call's deadline, else connect_timeout, else 10 s): given up")
+
+
+def _not_connected(error: psycopg.Error) -> PgConnectionError:
+    """What a connect that failed with ``error`` raises (``error`` as its cause)."""
+    if isinstance(error, (_Unanswered, _Overdue, pg_errors.ConnectionTimeout)):
+        return _NotConnectedInTime(_NOT_CONNECTED_IN_TIME)
+    return PgConnectionError(f"could not connect to PostgreSQL: {str(error).strip()}")
 
 
 def _poll(poller: Any, milliseconds: float) -> list[tuple[int, int]]:

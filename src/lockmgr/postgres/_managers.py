@@ -31,7 +31,7 @@ class PgLockManager(_PgEngine[K]):
     Every process making a manager with the same database and ``namespace`` shares its
     locks; threads of this process are ordered by an in-process ``LockManager`` first.
 
-    - ``dsn``: the database, as psycopg takes it (a URL or ``"host=... dbname=..."``).
+    - ``dsn``: the database, as libpq takes it (a URL or ``"host=... dbname=..."``).
       Nothing connects yet: each thread connects when it first takes a key.
     - ``namespace``: keeps these keys apart from other managers' on the same database
       (the same key in two namespaces is two locks).
@@ -39,8 +39,10 @@ class PgLockManager(_PgEngine[K]):
       processes, PostgreSQL's queue is first come, first served.
     - ``on_lost``: called once with the keys a lost connection held (on the thread that
       noticed, so keep it short and let it not raise).
-    - ``connect_kwargs``: more arguments for ``psycopg.connect`` (``connect_timeout``,
-      ``sslmode``, ...); TCP keepalives are on unless these turn them off.
+    - ``connect_kwargs``: more connection parameters, as libpq takes them
+      (``connect_timeout``, ``sslmode``, ...); TCP keepalives are on unless these turn them
+      off. A connect ends by a timed call's deadline; otherwise after ``connect_timeout``
+      (0: no limit), else 10 s.
     - ``log_waits_after``: as ``LockManager(log_waits_after=...)``, for waits in process.
     - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
       ``fence()``), at the cost of a durable write per acquisition.
@@ -50,10 +52,14 @@ class PgLockManager(_PgEngine[K]):
       new one waits in line, first come first served, within its ``timeout`` (a try does
       not wait). None (the default): no cap. Deadlock looks use one more, outside it.
 
-    Making a manager raises TypeError or ValueError for a bad ``fence_table`` or
-    ``max_connections``; connecting
-    (at a thread's first acquisition) raises ``UnsafeServerError`` for a standby or a
-    pooler, and psycopg's ``OperationalError`` for a server it cannot reach.
+    Making a manager raises TypeError for a ``dsn`` that is not a str, ValueError for one
+    libpq cannot parse (or bad ``connect_kwargs``), and TypeError or ValueError for a bad
+    ``fence_table`` or ``max_connections``; nothing connects. Connecting (at a thread's
+    first acquisition, and for a question to the server) raises ``PgConnectionError`` when
+    the server refuses (out of connections: "sorry, too many clients already"), cannot be
+    reached or does not complete the connection in time, psycopg's error as its cause — a
+    timed call, or a try, times out instead when the connection is not complete by its
+    deadline — and ``UnsafeServerError`` for a standby or a pooler.
     """
 
     _engine: LockEngine[Hashable]
@@ -88,7 +94,9 @@ class PgLockManager(_PgEngine[K]):
         threads), LockLost if the thread holds ``key`` on a session that was lost;
         with ``fencing=True``, FenceNotDurableError if the server could not confirm the
         fence durable (a synchronous standby that did not answer by the deadline);
-        connecting may raise ``UnsafeServerError`` or psycopg's ``OperationalError``."""
+        connecting, PgConnectionError (refused, unreachable, out of connections, psycopg's
+        error as its cause; a timed call or a try whose connect is not done by its deadline
+        returns False instead) or UnsafeServerError (a standby, a pooler)."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
         return self._take([(key, WRITE)], seconds,
@@ -188,7 +196,8 @@ class PgLockManager(_PgEngine[K]):
         """Whether any session of any process holds ``key`` in this manager's database
         (asks the server, on a connection of the manager's).
 
-        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises."""
+        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises
+        (PgConnectionError, UnsafeServerError: see ``acquire``)."""
         return self._held_on_server(key, None)
 
     def __contains__(self, key: object) -> bool:
@@ -336,7 +345,8 @@ class PgRWLockManager(_PgEngine[K]):
         """Whether any session of any process writes ``key`` in this manager's database
         (asks the server).
 
-        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises."""
+        Raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), and what connecting raises
+        (PgConnectionError, UnsafeServerError: see ``PgLockManager.acquire``)."""
         return self._held_on_server(key, _MODE_NAMES[WRITE])
 
     def __contains__(self, key: object) -> bool:

@@ -46,13 +46,17 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
     ordered = sorted([(manager.advisory_key(key), mode) for key, mode in items])
     fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
     deadline = None if seconds <= 0 else time.monotonic() + seconds
+    # A timed call's (or a try's) connect ends when its round trips would (a try's: from
+    # its start); a wait's has a bound of its own (``_link._connect_by``).
+    connect_by = None if seconds < 0 else _round_trip_deadline("timed", deadline)
     retried = False
     while True:
         if session.link is not None:
             link, fresh_link = session.link, False
         else:
             # (a try waits for no free connection; a timed call, until its deadline)
-            link, fresh_link = yield _Attach(session, time.monotonic() if seconds == 0 else deadline)
+            link, fresh_link = yield _Attach(session, time.monotonic() if seconds == 0 else deadline,
+                                             connect_by)
         # Unsure before the server can take them (a lost connection clears it): an
         # interrupt after the grant, then another at the clean-up's first check point
         # (undo_take's entry), would leave them held on the connection, recorded nowhere.

@@ -3,9 +3,12 @@ a standby or a pooler (``UnsafeServerError``)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import psycopg
 from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .._errors import LockError
 
@@ -69,6 +72,51 @@ class UnsafeServerError(LockError):
     """The DSN reaches a server on which session locks would not exclude: a standby, or a
     pooler between this process and the server. Raised by the call that connected; the
     connection is closed and nothing is held."""
+
+
+class PgConnectionError(LockError, ConnectionError):
+    """lockmgr could not connect to PostgreSQL: the server refused the connection (out of
+    connections, "sorry, too many clients already"; authentication; no such database), could
+    not be reached, or did not complete the connection in time (by an untimed call's connect
+    bound: ``connect_timeout``, else 10 s). Raised by the call that connected, psycopg's
+    error as its ``__cause__``; nothing is held. (A timed call, or a try, whose connection
+    is not complete by its deadline times out instead: False, or ``LockTimeout``.)"""
+
+
+def _conninfo(dsn: object, connect_kwargs: dict[str, Any]) -> str:
+    """The connection string of ``dsn`` with ``connect_kwargs``, as libpq parses it: a
+    manager's are checked when it is made (TypeError for a ``dsn`` that is not a str,
+    ValueError naming what libpq cannot parse, or a bad ``connect_timeout``)."""
+    if not isinstance(dsn, str):
+        raise TypeError("dsn must be a str (a URL or \"host=... dbname=...\"), not "
+                        f"{type(dsn).__name__}")
+    try:
+        conninfo = make_conninfo(dsn, **connect_kwargs)
+        _connect_limit(conninfo)
+    except (psycopg.ProgrammingError, ValueError) as error:
+        raise ValueError("not a PostgreSQL connection string (dsn and connect_kwargs): "
+                         f"{str(error).strip()}") from None
+    return conninfo
+
+
+# How long a connect may take, when neither the call's deadline nor ``connect_timeout``
+# bounds it: as long as any round trip that waits for no lock (``_link._ANSWER_WITHIN``).
+_CONNECT_WITHIN = 10.0
+
+
+def _connect_limit(conninfo: str) -> float | None:
+    """How long a connect to ``conninfo`` may take: its ``connect_timeout`` (or
+    PGCONNECT_TIMEOUT) as libpq reads it (whole seconds, at least 2; 0 or less: no limit,
+    None), else ``_CONNECT_WITHIN``."""
+    value = conninfo_to_dict(conninfo).get("connect_timeout",
+                                           os.environ.get("PGCONNECT_TIMEOUT"))
+    if value is None:
+        return _CONNECT_WITHIN
+    try:
+        seconds = int(float(value))
+    except ValueError:
+        raise ValueError(f"connect_timeout must be a number of seconds, not {value!r}") from None
+    return None if seconds <= 0 else float(max(2, seconds))
 
 
 def _refusal(first_row: Any, client_pid: int) -> UnsafeServerError | None:

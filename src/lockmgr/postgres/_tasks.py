@@ -130,7 +130,7 @@ class _Tasks:
                                  local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
         """``local_acquire(seconds)``, looking around every ``LOOK_EVERY`` seconds while it
         waits (``look_while_waiting``)."""
-        look = Look(items)
+        look = Look(items, None if seconds < 0 else time.monotonic() + seconds)
         check = TASK_WAIT_CHECK.set((LOOK_EVERY, lambda: self.look_while_waiting(look)))
         try:
             return await local_acquire(seconds)
@@ -151,8 +151,14 @@ class _Tasks:
         lookout = look.lookout = manager._lookout
         look.owner = task
         try:  # (a round trip: not on the loop)
-            found = await asyncio.get_running_loop().run_in_executor(
+            looking = asyncio.get_running_loop().run_in_executor(
                 lookout.task_executor(), lookout.look, manager, look)
+            # A timed wait waits for no look past its deadline (one may be queued behind
+            # another waiter's, in the one thread): the look goes on without it.
+            found = await asyncio.wait_for(
+                looking, None if look.deadline is None else look.deadline - time.monotonic())
+        except TimeoutError:
+            found = None
         except RuntimeError:  # the interpreter is shutting down: no thread starts any more
             found = None
         if look.confirms(found):
@@ -349,17 +355,18 @@ class _Tasks:
         if session.dead or not link.idle():
             self.lose(session)
 
-    async def attach(self, session: _TaskSession,
-                     deadline: float | None = None) -> tuple[_AsyncLink, bool]:
+    async def attach(self, session: _TaskSession, deadline: float | None = None,
+                     connect_by: float | None = None) -> tuple[_AsyncLink, bool]:
         """Give the session a connection: an idle one still alive (False), or a new one
-        (under ``max_connections``, waiting for one to be free until ``deadline``)."""
+        (under ``max_connections``, waiting for one to be free until ``deadline``, connected
+        by ``connect_by``: ``_AsyncLink.connect_async``)."""
         manager = self.manager
         self.sweep_closed_loops()  # their connections may hold what this one will wait for
         while True:
             with manager._guard:
                 link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
-                link = await self.connect(await reserve_async(self.manager, deadline))
+                link = await self.connect(await reserve_async(self.manager, deadline), connect_by)
                 fresh = True
                 break
             if link.idle():
@@ -495,8 +502,8 @@ class _Tasks:
             " WHERE datname = pg_catalog.current_database())"
             + ("" if mode is None else f" AND mode = '{mode}'") + ")")
 
-    async def borrow(self) -> _AsyncLink:
-        """An idle connection of the tasks', or a new one."""
+    async def borrow(self, deadline: float | None = None) -> _AsyncLink:
+        """An idle connection of the tasks', or a new one (connected by ``deadline``)."""
         manager = self.manager
         with manager._guard:
             link = manager._task_idle.pop() if manager._task_idle else None
@@ -504,14 +511,15 @@ class _Tasks:
             return link
         if link is not None:
             link.close()
-        return await self.connect(await reserve_async(self.manager, True))
+        return await self.connect(
+            await reserve_async(self.manager, True if deadline is None else deadline), deadline)
 
-    async def connect(self, slot: _Slot | None) -> _AsyncLink:
-        """A new connection, in ``slot`` (given back if it fails)."""
+    async def connect(self, slot: _Slot | None, connect_by: float | None) -> _AsyncLink:
+        """A new connection, in ``slot`` (given back if it fails), connected by ``connect_by``."""
         manager = self.manager
         try:
             link = await _AsyncLink.connect_async(
-                manager._dsn, manager._connect_kwargs, manager._fence_table.statements)
+                manager._dsn, manager._connect_kwargs, manager._fence_table.statements, connect_by)
         except BaseException:
             if slot is not None:
                 slot.free()
@@ -522,7 +530,7 @@ class _Tasks:
     async def ask(self, question: str, deadline: float | bool = True) -> bool:
         """``_PgEngine._ask`` on an idle connection of the tasks'."""
         manager = self.manager
-        link = await self.borrow()
+        link = await self.borrow(None if deadline is True else deadline)
         try:
             result = await link.run_async(question, deadline)
         except BaseException:
