@@ -4,8 +4,9 @@ queue of the threads and tasks waiting for one (``_Capacity``).
 A connection takes a ``_Slot`` when it is opened and gives it back when it closes
 (``_Link.close``, whatever closes it). A slot given back while threads or tasks wait goes
 straight to the one that has waited longest: nobody who came later can take it first. A
-connection that would go back to the idle list while someone waits is closed instead, so
-that its slot goes to them (a reconnect, only at the cap, and the order kept)."""
+connection that would go back to the idle list (or stay parked with its thread) while
+someone waits is closed instead, so that its slot goes to them (a reconnect, only at the
+cap, and the order kept); a newcomer at the cap takes an idle or parked one's slot."""
 
 from __future__ import annotations
 
