@@ -219,9 +219,10 @@ class AsyncKeyLock(Generic[K]):
         """As ``AsyncLockManager.acquire`` for this view's key: raises what it raises."""
         return self._manager._task_acquire(self._key, blocking, timeout)
 
-    def release(self) -> None:
-        """As ``AsyncLockManager.release`` for this view's key: raises what it raises."""
-        self._manager._task_release(self._key, WRITE)
+    def release(self) -> Awaitable[None]:
+        """As ``AsyncLockManager.release`` for this view's key: answers and raises what it
+        does."""
+        return self._manager._task_release_write(self._key)
 
     def locked(self) -> bool:
         """Whether any thread or task holds the key. Raises nothing."""
@@ -290,7 +291,11 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
       ``timeout`` (seconds, -1 = forever) ran out first. The event loop runs other tasks
       meanwhile; a cancellation leaves nothing acquired.
     - ``aio.release(key)``: undo one ``acquire`` (NotOwnedError if the current task does
-      not hold ``key``).
+      not hold ``key``), at the call. It answers an awaitable that is done already, so
+      ``await aio.release(key)`` works too: code written for the PostgreSQL views (whose
+      release also releases at the call, and whose awaitable tells when the server has)
+      runs here unchanged, and the other way round. ``release_many`` and ``aio[key].release``
+      likewise.
 
     What they raise: ``acquire`` TypeError/ValueError for bad ``blocking``/``timeout`` and
     TypeError for an unhashable key, DeadlockError if waiting would close a cycle of
@@ -311,7 +316,7 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
             ...
 
-        def release(self, key: K) -> None:
+        def release(self, key: K) -> Awaitable[None]:
             ...
     else:
         __slots__ = ("acquire", "release")
@@ -341,10 +346,11 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
         return manager._task_acquire_many(lambda: many_items(keys, manager._table_key),
                                           blocking, timeout)
 
-    def release_many(self, keys: Iterable[K]) -> None:
-        """Undo one ``acquire_many`` of ``keys``. Raises NotOwnedError, nothing released, if
-        the current task does not hold them all; RuntimeError outside a running asyncio task."""
-        self._manager._task_release_many(many_items(keys, self._manager._table_key, True))
+    def release_many(self, keys: Iterable[K]) -> Awaitable[None]:
+        """Undo one ``acquire_many`` of ``keys``, at the call (an awaitable done already, as
+        ``release``'s). Raises NotOwnedError, nothing released, if the current task does not
+        hold them all; RuntimeError outside a running asyncio task."""
+        return self._manager._task_release_many(many_items(keys, self._manager._table_key, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
         """``async with aio.hold_many(keys, timeout=...)``: every key for the block; raises
@@ -382,7 +388,8 @@ class AsyncLockManager(_AsyncEngineView, Generic[K]):
 class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
     """``RWLockManager.aio``: shared/exclusive keys with the current asyncio task as owner
     (names, arguments and errors of ``RWLockManager``; the acquiring and releasing methods
-    are the engine's own, bound here, as for ``AsyncLockManager``)."""
+    are the engine's own, bound here, as for ``AsyncLockManager``: a release is done at the
+    call and answers an awaitable done already)."""
 
     _manager: RWLockEngine[K]
 
@@ -395,9 +402,9 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         async def acquire_write(self, key: K, blocking: bool = True,
                                 timeout: float = -1) -> bool: ...
 
-        def release_read(self, key: K) -> None: ...
+        def release_read(self, key: K) -> Awaitable[None]: ...
 
-        def release_write(self, key: K) -> None: ...
+        def release_write(self, key: K) -> Awaitable[None]: ...
     else:
         __slots__ = ("acquire_read", "acquire_write", "release_read", "release_write")
 
@@ -427,10 +434,11 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         return manager._task_acquire_many(
             lambda: rw_items(reads, writes, manager._table_key), blocking, timeout)
 
-    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        """Undo one ``acquire_many``. Raises NotOwnedError, nothing released, if the current
-        task does not hold them so; RuntimeError outside a running asyncio task."""
-        self._manager._task_release_many(
+    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> Awaitable[None]:
+        """Undo one ``acquire_many``, at the call (an awaitable done already, as
+        ``AsyncLockManager.release``'s). Raises NotOwnedError, nothing released, if the
+        current task does not hold them so; RuntimeError outside a running asyncio task."""
+        return self._manager._task_release_many(
             rw_items(reads, writes, self._manager._table_key, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),

@@ -689,6 +689,41 @@ def test_an_acquisition_never_awaited_warns_when_collected(impl, which: int) -> 
         gc.collect()
 
 
+def _releases(impl) -> list[tuple[Any, Callable[[], Awaitable[bool]], Callable[[], object]]]:
+    """(the manager, acquire "k", release it) in each form of the two views."""
+    locks = impl.LockManager()
+    rw = impl.RWLockManager()
+    return [(locks, lambda: locks.aio.acquire("k"), lambda: locks.aio.release("k")),
+            (locks, lambda: locks.aio["k"].acquire(), lambda: locks.aio["k"].release()),
+            (locks, lambda: locks.aio.acquire_many(["k"]), lambda: locks.aio.release_many(["k"])),
+            (rw, lambda: rw.aio.acquire_read("k"), lambda: rw.aio.release_read("k")),
+            (rw, lambda: rw.aio.acquire_write("k"), lambda: rw.aio.release_write("k")),
+            (rw, lambda: rw.aio.acquire_many(writes=["k"]),
+             lambda: rw.aio.release_many(writes=["k"]))]
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_a_release_is_done_at_the_call_and_may_be_awaited(impl, which: int) -> None:
+    """As the PostgreSQL views' (``await aio.release(key)``) or not: the release is done
+    when the call returns, and its answer, done already, may be awaited or dropped
+    without a warning."""
+    manager, acquire, release = _releases(impl)[which]
+
+    async def main() -> None:
+        for awaited in (True, False):
+            assert await acquire()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                answer = release()
+                assert len(manager) == 0  # released at the call
+                if awaited:
+                    assert await answer is None  # type: ignore[misc]
+                del answer
+                gc.collect()
+
+    run(main)
+
+
 @pytest.mark.parametrize("which", range(6))
 def test_an_acquisition_closed_unawaited_warns_nothing(impl, which: int) -> None:
     acquiring = _acquisitions(impl)[which]()

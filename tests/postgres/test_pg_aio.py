@@ -1164,3 +1164,95 @@ def test_a_manager_lives_while_a_task_holds_its_keys(engine, dsn, namespace) -> 
 
         run(main)
         assert freed() is None  # the task and its block are gone: so is the manager
+
+
+# -- a release is done at the call, awaited or not --------------------------------------------
+
+
+def _releases(locks: postgres.PgLockManager[Any], rw: postgres.PgRWLockManager[Any]
+              ) -> list[tuple[Callable[[], Awaitable[bool]], Callable[[], Awaitable[None]]]]:
+    """(acquire "k", release it) in each form of the two views."""
+    return [(lambda: locks.aio.acquire("k"), lambda: locks.aio.release("k")),
+            (lambda: locks.aio["k"].acquire(), lambda: locks.aio["k"].release()),
+            (lambda: locks.aio.acquire_many(["k"]), lambda: locks.aio.release_many(["k"])),
+            (lambda: rw.aio.acquire_read("k"), lambda: rw.aio.release_read("k")),
+            (lambda: rw.aio.acquire_write("k"), lambda: rw.aio.release_write("k")),
+            (lambda: rw.aio.acquire_many(writes=["k"]), lambda: rw.aio.release_many(writes=["k"]))]
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_a_release_nobody_awaits_still_releases_on_the_server(locks, rwlocks, dsn,
+                                                              which) -> None:
+    """Code moved from the in-process ``aio`` (``aio.release(key)``, no await): the key is
+    released in process at the call, and on the server within a round trip, with no
+    warning; the task's next acquisition waits for that release, then takes the key anew."""
+    acquire, release = _releases(locks, rwlocks)[which]
+    manager = locks if which < 3 else rwlocks
+
+    async def main() -> None:
+        assert await acquire()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            release()  # not awaited
+            gc.collect()
+        assert len(manager) == 0
+        await until(lambda: not held_on_server(dsn, manager, "k"), "released on the server")
+        assert await acquire()  # taken again, on the server too
+        release()
+        assert await acquire()  # at once after an unawaited release: after it, anew
+        assert held_on_server(dsn, manager, "k") and len(manager) == 1
+        await release()  # awaited: released on the server when it returns
+        assert not held_on_server(dsn, manager, "k") and len(manager) == 0
+
+    run(main)
+
+
+def test_a_release_raises_not_owned_and_lock_lost_at_the_call(locks, dsn) -> None:
+    """NotOwnedError at the call, nothing changed; a key whose connection the call finds
+    dead is LockLost at the call (one the server's release finds gone, when awaited), the
+    key no longer held either way."""
+    async def main() -> None:
+        with pytest.raises(NotOwnedError):
+            locks.aio.release("k")  # not awaited: raised at the call
+        assert await locks.aio.acquire("k")
+        terminate_holder(dsn, locks, "k")
+        with pytest.raises(LockLost):
+            locks.aio.release("k")
+        assert len(locks) == 0
+        assert await locks.aio.acquire("k", timeout=PATIENCE)
+        await locks.aio.release("k")
+
+    run(main)
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_an_acquisition_never_awaited_warns_when_collected(locks, rwlocks, which) -> None:
+    """As in process, on both engines: an ``aio`` acquisition made and never awaited
+    warns as a coroutine does, and takes nothing."""
+    acquiring = _releases(locks, rwlocks)[which][0]()
+    with pytest.warns(RuntimeWarning, match=r"^coroutine '[\w.]+' was never awaited$"):
+        del acquiring
+        gc.collect()
+    assert len(locks) == len(rwlocks) == 0
+
+
+def test_a_release_whose_round_trip_fails_is_lock_lost_when_awaited(locks, dsn,
+                                                                    monkeypatch) -> None:
+    """The server's release fails (the connection breaks on the way): the connection is
+    closed, so nothing stays held, and awaiting the release's answer raises LockLost."""
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise psycopg.OperationalError("the connection broke")
+
+    async def main() -> None:
+        assert await locks.aio.acquire("k")
+        monkeypatch.setattr(_AsyncLink, "_round_trip_async", broken)
+        answer = locks.aio.release("k")
+        assert len(locks) == 0
+        with pytest.raises(LockLost, match="'k'"):
+            await answer
+        monkeypatch.undo()
+        assert not held_on_server(dsn, locks, "k")
+        assert await locks.aio.acquire("k", timeout=0)
+        await locks.aio.release("k")
+
+    run(main)

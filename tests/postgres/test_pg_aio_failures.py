@@ -88,9 +88,10 @@ def test_release_all_cancelled_during_a_clean_up_leaves_a_server_lock_on_an_idle
 
 def test_a_cancelled_release_does_not_release_while_a_clean_up_runs(
         locks, dsn, namespace, monkeypatch) -> None:  # noqa: F811
-    """"A cancelled release still releases" (module docstring): not when the release first
-    waits for an earlier clean-up and is cancelled there; the task goes on holding "a"
-    in-process and on the server, though it left ``async with aio.hold("a")``."""
+    """"A cancelled release still releases" (module docstring): also when the release's
+    answer waits for an earlier clean-up and is cancelled there. The release was done at
+    the call: "a" is released in process at once, and on the server by that clean-up,
+    which the task's next call (here ``lost_keys``) waits for."""
     holder = child(dsn, namespace, HOLDER)
     expect(holder, held=True)
     slow_abort(monkeypatch, 0.3)
@@ -111,6 +112,7 @@ def test_a_cancelled_release_does_not_release_while_a_clean_up_runs(
             except asyncio.CancelledError:
                 pass  # a worker that survives cancellations (e.g. a supervisor's retry)
             after["owned"] = aio.owned("a")
+            assert await aio.lost_keys() == set()  # (waits for the clean-up)
             after["server"] = await asyncio.to_thread(held_on_server, dsn, locks, "a")
             carried_on.set()
             await aio.release_all()

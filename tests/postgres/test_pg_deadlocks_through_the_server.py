@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import signal
 import sys
 import threading
 import time
@@ -19,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from conftest import PATIENCE, Call, Worker, wait_until
 import pgserver  # noqa: F401  (first: it skips this module where psycopg cannot load libpq)
@@ -28,6 +31,7 @@ from lockmgr.postgres._deadlock import (
     LOOK_EVERY,
     PUBLISHABLE_PIDS,
     PUBLISHED,
+    STAMPED,
     Lookout,
     connections_of,
 )
@@ -110,11 +114,12 @@ def other(dsn: str, pg_locks: postgres.PgLockManager[Any]) -> Iterator[OtherProc
 
 
 def c_waits_on_the_server(pg_locks: postgres.PgLockManager[Any], other: OtherProcess,
-                          c: Worker) -> Call:
-    """The server side of the cycle: the other process holds "b" and waits for "a"; C,
-    holding "c", waits on the server for "b"."""
+                          c: Worker, hold_a: bool = True) -> Call:
+    """The server side of the cycle: the other process holds "b" and waits for "a" (unless
+    not ``hold_a``); C, holding "c", waits on the server for "b"."""
     other.hold("b")
-    other.wait_for("a")
+    if hold_a:
+        other.wait_for("a")
     c_waits = c.submit(lambda: pg_locks.acquire("b"))
     c_backend = holders_backend(pg_locks, "c")
     wait_until(lambda: waiting_on_server(other.dsn, c_backend), "C waits on the server")
@@ -292,26 +297,37 @@ def test_a_cycle_through_the_waits_in_process_of_two_processes_is_found(
     gets DeadlockError (each of the two waiters in process may), every wait ends, and
     nothing stays held."""
     process = child(dsn, namespace, CYCLE_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    outcomes, took = cycle_through_two_processes(pg_locks, process, dsn, workers)
+    # The first DeadlockError ended the cycle: the child, the last to finish, was done
+    # within the bound (the waiters' first looks publish their waits: half a second).
+    assert took < deadlock_timeout + WITHIN + LOOK_EVERY + SLACK, outcomes
+
+
+def cycle_through_two_processes(manager: postgres.PgLockManager[Any], process: Any, dsn: str,
+                                workers: Any) -> tuple[dict[str, object], float]:
+    """The cycle of the test above, with ``manager`` here and a child running
+    ``CYCLE_CHILD``, checked: the outcomes of A, C, D and E, and the seconds from A's wait
+    to the child's end."""
     expect(process, held=True)
     a, c = workers("A"), workers("C")
-    a.run(lambda: pg_locks.acquire("a"))
-    c.run(lambda: pg_locks.acquire("c"))
+    a.run(lambda: manager.acquire("a"))
+    c.run(lambda: manager.acquire("c"))
 
     def take_then_give_back(worker_key: str) -> object:
         try:
-            outcome: object = pg_locks.acquire(worker_key, timeout=60)
+            outcome: object = manager.acquire(worker_key, timeout=60)
         except DeadlockError:
             outcome = "deadlock"
-        pg_locks.release_all()
+        manager.release_all()
         return outcome
 
     c_waits = c.submit(lambda: take_then_give_back("d"))
-    c_backend = holders_backend(pg_locks, "c")
+    c_backend = holders_backend(manager, "c")
     wait_until(lambda: waiting_on_server(dsn, c_backend), "C waits on the server")
     assert process.stdin is not None
     process.stdin.write("go\n")
     process.stdin.flush()
-    wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "E waits on the server")
+    wait_until(lambda: waits_for_key_on_server(dsn, manager, "a"), "E waits on the server")
     started = time.monotonic()
     a_waits = a.submit(lambda: take_then_give_back("c"))
     said = expect(process)
@@ -319,10 +335,8 @@ def test_a_cycle_through_the_waits_in_process_of_two_processes_is_found(
     outcomes = {"A": a_waits.result(), "C": c_waits.result(), "D": said["d"], "E": said["e"]}
     assert "deadlock" in (outcomes["A"], outcomes["D"]), outcomes
     assert outcomes["C"] is True and outcomes["E"] is True, outcomes
-    # The first DeadlockError ended the cycle: the child, the last to finish, was done
-    # within the bound (the waiters' first looks publish their waits: half a second).
-    assert ended - started < deadlock_timeout + WITHIN + LOOK_EVERY + SLACK, outcomes
     finish(process)
+    return outcomes, ended - started
 
 
 def waits_for_key_on_server(dsn: str, manager: postgres.PgLockManager[Any], key: str) -> bool:
@@ -627,3 +641,405 @@ def test_a_task_whose_wait_ends_during_its_look_leaves_nothing_published(
     assert pg_locks._lookout.link is None and not pg_locks._lookout.published
     assert published_waits(dsn) == 0
     holder.run(pg_locks.release_all)
+
+
+# -- whose publications count --------------------------------------------------------------------
+
+FORGER = "lockmgr_forger"
+
+
+@pytest.fixture(scope="module")
+def forging_logins(dsn: str) -> dict[str, str]:
+    """DSNs of logins an attacker may have on the managers' server: another role on their
+    database, their role on another database, and the other role there."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE ROLE {FORGER} LOGIN")
+        admin.execute("CREATE DATABASE forgery")
+    return {"another role": make_conninfo(dsn, user=FORGER),
+            "another database": make_conninfo(dsn, dbname="forgery"),
+            "another role on another database": make_conninfo(dsn, user=FORGER,
+                                                              dbname="forgery")}
+
+
+class Forger:
+    """A session that publishes, as a lookout would, that the backend ``waiter`` waits in
+    process for the backend ``holder``, and stamps its publication anew every 20 ms (as
+    often as a busy lookout would), until the ``with`` block ends."""
+
+    def __init__(self, dsn: str, waiter: int, holder: int) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.conn.execute("SELECT pg_advisory_lock_shared(%s, %s), pg_advisory_lock_shared(%s, 0)",
+                          (PUBLISHED + waiter, holder, STAMPED))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stamp_anew)
+
+    def stamp_anew(self) -> None:
+        stamp = 0
+        while not self.stop.wait(0.02):
+            self.conn.execute("SELECT pg_advisory_unlock_shared(%s, %s),"
+                              " pg_advisory_lock_shared(%s, %s)",
+                              (STAMPED, stamp, STAMPED, stamp + 1))
+            stamp += 1
+
+    def __enter__(self) -> Forger:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.thread.join(PATIENCE)
+        self.conn.close()
+
+
+def counting_answered_looks(monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """A semaphore released after each look, of a thread or a task, that the server
+    answered (its answer unchanged)."""
+    looked = threading.Semaphore(0)
+    look = Lookout.look
+
+    def counted_look(self: Lookout, *args: Any) -> bool | None:
+        found = look(self, *args)
+        if found is not None:
+            looked.release()
+        return found
+
+    monkeypatch.setattr(Lookout, "look", counted_look)
+    return looked
+
+
+def take_c_holding_a(manager: postgres.PgLockManager[Any], as_task: bool,
+                     holds_a: threading.Event, go: threading.Event) -> object:
+    """Take "a", set ``holds_a``, once ``go`` is set take "c" (for a while at most), and
+    give everything back: the outcome (True, False or the error). As a thread, or a task of
+    a loop of the calling thread's."""
+    if not as_task:
+        manager.acquire("a")
+        holds_a.set()
+        assert go.wait(PATIENCE)
+        return outcome_of(manager, "c")
+
+    async def task() -> object:
+        await manager.aio.acquire("a")
+        holds_a.set()
+        await until(go.is_set, "told to go")
+        try:
+            outcome: object = await manager.aio.acquire("c", timeout=PATIENCE)
+        except DeadlockError as error:
+            outcome = error
+        await manager.aio.release_all()
+        return outcome
+
+    return asyncio.run(asyncio.wait_for(task(), PATIENCE * 3))
+
+
+def looking_while_a_wait_is_forged(manager: postgres.PgLockManager[Any], dsn: str,
+                                   forging_login: str, as_task: bool, workers: Any,
+                                   looked: threading.Semaphore) -> object:
+    """A holds "a", C holds "c" and waits on the server for "b", which another process
+    holds; a forger publishes that the other process waits in process for A, and A waits
+    in process for "c": if its looks followed the forgery, the cycle would close. Once A
+    has looked (an answer) three times since, or its wait has ended, the other process lets
+    "b" go to C, which lets "c" go: A's outcome."""
+    other = OtherProcess(dsn, manager)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    try:
+        c.run(lambda: manager.acquire("c"))
+        c_waits = c_waits_on_the_server(manager, other, c, hold_a=False)
+        a_waits = a.submit(lambda: take_c_holding_a(manager, as_task, holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        with Forger(forging_login, other.pid, holders_backend(manager, "a")):
+            go.set()
+            wait_until(lambda: waits_in_process(manager, "c") or a_waits.done(),
+                       "A waits in process")
+            for _ in range(3):  # two of them at least began with the forgery in place
+                if not looked.acquire(timeout=PATIENCE) or a_waits.done():
+                    break
+        other.let_go()
+        assert c_waits.result() is True
+        c.run(manager.release_all)
+        outcome = a_waits.result()
+    finally:
+        go.set()
+        other.conn.close()
+    return outcome
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+@pytest.mark.parametrize("login", ["another role", "another database",
+                                   "another role on another database"])
+def test_a_wait_published_by_a_session_of_another_role_or_database_is_not_followed(
+        pg_locks, dsn, forging_logins, workers, monkeypatch, login, owner) -> None:  # type: ignore[no-untyped-def]
+    """Advisory locks need no privilege: anyone who can log in can take the keys that
+    publish waits. A manager's looks follow only the publications of its own database and
+    role: the forged wait closes no cycle, and A waits on until C lets go."""
+    looked = counting_answered_looks(monkeypatch)
+    outcome = looking_while_a_wait_is_forged(
+        pg_locks, dsn, forging_logins[login], owner == "task", workers, looked)
+    assert outcome is True
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_wait_published_by_a_session_of_a_trusted_role_is_followed(
+        engine, dsn, namespace, forging_logins, workers, monkeypatch, owner) -> None:  # type: ignore[no-untyped-def]
+    """A manager told to trust another role (``trusted_roles``) follows that role's
+    publications on its database: the same forgery closes the cycle, and A is refused."""
+    looked = counting_answered_looks(monkeypatch)
+    trusting: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        dsn, namespace=namespace, trusted_roles=[FORGER])
+    try:
+        outcome = looking_while_a_wait_is_forged(
+            trusting, dsn, forging_logins["another role"], owner == "task", workers, looked)
+    finally:
+        trusting.close()
+    assert isinstance(outcome, DeadlockError), outcome
+
+
+@pytest.mark.parametrize("roles, error", [
+    ("lockmgr", TypeError), ([b"lockmgr"], TypeError), ([""], ValueError),
+    (["lock\x00mgr"], ValueError)])
+def test_trusted_roles_must_be_names(engine, dsn, roles, error) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match="trusted_roles"):
+        postgres.PgLockManager(dsn, trusted_roles=roles)
+    with pytest.raises(error, match="trusted_roles"):
+        postgres.PgRWLockManager(dsn, trusted_roles=roles)
+
+
+# -- publications that outlive their waits ---------------------------------------------------------
+
+GIVEN_UP_LOOKOUT_CHILD = """
+results = {}
+h_holds, w_has_h = threading.Event(), threading.Event()
+steps = {step: threading.Event() for step in ("let h go", "h waits for a", "end")}
+
+def thread_h():
+    locks.acquire("h")
+    h_holds.set()
+    steps["let h go"].wait()
+    locks.release("h")
+    steps["h waits for a"].wait()
+    results["h"] = locks.acquire("a", timeout=60)  # waits on the server for the parent's A
+    locks.release_all()
+
+def thread_w():
+    locks.acquire("w")
+    results["w"] = locks.acquire("h", timeout=60)  # waits in process for H: published
+    w_has_h.set()
+    steps["end"].wait()
+    locks.release_all()
+
+h = threading.Thread(target=thread_h)
+h.start()
+h_holds.wait()
+w = threading.Thread(target=thread_w)
+w.start()
+say(started=True)
+steps[sys.stdin.readline().strip()].set()  # let h go
+w_has_h.wait()
+deadline = time.monotonic() + 30
+while locks._lookout.link is not None and time.monotonic() < deadline:
+    time.sleep(0.01)
+say(lookout_closed=locks._lookout.link is None)
+steps[sys.stdin.readline().strip()].set()  # h waits for a
+steps[sys.stdin.readline().strip()].set()  # end
+h.join()
+w.join()
+say(**results)
+sys.stdin.readline()
+"""
+
+
+def publishers(dsn: str) -> set[int]:
+    """The backend pids of the sessions that publish waits in process."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {row[0] for row in conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            f" AND classid::bigint >= {PUBLISHED}"
+            f" AND classid::bigint < {PUBLISHED + PUBLISHABLE_PIDS}")}
+
+
+def tell(process: Any, step: str) -> None:
+    assert process.stdin is not None
+    process.stdin.write(step + "\n")
+    process.stdin.flush()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_wait_published_by_a_lookout_given_up_closes_no_cycle(
+        engine, pg_locks, dsn, namespace, workers, monkeypatch, owner) -> None:  # type: ignore[no-untyped-def]
+    """There, W holds "w" and waits in process for H: its look publishes the wait. Its
+    lookout's backend then stops answering (SIGSTOP); H lets "h" go to W, whose wait ends,
+    and the child gives the lookout up, but the stopped session keeps the publication. H
+    waits on the server for A's "a". Here, C holds "c" and waits on the server for W's "w",
+    and A waits in process for "c". Following the stale publication, A -> C -> W -> H -> A
+    would be a cycle; there is none (W waits for nothing), and A is not refused: it gets
+    "c" once W lets go, and every wait ends."""
+    looked = counting_answered_looks(monkeypatch)
+    process = child(dsn, namespace, GIVEN_UP_LOOKOUT_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    expect(process, started=True)
+    wait_until(lambda: len(publishers(dsn)) == 1, "W's wait is published")
+    [lookout] = publishers(dsn)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    os.kill(lookout, signal.SIGSTOP)
+    try:
+        tell(process, "let h go")
+        expect(process, lookout_closed=True)
+        assert publishers(dsn) == {lookout}  # the stopped session still publishes W's wait
+        a_waits = a.submit(lambda: take_c_holding_a(pg_locks, owner == "task", holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        c.run(lambda: pg_locks.acquire("c"))
+        c_waits = c.submit(lambda: outcome_of(pg_locks, "w"))
+        wait_until(lambda: waiting_on_server(dsn, holders_backend(pg_locks, "c")),
+                   "C waits on the server")
+        tell(process, "h waits for a")
+        wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "H waits on the server")
+        go.set()
+        wait_until(lambda: waits_in_process(pg_locks, "c") or a_waits.done(),
+                   "A waits in process")
+        for _ in range(3):  # A looks three times (each answered), or is refused
+            if not looked.acquire(timeout=PATIENCE) or a_waits.done():
+                break
+        tell(process, "end")  # W lets "w" go to C, which lets "c" go to A, then "a" to H
+        assert expect(process) == {"w": True, "h": True}
+        assert c_waits.result() is True
+        assert a_waits.result() is True
+        finish(process)
+    finally:
+        go.set()
+        os.kill(lookout, signal.SIGCONT)
+
+
+# -- cycles through xact_lock transactions -----------------------------------------------------------
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_cycle_through_an_xact_lock_transaction_waiting_on_the_server_is_found(
+        pg_locks, dsn, workers, owner) -> None:  # type: ignore[no-untyped-def]
+    """A holds "a"; C holds "c", and in its own transaction waits with xact_lock for "a";
+    A waits in process for "c": A -> C -> C's transaction -> A. A is refused, C's
+    transaction gets "a"."""
+    conn = psycopg.connect(dsn)
+    a, c = workers("A"), workers("C")
+    holds_a, go = threading.Event(), threading.Event()
+    try:
+        a_waits = a.submit(lambda: take_c_holding_a(pg_locks, owner == "task", holds_a, go))
+        assert holds_a.wait(PATIENCE)
+        c.run(lambda: pg_locks.acquire("c"))
+
+        def c_takes_a_in_its_transaction() -> bool:
+            with conn.transaction():
+                with pg_locks.xact_lock(conn, "a", timeout=PATIENCE):
+                    return True
+
+        transaction_backend = conn.info.backend_pid
+        c_waits = c.submit(c_takes_a_in_its_transaction)
+        wait_until(lambda: waiting_on_server(dsn, transaction_backend),
+                   "C's transaction waits on the server")
+        go.set()
+        outcome = a_waits.result()
+        assert c_waits.result() is True  # A let "a" go, refused or not
+        c.run(pg_locks.release_all)
+        assert isinstance(outcome, DeadlockError), outcome
+    finally:
+        go.set()
+        conn.close()
+
+
+XACT_CYCLE_CHILD = """
+import psycopg
+results = {}
+e_holds, e_go, d_holds = threading.Event(), threading.Event(), threading.Event()
+
+def thread_e():
+    locks.acquire("e")
+    e_holds.set()
+    e_go.wait()
+    with psycopg.connect(os.environ["DSN"]) as conn:
+        try:
+            with conn.transaction():
+                with locks.xact_lock(conn, "a", timeout=60):  # waits for the parent's A
+                    results["e"] = True
+        except DeadlockError:
+            results["e"] = "deadlock"
+    locks.release_all()
+
+e = threading.Thread(target=thread_e)
+e.start()
+e_holds.wait()
+with psycopg.connect(os.environ["DSN"]) as conn:
+    with conn.transaction():
+        with locks.xact_lock(conn, "d"):  # D holds "d" in its transaction only
+            pass
+        say(held=True, transaction=conn.info.backend_pid)
+        sys.stdin.readline()
+        e_go.set()
+        try:
+            results["d"] = locks.acquire("e", timeout=60)  # waits in process for E
+        except DeadlockError:
+            results["d"] = "deadlock"
+        locks.release_all()
+e.join()
+say(**results)
+"""
+
+
+def test_a_cycle_through_xact_lock_transactions_of_two_processes_is_found(
+        engine, pg_locks, dsn, namespace, workers) -> None:  # type: ignore[no-untyped-def]
+    """Here, A waits in process for C, which waits on the server for the child's D; there,
+    D, which holds "d" in its transaction only, waits in process for E, whose transaction
+    waits on the server for A. The waits published there are those of D's transaction, for
+    E's transaction: a member gets DeadlockError, every wait ends, nothing stays held."""
+    process = child(dsn, namespace, XACT_CYCLE_CHILD, pure=engine.__name__ == "lockmgr._pure")
+    transaction = expect(process, held=True)["transaction"]
+    a, c = workers("A"), workers("C")
+    a.run(lambda: pg_locks.acquire("a"))
+    c.run(lambda: pg_locks.acquire("c"))
+
+    def take_then_give_back(key: str) -> object:
+        try:
+            outcome: object = pg_locks.acquire(key, timeout=60)
+        except DeadlockError:
+            outcome = "deadlock"
+        pg_locks.release_all()
+        return outcome
+
+    c_waits = c.submit(lambda: take_then_give_back("d"))
+    wait_until(lambda: waiting_on_server(dsn, holders_backend(pg_locks, "c")),
+               "C waits on the server")
+    tell(process, "go")
+    wait_until(lambda: waits_for_key_on_server(dsn, pg_locks, "a"), "E waits on the server")
+    a_waits = a.submit(lambda: take_then_give_back("c"))
+    said = expect(process)
+    outcomes = {"A": a_waits.result(), "C": c_waits.result(), "D": said["d"], "E": said["e"]}
+    assert "deadlock" in (outcomes["A"], outcomes["D"]), outcomes
+    assert outcomes["C"] is True and outcomes["E"] is True, outcomes
+    assert not waiting_on_server(dsn, transaction)
+    finish(process)
+
+
+@pytest.fixture(scope="module")
+def application_roles(dsn: str) -> tuple[str, str]:
+    """Two roles, neither a superuser, that two applications log in as."""
+    roles = ("lockmgr_app_here", "lockmgr_app_there")
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        for role in roles:
+            admin.execute(f"CREATE ROLE {role} LOGIN")
+    return roles
+
+
+def test_a_cycle_through_two_processes_of_two_roles_that_trust_each_other_is_found(
+        engine, dsn, namespace, application_roles, workers) -> None:  # type: ignore[no-untyped-def]
+    """The cycle through the waits in process of two processes, whose managers log in as
+    two roles, neither a superuser (each sees of the other's sessions only their role,
+    database and locks), each trusting the other's: a member gets DeadlockError."""
+    here, there = application_roles
+    manager: postgres.PgLockManager[Any] = postgres.PgLockManager(
+        make_conninfo(dsn, user=here), namespace=namespace, trusted_roles=[there])
+    trusting = (f"locks.close()\nlocks = postgres.PgLockManager(os.environ['DSN'],"
+                f" namespace=os.environ['NAMESPACE'], trusted_roles=[{here!r}])\n")
+    try:
+        process = child(make_conninfo(dsn, user=there), namespace, trusting + CYCLE_CHILD,
+                        pure=engine.__name__ == "lockmgr._pure")
+        cycle_through_two_processes(manager, process, dsn, workers)
+    finally:
+        manager.close()

@@ -160,9 +160,12 @@ def test_one_round_trip_per_first_acquire_and_last_release(
 
 
 def test_a_refused_try_and_a_timed_out_wait_take_no_fence(
-        fenced: Manager, make_fenced: Callable[..., Manager], dsn: str) -> None:
+        fenced: Manager, make_fenced: Callable[..., Manager], dsn: str, workers) -> None:  # type: ignore[no-untyped-def]
     holder = make_fenced()
-    with holder.hold("k") as held:
+    holding = workers("holder")  # (the caller's own lock through another manager is refused)
+    holding.run(lambda: holder.acquire("k"))
+    try:
+        held_fence = holding.run(lambda: holder.fence("k"))
         assert fenced.acquire("k", timeout=0) is False
         assert fenced.acquire_many(["j", "k"], timeout=0) is False
         assert fenced.acquire("k", timeout=0.1) is False
@@ -171,8 +174,10 @@ def test_a_refused_try_and_a_timed_out_wait_take_no_fence(
             with fenced.hold("k", timeout=0.05):
                 pytest.fail("entered without the key")
         assert len(fenced) == 0 and not held_on_server(dsn, fenced, "j")
+    finally:
+        holding.run(lambda: holder.release("k"))
     with fenced.hold_many(["j", "k"]) as lease:
-        assert lease.fences == {"j": 1, "k": held.fence + 1}  # no fence went missing
+        assert lease.fences == {"j": 1, "k": held_fence + 1}  # no fence went missing
 
 
 def test_timeouts_racing_grants_skip_no_fence(fenced: Manager,

@@ -20,7 +20,7 @@ import pytest
 
 import pgserver
 from conftest import PATIENCE, wait_until
-from lockmgr import LockLost
+from lockmgr import DeadlockError, LockLost
 
 import psycopg
 from lockmgr import postgres
@@ -543,6 +543,44 @@ def test_xact_lock_takes_the_lock_on_the_server_whatever_the_search_path(
     locks.close()
 
 
+# -- xact_lock's transactions are known across roles -----------------------------------------
+
+
+@pytest.mark.parametrize("timeout", [0, 0.2], ids=["try", "timed"])
+def test_a_session_lock_of_a_key_taken_with_xact_lock_as_another_role_is_refused_at_once(
+        engine, dsn, namespace, make_role, timeout) -> None:
+    """The manager logs in as a role of its own, the caller's connection as another: the
+    server hides that connection's transaction from the manager's role
+    (pg_stat_activity), not its locks. A thread, and a task, that took "k" with
+    xact_lock in a transaction still open are refused a session lock of it at once (it
+    would wait for itself); once the transaction ended, it is taken."""
+    rw: postgres.PgRWLockManager[Any] = postgres.PgRWLockManager(
+        dsn, namespace=namespace, connect_kwargs=as_role(make_role()))
+
+    async def in_a_task() -> None:
+        with conn.transaction():
+            with rw.xact_lock(conn, "k"):
+                pass
+            with pytest.raises(DeadlockError, match="calling task holds .* xact_lock"):
+                await rw.aio.acquire_read("k", timeout=timeout)
+        assert await rw.aio.acquire_write("k", timeout=timeout)
+        await rw.aio.release_write("k")
+
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            with rw.xact_lock(conn, "k", shared=True):
+                pass
+            with pytest.raises(DeadlockError, match="calling thread holds .* xact_lock"):
+                rw.acquire_write("k", timeout=timeout)
+            assert rw.acquire_read("k", timeout=timeout)  # shared beside a read
+            rw.release_read("k")
+        assert rw.acquire_write("k", timeout=timeout)  # committed: the xact lock went with it
+        rw.release_write("k")
+        run(in_a_task)
+    assert not held_on_server(dsn, rw, "k")
+    rw.close()
+
+
 # -- a lost connection fails the whole call ---------------------------------------------------
 
 
@@ -722,14 +760,15 @@ def test_a_timed_first_fenced_write_on_a_stopped_backend_returns_by_its_deadline
 
 @pytest.mark.posix_only
 def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
-        engine, dsn, namespace, ctrl_c_raises) -> None:
+        engine, dsn, namespace, ctrl_c_raises, workers) -> None:
     """Ctrl-C during a timed call whose backend stopped: the clean-up (a cancel nobody
     answers) is bounded by the call's deadline, and the interrupt is what the caller
     gets, never the clean-up's own failure."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    holding = workers("holder")  # (the caller's own lock through another manager is refused)
     try:
-        other.acquire("k")
+        holding.run(lambda: other.acquire("k"))
         locks.acquire("held")
         interrupting = threading.Timer(0.3, _thread.interrupt_main)
         with stopped_backend(dsn, locks, "held"):
@@ -744,7 +783,7 @@ def test_ctrl_c_on_a_stopped_backend_raises_keyboard_interrupt_by_the_deadline(
         assert took <= 3 + 2.0, f"returned {took:.2f} s after its call"
         with pytest.raises(LockLost):
             locks.release("held")
-        other.release("k")
+        holding.run(lambda: other.release("k"))
     finally:
         locks.close()
         other.close()

@@ -1436,14 +1436,16 @@ def test_a_missing_server_binary_skips_naming_it_or_fails_where_servers_are_requ
 
 
 @pytest.mark.parametrize("owner", ["thread", "task"])
-def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owner) -> None:
+def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owner,
+                                                    workers) -> None:
     """A timed wait the server ends (LockNotAvailable, thrown into the lock call's steps and
     answered with a time-out) is freed by reference counting alone: no cycle through the
     error's traceback keeps the driver's and the steps' frames (and with them the session,
     its connection and the manager) until the collector runs."""
     locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
     other: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
-    other.acquire("k")
+    holder = workers("holder")  # (the caller's own lock through other would be refused)
+    holder.run(lambda: other.acquire("k"))
 
     async def tasks_time_out() -> None:
         for _ in range(5):
@@ -1463,7 +1465,7 @@ def test_a_timed_out_wait_leaves_no_reference_cycle(engine, dsn, namespace, owne
             gc.enable()
         assert left == 0, f"{left} LockNotAvailable errors kept alive by reference cycles"
     finally:
-        other.release("k")
+        holder.run(lambda: other.release("k"))
         other.close()
         locks.close()
 

@@ -929,18 +929,22 @@ cdef class _Engine:
 
     def _task_release_write(self, key):
         """``aio.release`` (and ``rw.aio.release_write``), bound by the view as its own: undo
-        one acquire of ``key`` by the current task. Raises NotOwnedError if the task does not
-        hold it, TypeError for an unhashable key, RuntimeError outside a running asyncio task."""
+        one acquire of ``key`` by the current task, at the call; answers a ready awaitable of
+        None (awaiting it is optional, as for the PostgreSQL views'). Raises NotOwnedError if
+        the task does not hold it, TypeError for an unhashable key, RuntimeError outside a
+        running asyncio task."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._task_release_at(task_token(False), lock_key, h, WRITE)
+        return READY_NONE
 
     def _task_release_read(self, key):
-        """``rw.aio.release_read``, bound by the view as its own; raises what ``aio.release``
-        raises (NotOwnedError if the current task does not read ``key``)."""
+        """``rw.aio.release_read``, bound by the view as its own; answers and raises what
+        ``aio.release`` does (NotOwnedError if the current task does not read ``key``)."""
         cdef Py_hash_t h = lockmgr_hash(key)
         cdef PyObject *lock_key = self._lock_key(key, &h)
         self._task_release_at(task_token(False), lock_key, h, READ)
+        return READY_NONE
 
     cdef int _enter_record(self, _BlockRecord record, object got, _TaskOwner owner,
                            PyObject *key, Py_hash_t h, int mode) except -1:
@@ -1210,6 +1214,7 @@ cdef class _Engine:
             key, mode = items[0]
             raise self._tokenless_task_refusal(key, mode)
         self._release_many_as(token, items)
+        return READY_NONE  # (as _task_release_write's)
 
     def _task_release_all(self):
         cdef Token *token = task_token(False)

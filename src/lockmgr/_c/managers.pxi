@@ -529,8 +529,10 @@ cdef class AsyncKeyLock(_BlockRecord):
         return acquiring(self._manager, self.key, WRITE, blocking, timeout)
 
     def release(self):
-        """As ``AsyncLockManager.release`` for this view's key: raises what it raises."""
+        """As ``AsyncLockManager.release`` for this view's key: answers and raises what it
+        does."""
         self._manager._task_release_at(task_token(False), self.lock_key, self.hash, WRITE)
+        return READY_NONE
 
     def locked(self):
         """Whether any thread or task holds the key. Raises nothing."""

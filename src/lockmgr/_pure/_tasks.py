@@ -474,16 +474,20 @@ class _Tasks(_Operations):
                                 self._task_enter_many, items, wait_seconds(blocking, timeout),
                                 False)
 
-    def _task_release_write(self, key: Hashable) -> None:
+    def _task_release_write(self, key: Hashable) -> Awaitable[None]:
         """``aio.release`` (and ``rw.aio.release_write``), bound by the view as its own: undo
-        one acquire of ``key`` by the current task. Raises NotOwnedError if the task does not
-        hold it, TypeError for an unhashable key, RuntimeError outside a running asyncio task."""
+        one acquire of ``key`` by the current task, at the call; answers a ready awaitable of
+        None (awaiting it is optional, as for the PostgreSQL views'). Raises NotOwnedError if
+        the task does not hold it, TypeError for an unhashable key, RuntimeError outside a
+        running asyncio task."""
         self._task_release(key, _WRITE)
+        return _ready(None)
 
-    def _task_release_read(self, key: Hashable) -> None:
-        """``rw.aio.release_read``, bound by the view as its own; raises what ``aio.release``
-        raises (NotOwnedError if the current task does not read ``key``)."""
+    def _task_release_read(self, key: Hashable) -> Awaitable[None]:
+        """``rw.aio.release_read``, bound by the view as its own; answers and raises what
+        ``aio.release`` does (NotOwnedError if the current task does not read ``key``)."""
         self._task_release(key, _READ)
+        return _ready(None)
 
     def _task_record(self) -> _BlockRecord:
         return _BlockRecord()
@@ -587,13 +591,14 @@ class _Tasks(_Operations):
         if verdict is not None:
             raise self._refusal(verdict, key, token, mode)
 
-    def _task_release_many(self, items: list[tuple[Hashable, int]]) -> None:
+    def _task_release_many(self, items: list[tuple[Hashable, int]]) -> Awaitable[None]:
         token = _task_token(create=False)
         if items and token is None:  # the task has acquired nothing
             key, mode = items[0]
             raise _failure(_NOT_OWNED, key, current_task_or_raise(), self._rw_mode(mode))
         if items:
             self._release_many(items, token)
+        return _ready(None)  # (as _task_release_write's)
 
     def _task_release_all(self) -> int:
         token = _task_token(create=False)

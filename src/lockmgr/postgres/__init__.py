@@ -73,6 +73,8 @@ imported on first use of ``aio``, so that ``import lockmgr.postgres`` does not l
   ``max_connections``, and the queue for a connection beyond it; ``_inspect``: who holds
   what on the server (``snapshot(server=True)``); ``_fences``:
   fencing tokens; ``_sql``: the lock statements; ``_session``: what a thread holds;
+- ``_elsewhere``: what the caller holds through the process's other managers; ``_xact``:
+  ``xact_lock`` beside the session locks of the same owner;
 - ``_engine``: the thread manager (``_PgEngine``); ``_managers``: the public managers;
 - ``_aio_link``, ``_tasks``, ``_aio``: asyncio tasks as owners.
 """

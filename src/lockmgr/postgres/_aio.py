@@ -18,8 +18,16 @@ for tasks too, with these for the event loop:
   it under ``asyncio.shield``; if cancelled again, the task's next call on the manager
   waits for it first). Where it fails, the connection is closed: its keys are lost, never
   left held. A cancelled release still releases.
-- **Releasing** talks to the server, so ``release`` is a coroutine here (the in-process
-  ``aio`` views release synchronously).
+- **Releasing** is done at the call, as in process: ``release`` (``release_read``,
+  ``release_write``, ``release_many``, ``aio[key].release``) counts the level down and
+  releases the key in process at once, and starts the server's release in a task of the
+  session's (which the task's next call on the manager waits for, as for a clean-up). It
+  answers an awaitable: awaiting it waits for the server's answer and raises LockLost if
+  the key was found gone; a release nobody awaits (code moved from the in-process
+  ``aio``) still releases, on the server too, within a round trip. NotOwnedError, and
+  LockLost for a key already known lost, are raised at the call. The in-process views'
+  releases answer an awaitable done already, so ``await aio.release(key)`` runs on both.
+  ``release_all`` (which answers a count) stays a coroutine here.
 - **A coroutine closed unrun** (``GeneratorExit``: the garbage collector finishing a task
   whose loop was closed) can await nothing: what it may hold on the server goes with its
   connection, closed at once.
@@ -124,9 +132,9 @@ class _PgAsyncView(Generic[K]):
 class PgAsyncLockManager(_PgAsyncView[K]):
     """``PgLockManager.aio``: the manager with the current asyncio task as owner.
 
-    Names, arguments and errors are those of ``PgLockManager``; acquiring *and releasing*
-    are coroutines (a release talks to the server). A cancelled acquire leaves nothing
-    held, here or on the server."""
+    Names, arguments and errors are those of ``PgLockManager``; acquiring is a coroutine,
+    releasing is done at the call and answers an awaitable of the server's release (see
+    the module). A cancelled acquire leaves nothing held, here or on the server."""
 
     __slots__ = ()
     _manager: PgLockManager[K]
@@ -141,11 +149,13 @@ class PgAsyncLockManager(_PgAsyncView[K]):
                                       lambda left: local.acquire(key, timeout=left),
                                       lambda: local.release(key))
 
-    async def release(self, key: K) -> None:
-        """Undo one ``acquire`` (NotOwnedError if the task does not hold ``key``; LockLost,
-        the key then no longer held, if its session was lost)."""
+    def release(self, key: K) -> Awaitable[None]:
+        """Undo one ``acquire``, at the call (``await`` it for the server's answer: see the
+        module). Raises NotOwnedError if the task does not hold ``key``; LockLost, the key
+        then no longer held, if its session was lost (at the call, or when awaited if the
+        server's release finds it)."""
         local = self._manager._engine.aio
-        await self._tasks.give([(key, WRITE)], lambda: local.release(key))
+        return self._tasks.give([(key, WRITE)], lambda: local.release(key))
 
     def hold(self, key: K, timeout: float | None = None) -> _AsyncHeld:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
@@ -162,8 +172,9 @@ class PgAsyncLockManager(_PgAsyncView[K]):
         seconds = wait_seconds(blocking, timeout)
         return await self._acquire_items(many_items(keys, _same), seconds)
 
-    async def release_many(self, keys: Iterable[K]) -> None:
-        await self._release_items(many_items(keys, _same, True))
+    def release_many(self, keys: Iterable[K]) -> Awaitable[None]:
+        """Undo one ``acquire_many``, at the call (as ``release``)."""
+        return self._release_items(many_items(keys, _same, True))
 
     def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHeld:
         seconds = hold_seconds(timeout)
@@ -180,10 +191,10 @@ class PgAsyncLockManager(_PgAsyncView[K]):
                                       lambda left: local.acquire_many(keys, timeout=left),
                                       lambda: local.release_many(keys))
 
-    async def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
+    def _release_items(self, items: list[tuple[Hashable, int]]) -> Awaitable[None]:
         keys = [key for key, _ in items]
         local = self._manager._engine.aio
-        await self._tasks.give(items, lambda: local.release_many(keys))
+        return self._tasks.give(items, lambda: local.release_many(keys))
 
     def owned(self, key: K) -> bool:
         """Whether the current task holds ``key`` (a lost key is not held)."""
@@ -228,13 +239,15 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
                                       lambda left: acquire(key, timeout=left),
                                       lambda: release(key))
 
-    async def release_read(self, key: K) -> None:
+    def release_read(self, key: K) -> Awaitable[None]:
+        """Undo one ``acquire_read``, at the call (as ``PgAsyncLockManager.release``)."""
         local = self._manager._engine.aio
-        await self._tasks.give([(key, READ)], lambda: local.release_read(key))
+        return self._tasks.give([(key, READ)], lambda: local.release_read(key))
 
-    async def release_write(self, key: K) -> None:
+    def release_write(self, key: K) -> Awaitable[None]:
+        """Undo one ``acquire_write``, at the call (as ``PgAsyncLockManager.release``)."""
         local = self._manager._engine.aio
-        await self._tasks.give([(key, WRITE)], lambda: local.release_write(key))
+        return self._tasks.give([(key, WRITE)], lambda: local.release_write(key))
 
     def read(self, key: K, timeout: float | None = None) -> _AsyncHeld:
         seconds = hold_seconds(timeout)
@@ -254,8 +267,9 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         seconds = wait_seconds(blocking, timeout)
         return await self._acquire_items(rw_items(reads, writes, _same), seconds)
 
-    async def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> None:
-        await self._release_items(rw_items(reads, writes, _same, True))
+    def release_many(self, reads: Iterable[K] = (), writes: Iterable[K] = ()) -> Awaitable[None]:
+        """Undo one ``acquire_many``, at the call (as ``PgAsyncLockManager.release``)."""
+        return self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
                   timeout: float | None = None) -> _AsyncHeld:
@@ -274,11 +288,11 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
             items, seconds, lambda left: local.acquire_many(reading, writing, timeout=left),
             lambda: local.release_many(reading, writing))
 
-    async def _release_items(self, items: list[tuple[Hashable, int]]) -> None:
+    def _release_items(self, items: list[tuple[Hashable, int]]) -> Awaitable[None]:
         reading = [key for key, mode in items if mode == READ]
         writing = [key for key, mode in items if mode == WRITE]
         local = self._manager._engine.aio
-        await self._tasks.give(items, lambda: local.release_many(reading, writing))
+        return self._tasks.give(items, lambda: local.release_many(reading, writing))
 
     def owned(self, key: K) -> bool:
         """Whether the current task reads or writes ``key`` (a lost key is not held)."""
@@ -321,8 +335,8 @@ class PgAsyncKeyLock(Generic[K]):
     async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         return await self._view.acquire(self._key, blocking, timeout)
 
-    async def release(self) -> None:
-        await self._view.release(self._key)
+    def release(self) -> Awaitable[None]:
+        return self._view.release(self._key)
 
     async def locked(self) -> bool:
         return await self._view.locked(self._key)

@@ -206,7 +206,7 @@ async def _drive_async(steps: _Steps[_T],
         answer = error = None  # no cycle through a traceback keeps a link alive
 
 
-async def _clean_up_done(cleaning: asyncio.Task[None], deadline: float | bool) -> None:
+async def _clean_up_done(cleaning: asyncio.Task[Any], deadline: float | bool) -> None:
     """Wait for a clean-up task without cancelling it: until ``deadline`` if it is a time
     (then ``_Overdue``, the clean-up going on), else however long it takes."""
     if deadline is True:
@@ -218,7 +218,7 @@ async def _clean_up_done(cleaning: asyncio.Task[None], deadline: float | bool) -
         raise _Overdue("an earlier call's clean-up has not ended in time") from None
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
@@ -245,4 +245,4 @@ class _TaskSession(_Session):
         self.ended = False
         # The clean-up task giving back what a cancelled call may hold (set by the owner,
         # cleared by the clean-up when it ends): the owner's next call waits for it.
-        self.cleaning: asyncio.Task[None] | None = None
+        self.cleaning: asyncio.Task[Any] | None = None  # (or a release's: ``_Tasks.give``)

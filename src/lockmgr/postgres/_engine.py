@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import collections
-import datetime
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -18,7 +17,7 @@ from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE, hold_seconds
 from .._errors import DeadlockError, LockError, not_owned, timed_out
-from .._owners import WAIT_CHECK, current_task_or_none
+from .._owners import WAIT_CHECK
 from .._views import LockStats
 from .._observe import LockMetrics
 from ._capacity import _Capacity, crowded, keep_idle, new_link
@@ -26,11 +25,14 @@ from ._deadlock import (
     LOOK_EVERY,
     Look,
     Lookout,
+    Waiting,
     deadlock_through_server,
     managers_after_fork,
     register,
 )
+from ._elsewhere import refuse_own_locks_elsewhere
 from ._inspect import _Inspecting, application_name
+from ._xact import note_xact_lock, refuse_own_session_lock, refuse_own_xact_lock
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -52,21 +54,18 @@ from ._session import (
     _ThreadEnd,
     _XactLock,
     _holding,
-    _keep_open,
     _lost_error,
-    _owner_kind,
-    _xact_deadlock,
-    _xact_question,
 )
 from ._sql import (
     _GRANTED_ADVISORY,
+    _OWN_TRANSACTION,
     _drop_sql,
     _milliseconds,
 )
 
 if TYPE_CHECKING:
     from .._contract import Engine
-    from ._aio_link import _AsyncLink, _TaskSession
+    from ._aio_link import _AsyncLink
     from ._session import _Session
     from ._tasks import _Tasks
 
@@ -99,6 +98,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         fencing: bool = False,
         fence_table: str = DEFAULT_FENCE_TABLE,
         max_connections: int | None = None,
+        trusted_roles: Iterable[str] = (),
     ) -> None:
         self._capacity = _Capacity.of(max_connections)  # first: a bad one leaves nothing made
         self._connect_kwargs = {**_KEEPALIVES,
@@ -132,7 +132,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         # Each task's xact_lock records (a thread's are in ``_local``), under ``_guard``.
         self._task_xact_locks: weakref.WeakKeyDictionary[Any, list[_XactLock]] = \
             weakref.WeakKeyDictionary()
-        self._lookout = Lookout()  # the connection of its waiters' looks
+        self._lookout = Lookout(trusted_roles)  # the connection of its waiters' looks
         register(self)  # last: a look may use it from now on
 
     def __repr__(self) -> str:
@@ -325,7 +325,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         """
         seconds = hold_seconds(timeout)
         ident = self.advisory_key(key)
-        self._refuse_own_session_lock(key, shared)
+        refuse_own_session_lock(self, key, shared)
         if conn.info.transaction_status != TransactionStatus.INTRANS:
             raise LockError("xact_lock needs an open transaction on conn: "
                             "use it inside `with conn.transaction():`")
@@ -334,13 +334,14 @@ class _PgEngine(_Inspecting, Generic[K]):
         kind = "_shared" if shared else ""
         if seconds == 0:
             row = conn.execute(f"SELECT pg_catalog.pg_try_advisory_xact_lock{kind}(%s),"
-                               " pg_catalog.now()", (ident,)).fetchone()
+                               f" {_OWN_TRANSACTION}", (ident,)).fetchone()
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
             deadline = None if seconds < 0 else time.monotonic() + seconds
             previous = conn.execute(
                 "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
+            waiting = self._lookout.xact_waiting(conn)
             try:
                 while True:
                     left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
@@ -349,7 +350,7 @@ class _PgEngine(_Inspecting, Generic[K]):
                             conn.execute(f"SET LOCAL lock_timeout = {left}")
                             row = conn.execute(
                                 f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
-                                " pg_catalog.now()", (ident,)).fetchone()
+                                f" {_OWN_TRANSACTION}", (ident,)).fetchone()
                         break
                     except pg_errors.LockNotAvailable:
                         # lock_timeout's ceiling (about 24.8 days) is below threading's
@@ -358,81 +359,13 @@ class _PgEngine(_Inspecting, Generic[K]):
             except pg_errors.DeadlockDetected as error:
                 raise DeadlockError(f"PostgreSQL: {error}", []) from None
             finally:
+                self._lookout.xact_waited(waiting)
                 if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
                     conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
                                  (previous[0],))
         assert row is not None
-        self._note_xact_lock(conn, ident, shared, row[1])
+        note_xact_lock(self, conn, ident, shared, row[1])
         yield
-
-    def _refuse_own_session_lock(self, key: Hashable, shared: bool) -> None:
-        """``xact_lock`` runs on the caller's connection, another server session than the
-        calling thread's or task's: a session lock of that owner's on ``key`` in a
-        conflicting mode would make it wait for itself for ever (a task: its loop's thread
-        blocked in xact_lock, the task never runs to release it)."""
-        holders: list[tuple[_Session | _TaskSession, Hashable]] = []
-        session = self._session_or_none()
-        if session is not None:
-            self._settle(session)
-            holders.append((session, threading.get_ident()))
-        task = current_task_or_none()
-        tasks = None if task is None else self._tasks
-        if task is not None and tasks is not None:
-            task_session = tasks.sessions.get(task)
-            if task_session is not None:
-                tasks.check(task_session)  # what needs no waiting
-                holders.append((task_session, task))
-        modes = (WRITE,) if shared else (WRITE, READ)
-        for holder, owner in holders:
-            if any(holder.levels.get((key, mode)) for mode in modes):
-                raise DeadlockError(
-                    f"the calling {_owner_kind(owner)} holds {key!r} through this manager:"
-                    " xact_lock on another connection would wait for that lock, and so for"
-                    " itself, for ever", [(owner, key)])
-
-    def _note_xact_lock(self, conn: psycopg.Connection[Any], ident: int, shared: bool,
-                        started: datetime.datetime) -> None:
-        """Remember an xact_lock taken in ``conn``'s transaction that ``started``
-        (``_xact_conflicts``), for the calling thread, and for the calling task if any:
-        the thread blocked in a session lock would wait for that transaction whichever
-        of its tasks took it, a task only for its own. Records of ended transactions go:
-        a list holds at most the keys of the transactions still open."""
-        record = _XactLock(weakref.ref(conn), conn.info.backend_pid, started, ident, shared)
-        thread_records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
-        if thread_records is None:
-            thread_records = self._local.xact_locks = []
-        _keep_open(thread_records, record)
-        task = current_task_or_none()
-        if task is not None:
-            with self._guard:  # (the tasks of every loop share it)
-                task_records = self._task_xact_locks.setdefault(task, [])
-            _keep_open(task_records, record)
-
-    def _refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
-        """The other order of ``_refuse_own_session_lock``, for the calling thread: the
-        server says whether a transaction it took one of ``items`` in with xact_lock still
-        holds it (one round trip, only for such a key; ``_xact_conflicts``)."""
-        records: list[_XactLock] | None = getattr(self._local, "xact_locks", None)
-        if not records:
-            return  # (the usual: no xact_lock taken)
-        for key, record in self._xact_conflicts(records, items):
-            if self._ask(_xact_question(record)):
-                raise _xact_deadlock(threading.get_ident(), key)
-
-    def _xact_conflicts(self, records: list[_XactLock] | None,
-                        items: Sequence[tuple[Hashable, int]]
-                        ) -> Iterator[tuple[Hashable, _XactLock]]:
-        """Of an owner's xact_lock ``records``, those of ``items`` in a conflicting mode
-        whose transaction may still be open: a session lock of that key would wait for
-        that transaction, and so for itself, if it still holds it."""
-        if not records:
-            return
-        records[:] = [record for record in records if record.may_hold()]
-        for key, mode in items:
-            ident = self.advisory_key(key)
-            for record in records:
-                if record.ident == ident and (mode == WRITE or not record.shared):
-                    yield key, record
 
     # -- taking and giving back ---------------------------------------------------------------
 
@@ -450,7 +383,9 @@ class _PgEngine(_Inspecting, Generic[K]):
             self._unpark(session)
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
-        self._refuse_own_xact_lock(items)
+        refuse_own_xact_lock(self, items)
+        if seconds != 0:  # (a try never waits: it finds the key taken)
+            refuse_own_locks_elsewhere(self, session, items)
         before = {item: session.levels.get(item, 0) for item in items}
         fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False
@@ -500,7 +435,7 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        waiting = _Waiting(self, items, None if seconds < 0 else time.monotonic() + seconds)
+        waiting = Waiting(self, items, None if seconds < 0 else time.monotonic() + seconds)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = waiting.check
         try:
@@ -581,7 +516,10 @@ class _PgEngine(_Inspecting, Generic[K]):
 
     def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
               seconds: float) -> dict[int, int] | None:
-        """``_lock_steps`` in the calling thread."""
+        """``_lock_steps`` in the calling thread, on its connection taken back if a step
+        before parked it (a question on it: ``_elsewhere``), or on another."""
+        if session.parked:
+            self._unpark(session)
         return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
@@ -787,7 +725,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         """In a forked child: no connection of the parent's is ever used or closed here.
         Keys the forking thread held belong to the parent: they are lost to the child."""
         self._guard = threading.Lock()  # another thread of the parent may have held it
-        self._lookout = Lookout()  # (the parent's connection is left alone)
+        self._lookout = Lookout(self._lookout.trusted_roles)  # (not the parent's connection)
         self._capacity = self._capacity and _Capacity(self._capacity.limit)  # (for the child's)
         me = threading.get_ident()
         links: list[_Link] = [*self._idle, *self._task_idle]
@@ -848,26 +786,6 @@ class _PgEngine(_Inspecting, Generic[K]):
         if borrowed:
             keep_idle(self, link, self._idle)
         return _yes(result)
-
-
-class _Waiting:
-    """One in-process acquisition's wait check (``_acquire_in_process``): its ``Look`` is
-    made at the first check, once the thread waits (the engines check only then), so that
-    an acquisition that does not wait, the usual one, sets up no look."""
-
-    __slots__ = ("deadline", "items", "look", "manager")
-
-    def __init__(self, manager: _PgEngine[Any], items: Sequence[tuple[Hashable, int]],
-                 deadline: float | None) -> None:
-        self.manager = manager
-        self.items = items
-        self.deadline = deadline  # the wait's, which its looks keep (``Look``)
-        self.look: Look | None = None
-
-    def check(self) -> None:
-        if self.look is None:
-            self.look = Look(self.items, self.deadline)
-        self.manager._look_while_waiting(self.look)
 
 
 def _yes(result: Any) -> bool:

@@ -51,15 +51,19 @@ class PgLockManager(_PgEngine[K]):
       keys (and idle ones kept for reuse) at once; beyond it, an acquisition that needs a
       new one waits in line, first come first served, within its ``timeout`` (a try does
       not wait). None (the default): no cap. Deadlock looks use one more, outside it.
+    - ``trusted_roles``: names of roles besides the manager's own whose sessions' published
+      waits its deadlock looks follow (those of other processes' managers logging in as
+      another role); the sessions of any other role, and of other databases, are ignored.
 
     Making a manager raises TypeError for a ``dsn`` that is not a str, ValueError for one
     libpq cannot parse (or bad ``connect_kwargs``), and TypeError or ValueError for a bad
-    ``fence_table`` or ``max_connections``; nothing connects. Connecting (at a thread's
-    first acquisition, and for a question to the server) raises ``PgConnectionError`` when
-    the server refuses (out of connections: "sorry, too many clients already"), cannot be
-    reached or does not complete the connection in time, psycopg's error as its cause — a
-    timed call, or a try, times out instead when the connection is not complete by its
-    deadline — and ``UnsafeServerError`` for a standby or a pooler.
+    ``fence_table``, ``max_connections`` or ``trusted_roles``; nothing connects. Connecting
+    (at a thread's first acquisition, and for a question to the server) raises
+    ``PgConnectionError`` when the server refuses (out of connections: "sorry, too many
+    clients already"), cannot be reached or does not complete the connection in time,
+    psycopg's error as its cause — a timed call, or a try, times out instead when the
+    connection is not complete by its deadline — and ``UnsafeServerError`` for a standby
+    or a pooler.
     """
 
     _engine: LockEngine[Hashable]
@@ -69,17 +73,19 @@ class PgLockManager(_PgEngine[K]):
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table, max_connections=max_connections)
+                         fence_table=fence_table, max_connections=max_connections,
+                         trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncLockManager[K]:
         """This manager with the current asyncio task as owner: the same methods, acquiring
-        and releasing awaited (a release talks to the server); tasks and threads of this
-        process exclude each other per key."""
+        awaited, releasing done at the call (its answer, awaited, tells when the server has
+        released); tasks and threads of this process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
         return PgAsyncLockManager(self, self._task_sessions())
@@ -91,12 +97,14 @@ class PgLockManager(_PgEngine[K]):
         Raises, with nothing taken: TypeError/ValueError for bad ``blocking``/``timeout``
         (as ``threading.Lock.acquire``), TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them), DeadlockError if
         waiting would close a cycle (PostgreSQL's detector, or one through this process's
-        threads), LockLost if the thread holds ``key`` on a session that was lost;
-        with ``fencing=True``, FenceNotDurableError if the server could not confirm the
-        fence durable (a synchronous standby that did not answer by the deadline);
-        connecting, PgConnectionError (refused, unreachable, out of connections, psycopg's
-        error as its cause; a timed call or a try whose connect is not done by its deadline
-        returns False instead) or UnsafeServerError (a standby, a pooler)."""
+        threads), or at once if the thread holds ``key`` through another manager of this
+        server and database (it would wait for itself), LockLost if the thread holds ``key``
+        on a session that was lost; with ``fencing=True``, FenceNotDurableError if the
+        server could not confirm the fence durable (a synchronous standby that did not
+        answer by the deadline); connecting, PgConnectionError (refused, unreachable, out of
+        connections, psycopg's error as its cause; a timed call or a try whose connect is
+        not done by its deadline returns False instead) or UnsafeServerError (a standby, a
+        pooler)."""
         seconds = wait_seconds(blocking, timeout)
         self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
         return self._take([(key, WRITE)], seconds,
@@ -220,11 +228,13 @@ class PgRWLockManager(_PgEngine[K]):
                  connect_kwargs: dict[str, Any] | None = None,
                  log_waits_after: float | None = None, fencing: bool = False,
                  fence_table: str = DEFAULT_FENCE_TABLE,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None,
+                 trusted_roles: Iterable[str] = ()) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(dsn, engine, namespace=namespace, on_lost=on_lost,
                          connect_kwargs=connect_kwargs, fencing=fencing,
-                         fence_table=fence_table, max_connections=max_connections)
+                         fence_table=fence_table, max_connections=max_connections,
+                         trusted_roles=trusted_roles)
 
     @property
     def aio(self) -> PgAsyncRWLockManager[K]:

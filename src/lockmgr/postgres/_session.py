@@ -3,7 +3,6 @@ helpers of a holding."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import weakref
@@ -154,11 +153,12 @@ class _ThreadEnd:
 
 class _XactLock(NamedTuple):
     """An xact_lock a thread took: in the transaction open on ``conn`` (its backend
-    ``backend_pid``) since ``started``, the advisory key ``ident``, shared or not."""
+    ``backend_pid``) whose virtual transaction id is ``transaction``, the advisory key
+    ``ident``, shared or not."""
 
     conn: weakref.ref[psycopg.Connection[Any]]
     backend_pid: int
-    started: datetime.datetime
+    transaction: str
     ident: int
     shared: bool
 
@@ -170,12 +170,15 @@ class _XactLock(NamedTuple):
 
 
 def _xact_question(record: _XactLock) -> str:
-    """Whether the transaction of ``record`` is still open and holds its lock."""
+    """Whether the transaction of ``record`` is still open and holds its lock: its session's
+    row of the lock names that transaction (pg_locks, which every role reads whole, gives
+    each row its session's open transaction; a session lock of the key taken since, in a
+    later transaction, names that one)."""
     pid = int(record.backend_pid)
+    transaction = record.transaction.replace("'", "''")  # ("backend/local ids": no quote)
     return (f"SELECT EXISTS (SELECT 1 FROM {_GRANTED_ADVISORY} {record.ident} AND pid = {pid}"
             f" AND mode = '{_MODE_NAMES[READ if record.shared else WRITE]}'"
-            f" AND {pid} IN (SELECT pid FROM pg_catalog.pg_stat_activity WHERE xact_start ="
-            f" '{record.started.isoformat()}'::timestamptz))")
+            f" AND virtualtransaction = '{transaction}')")
 
 
 def _keep_open(records: list[_XactLock], record: _XactLock) -> None:
@@ -183,7 +186,7 @@ def _keep_open(records: list[_XactLock], record: _XactLock) -> None:
     transactions on its connection."""
     conn = record.conn()
     records[:] = [kept for kept in records if kept.may_hold() and kept != record
-                  and (kept.conn() is not conn or kept.started == record.started)]
+                  and (kept.conn() is not conn or kept.transaction == record.transaction)]
     records.append(record)
 
 

@@ -21,6 +21,12 @@ _GRANTED_ADVISORY = ("pg_catalog.pg_locks WHERE locktype = 'advisory' AND grante
 _MINE = ("pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1"
          " AND pid = pg_catalog.pg_backend_pid()")
 _MODE_NAMES = {READ: "ShareLock", WRITE: "ExclusiveLock"}
+# The virtual transaction id of the session's open transaction ("3/1207"): what names an
+# xact_lock's transaction in the pg_locks rows of its locks, which every role can read
+# (pg_stat_activity hides the transactions of other roles' sessions). Each of the
+# session's rows carries it, its own virtualxid lock's among them.
+_OWN_TRANSACTION = ("(SELECT virtualtransaction FROM pg_catalog.pg_locks"
+                    " WHERE pid = pg_catalog.pg_backend_pid() LIMIT 1)")
 
 def _kind(mode: int) -> str:
     return "_shared" if mode == READ else ""

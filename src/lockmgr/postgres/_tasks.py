@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
@@ -18,18 +18,24 @@ from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
+from ._elsewhere import held_elsewhere, refuse_waiting_for_oneself
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._capacity import _Slot, crowded, keep_idle, reserve_async
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
     _call_deadline,
+    _call_steps,
 )
 from ._protocol import _lock_steps, _unlock_steps
+from ._xact import xact_conflicts
 from ._session import _holding, _lost_error, _xact_deadlock, _xact_question
 from ._sql import (
     _GRANTED_ADVISORY,
+    _UNLOCK,
     _drop_sql,
+    _not_released,
+    _unlock_sql,
 )
 
 if TYPE_CHECKING:
@@ -55,7 +61,7 @@ class _Tasks:
 
     async def take(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                    local_acquire: Callable[[float], Awaitable[bool]],
-                   local_release: Callable[[], None]) -> bool:
+                   local_release: Callable[[], object]) -> bool:
         """``_PgEngine._take`` for the current task: in-process first, then on the server,
         all of ``items`` within ``seconds`` or none."""
         started = time.monotonic()
@@ -69,6 +75,8 @@ class _Tasks:
             return False  # an earlier call's clean-up still runs: timed out
         session.refuse_lost(items)
         await self.refuse_own_xact_lock(items)
+        if seconds != 0:  # (a try never waits: it finds the key taken)
+            await self.refuse_own_locks_elsewhere(session, items)
         if not await self.acquire_in_process(items, seconds, local_acquire):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
@@ -115,16 +123,30 @@ class _Tasks:
         return taken
 
     async def refuse_own_xact_lock(self, items: Sequence[tuple[Hashable, int]]) -> None:
-        """``_PgEngine._refuse_own_xact_lock`` for the current task."""
+        """``_xact.refuse_own_xact_lock`` for the current task."""
         manager = self.manager
         if not manager._task_xact_locks:
             return
         task = current_task_or_raise()
         with manager._guard:
             records = manager._task_xact_locks.get(task)
-        for key, record in manager._xact_conflicts(records, items):
+        for key, record in xact_conflicts(manager, records, items):
             if await self.ask(_xact_question(record)):
                 raise _xact_deadlock(task, key)
+
+    async def refuse_own_locks_elsewhere(self, session: _TaskSession,
+                                         items: Sequence[tuple[Hashable, int]]) -> None:
+        """``_PgEngine._refuse_own_locks_elsewhere`` for the current task (its own locks
+        only: its loop's thread may release its own while the task waits)."""
+        found = held_elsewhere(self.manager, [(current_task_or_raise(), True)],
+                               [item for item in items if not session.levels.get(item)])
+        if not found:
+            return
+        try:
+            link = session.link if session.link is not None else (await self.attach(session))[0]
+            refuse_waiting_for_oneself(found, link)
+        finally:
+            self.return_if_idle(session)
 
     async def acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                                  local_acquire: Callable[[float], Awaitable[bool]]) -> bool:
@@ -164,39 +186,83 @@ class _Tasks:
         if look.confirms(found):
             raise deadlock_through_server(task, look.items)
 
-    async def give(self, items: Sequence[tuple[Hashable, int]],
-                   local_release: Callable[[], None]) -> None:
-        """``_PgEngine._give`` for the current task."""
+    def give(self, items: Sequence[tuple[Hashable, int]],
+             local_release: Callable[[], object]) -> _Release:
+        """``_PgEngine._give`` for the current task, done at the call as in process: the
+        levels counted down and the keys released in process at once, and the server locks
+        of the last levels released by a task of the session's, started now
+        (``release_on_server``; the task's next call waits for it, as for a clean-up), so
+        that a release nobody awaits still releases. Raises NotOwnedError, and LockLost
+        for keys already known lost (the levels given back all the same), at the call;
+        awaiting the answer (``_Release``) waits for the server's release and raises
+        LockLost if it found the key gone."""
         session = _holding(self.session_or_none(), items, current_task_or_raise())
         assert isinstance(session, _TaskSession)
-        last = [item for item in items if session.levels.get(item) == 1]
-        unrun = False
+        link, last, earlier = session.link, [], False
         try:
-            if not last or session.unsure or session.cleaning is not None or session.link is None:
-                await self.settle(session)
-                last = [item for item in items if session.levels.get(item) == 1]
-            if last:
-                session.unsure = last
-                await self.unlock(session, last)  # its failures go to the clean-up
-        except BaseException as error:
-            unrun = isinstance(error, GeneratorExit)
+            # What ``settle`` finds without waiting: a lose() interrupted half-way, finished;
+            # a connection found dead (here, or by another thread): its keys are lost.
+            if (link is None and (session.levels or session.unsure) or link is not None
+                    and session.cleaning is None and (session.dead or not link.idle())):
+                self.lose(session)
+            link, earlier = session.link, bool(session.unsure)
+            last = [item for item in items if session.levels.get(item) == 1]
+            if last and link is not None:  # unsure until the server has answered
+                session.unsure = [*session.unsure,
+                                  *(item for item in last if item not in session.unsure)]
+        finally:  # interrupted or not, the levels are given back (as ``given`` says)
             try:
-                if not unrun:
-                    await self.hand_over(session, last)  # cancelled before the unlock: released
-            except GeneratorExit:
-                unrun = True
-                raise
+                lost = session.given(items)
             finally:
-                if unrun:
-                    _close_link(session)
-            raise
-        finally:
-            lost = session.given(items)
-            if not unrun:
                 local_release()
-            self.return_if_idle(session)
+        if session.unsure and session.cleaning is None:
+            # What an earlier call left unsure may or may not be held: the clean-up's drop.
+            releasing = self.drop_or_lose(session) if earlier else self.release_on_server(session)
+            session.cleaning = asyncio.get_running_loop().create_task(releasing)
+            session.cleaning.add_done_callback(_retrieve)
+        answer = _Release(session, session.cleaning if last else None, link, last)
+        self.return_if_idle(session)
         if lost:
             raise _lost_error(sorted(set(lost), key=repr))
+        return answer
+
+    async def release_on_server(self, session: _TaskSession) -> set[tuple[Hashable, int]]:
+        """Release on the server the levels ``give`` counted down (``session.unsure``, and
+        those later releases add meanwhile), one round trip a turn; the items not released:
+        those the server no longer held (lost: told to ``on_lost``) and, if the connection
+        fails, those still unanswered (it is closed: its keys are lost, none stays held)."""
+        gone: set[tuple[Hashable, int]] = set()
+        try:
+            while session.unsure:
+                link = session.link
+                if link is None:  # lost meanwhile (and closed): unanswered
+                    gone.update(session.unsure)
+                    break
+                releasing = list(session.unsure)
+                if len(releasing) == 1:  # the statement prepared once per session
+                    ((key, mode),) = releasing
+                    result = await _drive_async(_call_steps(
+                        link, _UNLOCK[mode], self.manager.advisory_key(key), True))
+                else:
+                    result = (await link.run_all_async(
+                        _unlock_sql(releasing, self.manager.advisory_key)))[-1]
+                session.unsure = [item for item in session.unsure if item not in releasing]
+                gone.update(_not_released(result, releasing))
+        except Exception:
+            gone.update(session.unsure)
+            self.lose(session)
+        except BaseException:
+            self.lose(session)  # cancelled itself: the loop is closing
+            raise
+        finally:
+            session.unsure = []
+            session.cleaning = None
+            self.return_if_idle(session)
+        news = {key for key, _ in gone} - session.reported
+        on_lost = self.manager._on_lost
+        if news and on_lost is not None:
+            on_lost(sorted(news, key=repr))
+        return gone
 
     async def release_all(self, local_release_all: Callable[[], int]) -> int:
         session = self.session_or_none()
@@ -610,6 +676,43 @@ async def _enter_record(record: _PgBlockRecord, tasks: _Tasks,
     except RuntimeError:
         await release()
         raise
+
+
+class _Release:
+    """What a PostgreSQL ``aio.release`` answers (``_Tasks.give``): the release is done in
+    process, and on the server under way or done. Awaiting it waits for the server's answer
+    (a cancelled awaiting task does not stop it) and raises LockLost if the key was found
+    gone there, or its connection lost first; not awaiting it loses only that report
+    (``on_lost`` has it too)."""
+
+    __slots__ = ("_items", "_link", "_releasing", "_session")
+
+    def __init__(self, session: _TaskSession, releasing: asyncio.Task[Any] | None,
+                 link: _AsyncLink | None, items: list[tuple[Hashable, int]]) -> None:
+        self._session = session
+        self._releasing = releasing  # what releases ``items`` on the server (None: nothing to)
+        self._link = link  # the connection that held them
+        self._items = items
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._answer().__await__()  # made here: an answer never awaited makes none
+
+    async def _answer(self) -> None:
+        releasing = self._releasing
+        if releasing is None:
+            return
+        try:
+            not_released = await asyncio.shield(releasing)
+        except asyncio.CancelledError:
+            if not releasing.cancelled():
+                raise  # the awaiting task is cancelled; the release goes on
+            not_released = None
+        if not_released is None:  # a clean-up's drop, or cut short: told by the connection
+            lost = self._items if self._session.link is not self._link else []
+        else:
+            lost = [item for item in self._items if item in not_released]
+        if lost:
+            raise _lost_error(sorted({key for key, _ in lost}, key=repr))
 
 
 def _close_link(session: _TaskSession) -> None:
