@@ -456,6 +456,14 @@ def live_managers() -> list[_PgEngine[Any]]:
     return [manager for _, manager in found if manager is not None]
 
 
+def alone() -> bool:
+    """Whether one manager was ever registered and lives on (the caller's: every manager
+    registers as it is made, before any use): no other can hold anything. Without the
+    lock, for every acquisition's check (``_elsewhere``): a manager made meanwhile on
+    another thread holds nothing of the calling thread's."""
+    return len(_MANAGERS) == 1
+
+
 def register(manager: _PgEngine[Any]) -> None:
     with _MANAGERS_LOCK:
         _MANAGERS[:] = [ref for ref in _MANAGERS if ref() is not None] + [weakref.ref(manager)]
