@@ -1030,7 +1030,7 @@ def test_ctrl_c_as_the_in_process_acquisition_returns_leaves_nothing_held(
     locks._engine = real
     assert len(locks) == 0 and locks.lost_keys() == set()
     other = workers("other")
-    assert other.run(lambda: take("k", timeout=0)) is True  # in process and on the server
+    assert other.run(lambda: take("k", timeout=PATIENCE)) is True  # in process and on the server
     other.run(lambda: locks.release("k") if manager == "PgLockManager"
               else locks.release_write("k"))
     assert take("k", timeout=0) is True

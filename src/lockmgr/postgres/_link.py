@@ -42,6 +42,10 @@ _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 # other's ``connect_timeout`` of the DSN or connect_kwargs, else _server._CONNECT_WITHIN
 # (``_connect_by``). A new connection's set-up round trip shares it.
 _ANSWER_WITHIN = 10.0
+# A try (timeout 0) that has to open a connection first gives its connect this long: a
+# connect says nothing about the key, and a loaded host (or a far server, over TLS) may take
+# longer than _WAIT_MARGIN to fork a backend and answer; a try still returns in bounded time.
+_TRY_CONNECTS_WITHIN = 2.0
 _WAIT_MARGIN = 0.25
 _CANCEL_GRACE = 0.25
 _ABORT_SECONDS = 5.0  # how long an interrupted round trip waits for its cancelled statement

@@ -21,6 +21,7 @@ from ._link import (
     _Drop,
     _Lose,
     _Overdue,
+    _TRY_CONNECTS_WITHIN,
     _Steps,
     _Unanswered,
     _answer_by,
@@ -46,9 +47,11 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
     ordered = sorted([(manager.advisory_key(key), mode) for key, mode in items])
     fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
     deadline = None if seconds <= 0 else time.monotonic() + seconds
-    # A timed call's (or a try's) connect ends when its round trips would (a try's: from
-    # its start); a wait's has a bound of its own (``_link._connect_by``).
-    connect_by = None if seconds < 0 else _round_trip_deadline("timed", deadline)
+    # A timed call's connect ends when its round trips would, a try's _TRY_CONNECTS_WITHIN
+    # after its start; a wait's has a bound of its own (``_link._connect_by``).
+    connect_by = (None if seconds < 0
+                  else time.monotonic() + _TRY_CONNECTS_WITHIN if seconds == 0
+                  else _round_trip_deadline("timed", deadline))
     retried = False
     while True:
         if session.link is not None:
