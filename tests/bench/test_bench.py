@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lockmgr import _pure, bench
-from lockmgr.bench import _asyncio, _cli, _measure, _output, _threads
+from lockmgr.bench import _asyncio, _cli, _measure, _output, _servers, _threads
 
 
 @pytest.mark.parametrize(("order", "expected"), [
@@ -190,6 +190,63 @@ def test_asyncio_scenarios_measure_lockmgr(tmp_path: Path) -> None:
     metric = f"residue-after-{_asyncio.ASYNC_MEMORY_KEYS}-keys"
     assert rows["asyncio-memory", "lockmgr", metric] < 64 * 1024
     assert rows["asyncio-memory", "dict-of-asyncio-locks", metric] > 100 * _asyncio.ASYNC_MEMORY_KEYS
+
+
+def test_server_pairs_puts_lockmgr_beside_its_libpq_and_psycopg_floors(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``server-pairs`` with ``--pg-dsn`` measures lockmgr beside a bare psycopg loop and a
+    bare libpq loop on the same server, then redis-py, with one process and with
+    ``--threads``: pairs/s and client CPU per pair each (the workers' CPU time over their
+    pairs), printed in a table of their own with ratios to the libpq loop. (The workers are
+    stubbed: what they report is what the table shows; running them is test_postgres's.)"""
+    asked: list[tuple[str, str, int]] = []
+    per_process = {"postgres": (1000, 0.2), "psycopg": (1500, 0.15), "libpq": (2000, 0.05),
+                   "redis-py": (800, 0.25)}  # pairs/s, CPU seconds per second
+
+    def stub(backend: str, address: str, count: int, seconds: float) -> tuple[int, float]:
+        asked.append((backend, address, count))
+        rate, cpu = per_process[backend]
+        return round(rate * count * seconds), cpu * count * seconds
+
+    monkeypatch.setattr(_servers, "_pairs_and_cpu", stub)
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "server-pairs", "--pg-dsn", "host=pg",
+                       "--redis", "redis://redis", "--threads", "4", "--json", str(out)]) == 0
+    assert asked == [(backend, address, count) for count in (1, 4) for backend, address in (
+        ("postgres", "host=pg"), ("psycopg", "host=pg"), ("libpq", "host=pg"),
+        ("redis-py", "redis://redis"))]
+    rows = {(row["impl"], row["metric"]): (row["value"], row["unit"])
+            for row in json.loads(out.read_text())["results"]}
+    for backend, (rate, cpu) in per_process.items():
+        for metric, count in (("1-process", 1), ("4-processes", 4)):
+            assert rows[backend, metric] == (pytest.approx(rate * count), "pairs/s")
+            assert rows[backend, f"{metric} client CPU per pair"] == (
+                pytest.approx(cpu / rate * 1e6), "us")
+    assert rows["postgres", "1-process vs redis-py"] == (pytest.approx(1.25), "x")
+    printed = capsys.readouterr().out
+    assert "| scenario | metric | postgres | psycopg | libpq | redis-py |" in printed
+    assert ("| server-pairs | 1-process (pairs/s) | 1,000 (0.50x) | 1,500 (0.75x) | 2,000 |"
+            " 800 (0.40x) |") in printed
+    assert ("| server-pairs | 4-processes client CPU per pair (us) | 200 (8.00x) | 100 (4.00x)"
+            " | 25 | 312 (12.50x) |") in printed
+
+
+def test_server_pairs_without_postgres_measures_no_floors(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With ``--redis`` alone, redis-py only: the floors are PostgreSQL's."""
+    asked: list[str] = []
+
+    def stub(backend: str, address: str, count: int, seconds: float) -> tuple[int, float]:
+        asked.append(backend)
+        return 100, 0.01
+
+    monkeypatch.setattr(_servers, "_pairs_and_cpu", stub)
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "server-pairs", "--redis", "redis://redis",
+                       "--threads", "2", "--json", str(out)]) == 0
+    assert asked == ["redis-py", "redis-py"]
+    assert {row["impl"] for row in json.loads(out.read_text())["results"]} == {"redis-py"}
 
 
 def _results(*rows: tuple[str, str, str, float, str]) -> _measure.Results:

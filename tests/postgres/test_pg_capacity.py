@@ -269,13 +269,48 @@ def test_an_idle_connection_of_threads_makes_room_for_a_task_and_back(
 
     assert locks.acquire_read("a", timeout=0)
     locks.release_read("a")
-    assert len(locks._idle) == 1
+    assert idle_of_threads(locks) == 1
     loop_thread, failures = in_loop_thread(main)
     loop_thread.join(PATIENCE * 3)
     assert not failures, failures
-    assert not locks._idle and len(locks._task_idle) == 1
+    assert idle_of_threads(locks) == 0 and len(locks._task_idle) == 1
     assert locks.acquire_write("a", timeout=0)
     locks.release_write("a")
-    assert len(locks._idle) == 1 and not locks._task_idle and locks._capacity.open == 1
+    assert idle_of_threads(locks) == 1 and not locks._task_idle and locks._capacity.open == 1
     locks.close()
+
+
+def test_a_connection_a_thread_keeps_goes_to_the_next_thread_at_the_cap(
+        engine, dsn, namespace) -> None:
+    """Capped at 1: a living thread that holds nothing keeps its connection for its next
+    call, and gives it up to another thread (which does not wait, even trying), and back."""
+    locks = capped(engine, dsn, namespace, 1)
+    its_turn, its_done, its_end = threading.Event(), threading.Event(), threading.Event()
+    results: list[bool] = []
+
+    def other() -> None:
+        its_turn.wait(PATIENCE)
+        results.append(locks.acquire("b", timeout=0))
+        locks.release("b")
+        its_done.set()
+        its_end.wait(PATIENCE)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert locks.acquire("a", timeout=0)
+    locks.release("a")
+    its_turn.set()
+    assert its_done.wait(PATIENCE) and results == [True]
+    assert locks.acquire("a", timeout=0)  # while the other thread lives on
+    locks.release("a")
+    assert locks._capacity.open == 1
+    its_end.set()
+    thread.join(PATIENCE)
+    locks.close()
+
+
+def idle_of_threads(locks: postgres.PgRWLockManager[Any]) -> int:
+    """The threads' connections holding nothing: on the idle list, or kept by the thread
+    that last used it (parked) until another needs one."""
+    return len(locks._idle) + len(locks._parked)
     assert locks._capacity.open == 0

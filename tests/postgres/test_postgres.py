@@ -596,7 +596,7 @@ def test_bench_adds_postgres_in_process_and_across_processes(dsn, tmp_path) -> N
 
 def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
     """``--redis start`` runs Debian's redis-server (scripts/test-servers.sh installs it) for
-    the run."""
+    the run; lockmgr's pairs come with the bare psycopg and libpq loops' on the same server."""
     from lockmgr import bench
 
     pgserver.require_redis_server()
@@ -605,8 +605,10 @@ def test_bench_server_pairs_beside_redis_py(dsn, tmp_path) -> None:
                        "start", "--threads", "2", "--json", str(out)]) == 0
     rows = {(row["impl"], row["metric"]): row["value"]
             for row in json.loads(out.read_text())["results"]}
-    assert set(rows) == {(impl, metric) for impl in ("postgres", "redis-py")
-                         for metric in ("1-process", "2-processes")} | {
+    assert set(rows) == {(impl, metric + measure)
+                         for impl in ("postgres", "psycopg", "libpq", "redis-py")
+                         for metric in ("1-process", "2-processes")
+                         for measure in ("", " client CPU per pair")} | {
         ("postgres", "1-process vs redis-py"), ("postgres", "2-processes vs redis-py")}
     assert all(value > 0 for value in rows.values())
     assert bench.main(["--scenario", "server-pairs"]) == 2  # it needs a server to measure
@@ -1289,6 +1291,67 @@ def test_locked_asks_about_this_database_only(locks, engine, dsn, namespace) -> 
     finally:
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(f"DROP DATABASE {other_db}")
+
+
+def holders_backend(dsn: str, locks: Any, key: object) -> int:
+    """The server pid of the session holding ``key``, asked on a connection of the test's."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(f"SELECT pid FROM {_GRANTED_ADVISORY} %s",
+                           (locks.advisory_key(key),)).fetchone()
+    assert row is not None, f"{key!r} is not held"
+    return int(row[0])
+
+
+def test_threads_taking_turns_share_one_connection(engine, dsn, namespace) -> None:
+    """A thread that holds nothing keeps its connection for its next call, but gives it to
+    any other thread that needs one, and to the next thread when it ends: threads taking
+    turns, ended or still alive, never open a second connection."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    backends: list[int] = []
+
+    def hold_once() -> None:
+        with locks.hold("k"):
+            backends.append(holders_backend(dsn, locks, "k"))
+
+    hold_once()
+    hold_once()  # kept
+    ended = threading.Thread(target=hold_once)  # takes the main thread's, and leaves it idle
+    ended.start()
+    ended.join(PATIENCE)
+    hold_once()
+    done, go_on = threading.Event(), threading.Event()
+
+    def hold_and_stay() -> None:
+        hold_once()
+        done.set()
+        go_on.wait(PATIENCE)
+
+    alive = threading.Thread(target=hold_and_stay)
+    alive.start()
+    assert done.wait(PATIENCE)
+    hold_once()  # the living thread's, which holds nothing
+    go_on.set()
+    alive.join(PATIENCE)
+    assert len(backends) == 6 and len(set(backends)) == 1, backends
+    locks.close()
+
+
+def test_close_closes_the_connection_a_thread_keeps(engine, dsn, namespace) -> None:
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    with locks.hold("k"):
+        backend = holders_backend(dsn, locks, "k")
+    locks.close()
+
+    def gone() -> bool:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                               (backend,)).fetchone()
+        return bool(row) and row[0] == 0
+
+    wait_until(gone, "the server session ended")
+    assert locks.acquire("k", timeout=PATIENCE)  # and the thread takes a new one
+    locks.release("k")
+    locks.close()
 
 
 def test_threads_that_end_leave_nothing_behind(engine, dsn, namespace) -> None:

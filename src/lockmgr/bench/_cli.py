@@ -21,7 +21,7 @@ from typing import Any
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS, async_implementations
 from ._measure import Progress, Results, Settings, progress
 from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
-from ._servers import postgres_processes, redis_server, server_pairs
+from ._servers import PAIRS_BASELINE, postgres_processes, redis_server, server_pairs
 from ._threads import (
     ASKED_FOR_ONLY,
     BASELINE,
@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--pg-dsn", metavar="DSN",
                         help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
                              "threads of one process, and one process per thread; and to "
-                             "server-pairs; distributed takes it as a postgresql:// URL (the "
-                             "form tooz reads)")
+                             "server-pairs, beside bare psycopg and libpq loops; distributed "
+                             "takes it as a postgresql:// URL (the form tooz reads)")
     parser.add_argument("--redis", metavar="URL|start",
                         help="server-pairs beside redis-py's Lock, and distributed beside the "
                              "Redis locks, on this Redis server ('start': a throwaway "
@@ -225,11 +225,13 @@ def _measured_in_order(results: Results, impls: list[str]) -> list[str]:
 
 
 def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> None:
-    """The header, then up to three tables: the thread scenarios (ratios to threading.Lock),
-    the asyncio ones (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr
-    over PostgreSQL), each with the implementations it measured as columns."""
+    """The header, then up to four tables: the thread scenarios (ratios to threading.Lock),
+    server-pairs (ratios to the bare libpq loop), the asyncio ones (ratios to one
+    asyncio.Lock), and the distributed one (ratios to lockmgr over PostgreSQL), each with
+    the implementations it measured as columns."""
     print(header(about))
-    for scenarios, baseline in ((set(SCENARIOS) | {"server-pairs"}, BASELINE),
+    for scenarios, baseline in ((set(SCENARIOS), BASELINE),
+                                ({"server-pairs"}, PAIRS_BASELINE),
                                 (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
                                 ({"distributed"}, "lockmgr")):
         rows = [row for row in results.rows if row["scenario"] in scenarios]

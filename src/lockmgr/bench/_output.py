@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS
 from ._measure import gil_enabled, progress, run_for
+from ._servers import PAIRS_BASELINE
 from ._threads import BASELINE
 
 if TYPE_CHECKING:
@@ -120,12 +121,15 @@ def panels(results: Results, impls: list[str]) -> list[Panel]:
 
 
 def baseline_of(scenario: str) -> str:
+    if scenario == "server-pairs":
+        return PAIRS_BASELINE
     return ASYNC_BASELINE if scenario in ASYNC_SCENARIOS else BASELINE
 
 
 def ratios(found: list[Panel]) -> list[tuple[Panel, dict[str, float]]]:
     """For the summary panel: each metric's values as ratios to its baseline's
-    (threading.Lock; asyncio.Lock for the asyncio scenarios), where it measured one. A zero
+    (threading.Lock; asyncio.Lock for the asyncio scenarios, the libpq loop for
+    server-pairs), where it measured one. A zero
     (0 overtakes) stays a ratio of 0: the summary draws it at its axis floor."""
     rows = []
     for panel in found:
@@ -174,7 +178,7 @@ def _mark_zero(axis: Any, floor: float) -> None:
 
 def draw(results: Results, impls: list[str]) -> Any:
     """The results at a glance (a matplotlib Figure): first every metric as a ratio to
-    threading.Lock (asyncio ones to asyncio.Lock) on one log axis (lockmgr in red, a ratio
+    threading.Lock (asyncio ones to asyncio.Lock, server-pairs to libpq) on one log axis (lockmgr in red, a ratio
     of 0 at the axis floor, marked 0), then one panel per metric, log-scaled where values
     span more than 10x (a 0 there, which has no bar, labelled); each title says whether
     higher or lower is better, and each implementation keeps its colour throughout."""

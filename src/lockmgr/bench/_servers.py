@@ -41,28 +41,49 @@ def postgres_processes(dsn: str, scenario: str, settings: Settings, results: Res
     results.add(scenario, "postgres-processes", "throughput", total / seconds, "acq/s")
 
 
+#: What ``server-pairs`` compares every pair with: the two prepared statements through
+#: ``psycopg.pq`` in a bare loop, the least a pair through PostgreSQL costs from Python.
+PAIRS_BASELINE = "libpq"
+#: Beside lockmgr (``postgres``), with ``--pg-dsn``: the same advisory locks in bare loops.
+PG_FLOORS = ("psycopg", PAIRS_BASELINE)
+
+
 def server_pairs(servers: dict[str, str], settings: Settings, results: Results) -> None:
-    """Acquire+release pairs per second through each lock server, side by side: one
+    """Acquire+release pairs per second through each lock server, side by side, and the
+    client CPU each pair cost (the worker processes' CPU time over their pairs): one
     process, then ``--threads`` processes each on its own keys; runs alternate between the
-    servers (the median of three, one with ``--quick``) so that both see the same machine."""
+    servers (the median of three, one with ``--quick``) so that all see the same machine.
+    ``postgres`` (lockmgr) comes with its floors, bare psycopg and libpq loops on the same
+    server (``PG_FLOORS``)."""
+    if "postgres" in servers:  # its floors beside it, before the other servers
+        servers = {"postgres": servers["postgres"],
+                   **{floor: servers["postgres"] for floor in PG_FLOORS}, **servers}
     seconds = settings.scaled(0.5, 2.0)
     rounds = 1 if settings.quick else 3
     counts = sorted({1, settings.threads})
     for count in counts:
-        measured: dict[str, list[float]] = {name: [] for name in servers}
+        rates: dict[str, list[float]] = {name: [] for name in servers}
+        costs: dict[str, list[float]] = {name: [] for name in servers}
         for _ in range(rounds):
             for name, address in servers.items():
                 progress(f"server-pairs: {name}, {count} process(es)")
-                measured[name].append(_pairs_per_second(name, address, count, seconds))
+                pairs, cpu = _pairs_and_cpu(name, address, count, seconds)
+                rates[name].append(pairs / seconds)
+                costs[name].append(cpu / pairs * 1e6)
         metric = f"{count}-process" + ("es" if count > 1 else "")
-        for name, values in measured.items():
-            results.add("server-pairs", name, metric, statistics.median(values), "pairs/s")
-        if "postgres" in measured and "redis-py" in measured:
-            ratio = statistics.median(measured["postgres"]) / statistics.median(measured["redis-py"])
+        for name in servers:
+            results.add("server-pairs", name, metric, statistics.median(rates[name]), "pairs/s")
+        for name in servers:
+            results.add("server-pairs", name, f"{metric} client CPU per pair",
+                        statistics.median(costs[name]), "us")
+        if "postgres" in rates and "redis-py" in rates:
+            ratio = statistics.median(rates["postgres"]) / statistics.median(rates["redis-py"])
             results.add("server-pairs", "postgres", f"{metric} vs redis-py", ratio, "x")
 
 
-def _pairs_per_second(backend: str, address: str, count: int, seconds: float) -> float:
+def _pairs_and_cpu(backend: str, address: str, count: int, seconds: float) -> tuple[int, float]:
+    """The pairs ``count`` worker processes made in ``seconds``, and the CPU seconds they
+    used meanwhile."""
     namespace = f"lockmgr-bench-{os.getpid()}-{time.time()}"
     workers = [subprocess.Popen([sys.executable, "-m", "lockmgr.bench.server_worker", backend,
                                  address, namespace, str(index), str(seconds)],
@@ -77,7 +98,11 @@ def _pairs_per_second(backend: str, address: str, count: int, seconds: float) ->
             assert worker.stdin is not None
             worker.stdin.write("go\n")
             worker.stdin.flush()
-        return sum(int(worker.communicate(timeout=seconds + 60)[0]) for worker in workers) / seconds
+        pairs, cpu = 0, 0.0
+        for worker in workers:
+            done, used = worker.communicate(timeout=seconds + 60)[0].split()
+            pairs, cpu = pairs + int(done), cpu + float(used)
+        return pairs, cpu
     finally:
         for worker in workers:
             worker.kill()

@@ -13,9 +13,10 @@ The rules that keep it correct:
   process, Python version and host. A hash collision can only make two keys wait for each
   other; it can never let two holders in.
 - **Connections**: a thread's session-level locks live on a connection that thread owns
-  until it holds nothing (then the connection goes back to the manager's idle list, and is
-  checked before it is used again). Each new connection pins the settings locks depend on
-  and refuses a standby and a pooler (``_setup_sql``, ``_refusal``). A forked child never uses (nor closes) a connection
+  until it holds nothing (then the connection is idle: the thread keeps it, parked, for its
+  next call, unless a thread or task that needs one takes it first; a thread that ends
+  leaves it on the manager's idle list; it is checked before it is used again). Each new
+  connection pins the settings locks depend on and refuses a standby and a pooler (``_setup_sql``, ``_refusal``). A forked child never uses (nor closes) a connection
   of its parent's: it opens its own, and keys the parent held are not the child's.
 - **A lost connection is a lost lock**: the holder gets ``LockLost`` at each release of
   that key (and at an acquire of it), ``lost_keys()`` and the ``on_lost`` callback (once per

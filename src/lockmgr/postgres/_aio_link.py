@@ -106,7 +106,7 @@ class _AsyncLink(_Link):
                 self.talking = previous
             raise  # else still talking: see above
         self.talking = previous  # (True within a clean-up)
-        return _checked(results, self.conn.info.encoding, self.cancelled_late)
+        return _checked(results, self.conn, self.cancelled_late)
 
     async def _past_deadline_async(self) -> float:
         """``_Link._past_deadline`` on the event loop."""

@@ -4,8 +4,9 @@ queue of the threads and tasks waiting for one (``_Capacity``).
 A connection takes a ``_Slot`` when it is opened and gives it back when it closes
 (``_Link.close``, whatever closes it). A slot given back while threads or tasks wait goes
 straight to the one that has waited longest: nobody who came later can take it first. A
-connection that would go back to the idle list while someone waits is closed instead, so
-that its slot goes to them (a reconnect, only at the cap, and the order kept)."""
+connection that would go back to the idle list (or stay parked with its thread) while
+someone waits is closed instead, so that its slot goes to them (a reconnect, only at the
+cap, and the order kept); a newcomer at the cap takes an idle or parked one's slot."""
 
 from __future__ import annotations
 
@@ -198,8 +199,7 @@ def claim(manager: _PgEngine[Any],
         with capacity.lock:
             if capacity.waiters or capacity.open < capacity.limit:
                 return capacity.take_or_queue(loop)
-        idle: list[Any] = manager._idle or manager._task_idle
-        link = idle.pop() if idle else None
+        link = manager._pop_idle() or (manager._task_idle.pop() if manager._task_idle else None)
         if link is None or link.slot is None:
             with capacity.lock:
                 taken = capacity.take_or_queue(loop)

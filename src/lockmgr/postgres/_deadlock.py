@@ -129,6 +129,26 @@ class Look:
             self.lookout.leave(self.owner)
 
 
+class Waiting:
+    """One in-process acquisition's wait check (``_PgEngine._acquire_in_process``): its
+    ``Look`` is made at the first check, once the thread waits (the engines check only
+    then), so that an acquisition that does not wait, the usual one, sets up no look."""
+
+    __slots__ = ("deadline", "items", "look", "manager")
+
+    def __init__(self, manager: _PgEngine[Any], items: Sequence[tuple[Hashable, int]],
+                 deadline: float | None) -> None:
+        self.manager = manager
+        self.items = items
+        self.deadline = deadline  # the wait's, which its looks keep (``Look``)
+        self.look: Look | None = None
+
+    def check(self) -> None:
+        if self.look is None:
+            self.look = Look(self.items, self.deadline)
+        self.manager._look_while_waiting(self.look)
+
+
 class Lookout:
     """A manager's connection for the looks of its waiters, threads and tasks alike, which
     publishes the waits of those that hold keys on the server (the only ones that can be in
@@ -434,6 +454,14 @@ def live_managers() -> list[_PgEngine[Any]]:
         found = [(ref, ref()) for ref in _MANAGERS]
         _MANAGERS[:] = [ref for ref, manager in found if manager is not None]
     return [manager for _, manager in found if manager is not None]
+
+
+def alone() -> bool:
+    """Whether one manager was ever registered and lives on (the caller's: every manager
+    registers as it is made, before any use): no other can hold anything. Without the
+    lock, for every acquisition's check (``_elsewhere``): a manager made meanwhile on
+    another thread holds nothing of the calling thread's."""
+    return len(_MANAGERS) == 1
 
 
 def register(manager: _PgEngine[Any]) -> None:

@@ -25,7 +25,7 @@ import psycopg
 from .._args import READ, WRITE
 from .._errors import DeadlockError
 from .._owners import current_task_or_none
-from ._deadlock import Owner, live_managers
+from ._deadlock import Owner, alone, live_managers
 from ._session import _owner_kind
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
     ``session``) through another manager, on this call's server and database: a wait for
     it would wait for itself. Without a connection yet, the session takes one to learn
     the server."""
+    if alone():
+        return  # (the usual: no other manager in this process)
     fresh = [item for item in items if not session.levels.get(item)]
     if not fresh:
         return  # re-entered: no wait on the server

@@ -25,6 +25,7 @@ from ._deadlock import (
     LOOK_EVERY,
     Look,
     Lookout,
+    Waiting,
     deadlock_through_server,
     managers_after_fork,
     register,
@@ -114,9 +115,13 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._str_idents: dict[str, int] = {}
         self._on_lost = on_lost
         self._local = threading.local()
-        self._guard = threading.Lock()  # guards _idle, _sessions and loss reports
+        self._guard = threading.Lock()  # guards _idle, _parked, _sessions and loss reports
         self._idle: list[_Link] = []  # connections holding nothing
-        self._sessions: set[_Session] = set()  # sessions with a connection or lost keys
+        # Sessions that hold nothing and keep their connection for their thread's next call
+        # (``_return_if_idle``): idle connections all the same, which whoever needs one
+        # takes first (``_pop_idle``).
+        self._parked: set[_Session] = set()
+        self._sessions: set[_Session] = set()  # sessions with a connection in use or lost keys
         # The asyncio tasks' sessions, from the first ``aio``: held by the views and by the
         # tasks with a session (their done-callbacks), and so alive while anything may use
         # them; they hold this manager. A strong reference back would make a cycle, and a
@@ -142,6 +147,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         with self._guard:
             idle: list[_Link] = [*self._idle, *self._task_idle]
             self._idle, self._task_idle = [], []
+            while (link := self._pop_idle()) is not None:  # the parked ones
+                idle.append(link)
         for link in idle:
             link.close()
 
@@ -372,6 +379,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         if tasks is not None:
             tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
+        if session.parked:
+            self._unpark(session)
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
         refuse_own_xact_lock(self, items)
@@ -428,14 +437,15 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _acquire_in_process(self, items: Sequence[tuple[Hashable, int]], seconds: float,
                             local_acquire: Callable[[float], bool]) -> bool:
         """``local_acquire(seconds)``, looking around while it waits (``_look_while_waiting``)."""
-        look = Look(items, None if seconds < 0 else time.monotonic() + seconds)
+        waiting = Waiting(self, items, None if seconds < 0 else time.monotonic() + seconds)
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
-        WAIT_CHECK.call = lambda: self._look_while_waiting(look)
+        WAIT_CHECK.call = waiting.check
         try:
             return local_acquire(seconds)
         finally:
             WAIT_CHECK.call = previous
-            look.stop()
+            if waiting.look is not None:
+                waiting.look.stop()
 
     def _look_while_waiting(self, look: Look) -> None:
         """The calling thread's wait check while it waits in process: a task stranded on a
@@ -508,7 +518,10 @@ class _PgEngine(_Inspecting, Generic[K]):
 
     def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
               seconds: float) -> dict[int, int] | None:
-        """``_lock_steps`` in the calling thread."""
+        """``_lock_steps`` in the calling thread, on its connection taken back if a step
+        before parked it (a question on it: ``_elsewhere``), or on another."""
+        if session.parked:
+            self._unpark(session)
         return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
@@ -560,7 +573,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             tasks.sweep_closed_loops()  # their connections may hold what we wait for
         while True:
             with self._guard:
-                link = self._idle.pop() if self._idle else None
+                link = self._pop_idle()
             if link is None:
                 link, fresh = new_link(self, deadline, connect_by), True
                 break
@@ -574,23 +587,55 @@ class _PgEngine(_Inspecting, Generic[K]):
         return link, fresh
 
     def _return_if_idle(self, session: _Session) -> None:
-        """A thread that holds nothing gives its connection back."""
+        """A thread that holds nothing gives its connection back: it parks it, keeping it
+        for its next call (a thread using the manager again and again goes through no idle
+        list), while any thread or task that needs a connection takes it first
+        (``_pop_idle``); closed if someone waits for a place under ``max_connections``."""
         if session.holds_anything():
             return
-        link, session.link = session.link, None
         with self._guard:
+            if session.parked:
+                return  # (a release_all holding nothing: taken meanwhile, or still there)
+            link, session.link = session.link, None
             self._sessions.discard(session)
             session.reported.clear()
             if link is not None and not session.dead and not link.broken() and not crowded(self):
-                self._idle.append(link)  # checked again before its next use
-                link = None
+                session.link, session.parked = link, True  # checked again before its next use
+                self._parked.add(session)
+                return
         session.dead = False
         if link is not None:
             link.close()
 
+    def _unpark(self, session: _Session) -> None:
+        """The owner's next acquisition takes its parked connection back, if nobody took it
+        (then it has none: ``_attach``)."""
+        with self._guard:
+            if session.parked:
+                session.parked = False
+                self._parked.discard(session)
+                self._sessions.add(session)
+
+    def _pop_idle(self) -> _Link | None:
+        """An idle connection of the threads' (under ``_guard``): from the idle list, else
+        one a thread keeps parked (that thread's next call attaches another), else None.
+        The taker checks it (``_Link.idle``) before using it."""
+        if self._idle:
+            return self._idle.pop()
+        if not self._parked:
+            return None
+        session = self._parked.pop()
+        link, session.link = session.link, None  # first: see _settle
+        session.parked = session.dead = False
+        return link
+
     def _settle(self, session: _Session, deadline: float | None | bool = True) -> None:
         """The owner's check at every call: a dead connection loses what it held, and keys
-        an interrupted clean-up left unsure are released now (by ``deadline``)."""
+        an interrupted clean-up left unsure are released now (by ``deadline``). A parked
+        session holds nothing: its connection is checked when it is used again (another
+        thread may be taking it now: ``_pop_idle`` clears ``link`` before ``parked``)."""
+        if session.parked:
+            return
         if session.taking is not None:  # an interrupt kept a failed acquisition's undo from running
             session.undo_take(*session.taking)
         if session.giving is not None:  # ... or a release's count-down
@@ -663,11 +708,20 @@ class _PgEngine(_Inspecting, Generic[K]):
         return bool(session.lost.get((key, mode)))
 
     def _thread_ended(self, session: _Session) -> None:
-        """A thread ended: its session goes, and with it its locks and lost keys."""
+        """A thread ended: its session goes, and with it its locks and lost keys; a
+        connection it kept parked, holding nothing, goes to the idle list (the next thread
+        does not connect again), or closes if someone waits for a place."""
         with self._guard:
             self._sessions.discard(session)
-        if session.link is not None:
-            session.link.close()
+            link, session.link = session.link, None
+            if session.parked:
+                session.parked = False
+                self._parked.discard(session)
+                if link is not None and not crowded(self):
+                    self._idle.append(link)  # checked again before its next use
+                    return
+        if link is not None:
+            link.close()
 
     def _forget_parent_sessions(self) -> None:
         """In a forked child: no connection of the parent's is ever used or closed here.
@@ -678,6 +732,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         me = threading.get_ident()
         links: list[_Link] = [*self._idle, *self._task_idle]
         self._idle, self._task_idle = [], []
+        while (link := self._pop_idle()) is not None:  # the parked ones
+            links.append(link)
         for session in list(self._sessions):
             if session.link is not None:
                 links.append(session.link)
@@ -700,10 +756,11 @@ class _PgEngine(_Inspecting, Generic[K]):
         """A connection for a question: the calling thread's (if ``own``), or one from the
         idle list, or a new one (connected by ``deadline``: ``_Link.connect``)."""
         session = self._session_or_none() if own else None
-        if session is not None and session.link is not None and session.link.idle():
+        if (session is not None and not session.parked and session.link is not None
+                and session.link.idle()):
             return session.link, False
         with self._guard:
-            link = self._idle.pop() if self._idle else None
+            link = self._pop_idle()  # (perhaps the one the calling thread parked)
         if link is None or not link.idle():
             if link is not None:
                 link.close()

@@ -119,7 +119,7 @@ def _server_states(manager: _PgEngine[Any], known: dict[int, Hashable]) -> list[
     # Never on the calling thread's own connection: the question would move the holder's
     # state_change, which dates what it holds.
     with manager._guard:
-        link = manager._idle.pop() if manager._idle else None
+        link = manager._pop_idle()
     if link is None or not link.idle():
         if link is not None:
             link.close()

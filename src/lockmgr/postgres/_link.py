@@ -76,6 +76,13 @@ class _NotConnectedInTime(PgConnectionError):
 _CLIENT_TIMEOUTS = (_Unanswered, _Overdue, _NotConnectedInTime)
 _T = TypeVar("_T")
 
+# This process's pid, for ``_Link.idle``, which every acquisition asks (os.getpid is a
+# system call): set again in a forked child before any other handler runs (the managers'
+# ``_forget_parent_sessions`` is registered after this module is imported).
+_PROCESS = [os.getpid()]
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.getpid()))
+
 
 # -- the protocol's steps, once for threads and tasks ------------------------------------------
 # A step of the protocol (a round trip's statements, a lock call's choices and retries) is a
@@ -181,9 +188,16 @@ def _call_steps(link: _Link, statement: bytes, ident: int,
             # a task, a clean-up after a cancellation drained the answer we never read)
             pass
         link.prepared.add(statement)
-    results: list[Any] = yield _RoundTrip(link, answer_by, link.pgconn.send_query_prepared,
-                                          (statement, [b"%d" % ident]))
+    results: list[Any] = yield _prepared_call(link, statement, ident, answer_by)
     return results[-1]
+
+
+def _prepared_call(link: _Link, statement: bytes, ident: int,
+                   answer_by: float | None) -> _RoundTrip:
+    """The round trip of ``_call_steps`` once ``statement`` is prepared on ``link``: a step
+    may yield it itself (its result list, of one), saving a step of its own on every call."""
+    return _RoundTrip(link, answer_by, link.pgconn.send_query_prepared,
+                      (statement, [b"%d" % ident]))
 
 
 def _set_up_steps(link: _Link, deadline: float | None) -> _Steps[None]:
@@ -202,12 +216,13 @@ def _set_up_steps(link: _Link, deadline: float | None) -> _Steps[None]:
     link.server = bytes(who.get_value(0, 2))
 
 
-def _checked(results: list[Any], encoding: str, cancelled_late: bool) -> list[Any]:
+def _checked(results: list[Any], conn: psycopg.BaseConnection[Any],
+             cancelled_late: bool) -> list[Any]:
     """``results``, unless one is an error: then its psycopg exception (``_Overdue`` for
-    the cancel the deadline sent)."""
+    the cancel the deadline sent), its text decoded as ``conn``'s."""
     for result in results:
         if result.status == _FATAL_ERROR:
-            error = pg_errors.error_from_result(result, encoding=encoding)
+            error = pg_errors.error_from_result(result, encoding=conn.info.encoding)
             try:
                 if cancelled_late and isinstance(error, pg_errors.QueryCanceled):
                     raise _Overdue("PostgreSQL did not answer in time: the statement was"
@@ -322,10 +337,9 @@ class _Link:
             except BaseException:
                 self._abort_query(deadline)
                 raise
-            encoding = self.conn.info.encoding
         finally:
             self.talking = False  # no call before it: nothing can skip it
-        return _checked(results, encoding, self.cancelled_late)
+        return _checked(results, self.conn, self.cancelled_late)
 
     def _past_deadline(self) -> float:
         """The round trip passed its deadline: cancel its statement, and give the cancel
@@ -398,7 +412,7 @@ class _Link:
         error, gives up the session's locks, then closes the socket. The error turns the
         socket readable; reading and parsing it (libpq hands an error between statements
         to the notice handler) tells the session ended even before the socket closes."""
-        if self.pid != os.getpid():
+        if self.pid != _PROCESS[0]:
             return False
         with self.guard:
             return self._idle()

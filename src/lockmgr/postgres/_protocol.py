@@ -24,7 +24,9 @@ from ._link import (
     _TRY_CONNECTS_WITHIN,
     _Steps,
     _Unanswered,
+    _answer_by,
     _call_steps,
+    _prepared_call,
     _round_trip_deadline,
     _run_all_steps,
 )
@@ -42,7 +44,7 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
     fencing the written keys' next fences: one message, one round trip. None if not
     granted in time, else the fences by advisory key. ``session.unsure`` is ``items`` from
     before the round trip: the caller clears it once it has counted them."""
-    ordered = sorted(((manager.advisory_key(key), mode) for key, mode in items))
+    ordered = sorted([(manager.advisory_key(key), mode) for key, mode in items])
     fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
     deadline = None if seconds <= 0 else time.monotonic() + seconds
     # A timed call's connect ends when its round trips would, a try's _TRY_CONNECTS_WITHIN
@@ -75,7 +77,10 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
                 ident, mode = ordered[0]
                 statement = (_FENCED_LOCK[how] if fencing
                              else _TRY_LOCK[mode] if trying else _LOCK[mode])
-                results = [(yield from _call_steps(link, statement, ident, answer_by))]
+                if statement in link.prepared:  # (the usual: _call_steps's round trip only)
+                    results = yield _prepared_call(link, statement, ident, answer_by)
+                else:
+                    results = [(yield from _call_steps(link, statement, ident, answer_by))]
             else:
                 results = yield from _run_all_steps(
                     link, _lock_sql(ordered, how, left, manager._fence_table if fencing else None),
@@ -128,7 +133,11 @@ def _unlock_steps(manager: _PgEngine[Any], session: _Session,
     try:
         if len(items) == 1:
             key, mode = items[0]
-            result = yield from _call_steps(link, _UNLOCK[mode], manager.advisory_key(key), True)
+            statement, ident = _UNLOCK[mode], manager.advisory_key(key)
+            if statement in link.prepared:  # (the usual: _call_steps's round trip only)
+                result = (yield _prepared_call(link, statement, ident, _answer_by()))[-1]
+            else:
+                result = yield from _call_steps(link, statement, ident, True)
         else:
             results = yield from _run_all_steps(link, _unlock_sql(items, manager.advisory_key),
                                                 True)

@@ -26,8 +26,8 @@ class _Session:
     """One thread's standing with one manager: the connection it holds keys on, and keys
     lost with an earlier connection that the thread has not yet released."""
 
-    __slots__ = ("dead", "fences", "giving", "ident", "levels", "link", "lost", "reported",
-                 "taking", "unsure")
+    __slots__ = ("dead", "fences", "giving", "ident", "levels", "link", "lost", "parked",
+                 "reported", "taking", "unsure")
 
     def __init__(self) -> None:
         self.ident = threading.get_ident()
@@ -38,6 +38,9 @@ class _Session:
         self.lost: dict[tuple[Hashable, int], int] = {}  # (key, mode) -> levels not yet released
         self.reported: set[Hashable] = set()  # lost keys already given to on_lost
         self.dead = False  # another thread found the link dead; the owner settles it
+        # It holds nothing, and keeps ``link`` for its next call, unless another thread
+        # takes it first (the manager's ``_parked``, under its ``_guard``).
+        self.parked = False
         # (key, mode) pairs a call may hold on the link that no count records: set before a
         # release, or on entering a failed call's clean-up, and cleared once the server has
         # answered (or the link is gone); a clean-up interrupted again leaves them to the
@@ -68,6 +71,8 @@ class _Session:
 
     def refuse_lost(self, items: Sequence[tuple[Hashable, int]]) -> None:
         """LockLost for an acquisition of keys still lost (their holder must release them)."""
+        if not self.lost:
+            return
         lost = sorted({key for key, mode in items if self.lost.get((key, mode))}, key=repr)
         if lost:
             raise _lost_error(lost)

@@ -47,6 +47,8 @@ def _unlock_sql(items: Sequence[tuple[Hashable, int]], advisory_key: Callable[[H
 
 def _not_released(result: Any, items: list[tuple[Hashable, int]]) -> list[tuple[Hashable, int]]:
     """The ``items`` an unlock's ``result`` says the session no longer held."""
+    if len(items) == 1:  # (a single key's release, the usual one)
+        return [] if result.get_value(0, 0) == b"t" else list(items)
     released = [result.get_value(0, column) == b"t" for column in range(len(items))]
     return [item for item, done in zip(items, released, strict=True) if not done]
 

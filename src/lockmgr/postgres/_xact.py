@@ -75,6 +75,8 @@ def refuse_own_xact_lock(manager: _PgEngine[Any], items: Sequence[tuple[Hashable
     server says whether a transaction it took one of ``items`` in with xact_lock still
     holds it (one round trip, only for such a key; ``xact_conflicts``)."""
     records: list[_XactLock] | None = getattr(manager._local, "xact_locks", None)
+    if not records:
+        return  # (the usual: no xact_lock taken)
     for key, record in xact_conflicts(manager, records, items):
         if manager._ask(_xact_question(record)):
             raise _xact_deadlock(threading.get_ident(), key)
