@@ -24,7 +24,9 @@ for tasks too, with these for the event loop:
   session's (which the task's next call on the manager waits for, as for a clean-up). It
   answers an awaitable: awaiting it waits for the server's answer and raises LockLost if
   the key was found gone; a release nobody awaits (code moved from the in-process
-  ``aio``) still releases, on the server too, within a round trip. NotOwnedError, and
+  ``aio``) still releases, on the server too, once the loop runs again; a thread that
+  would wait for it meanwhile on a loop that cannot run (its own, or one stopped) gets
+  DeadlockError at once (``_Tasks.refuse_unfinished_releases``). NotOwnedError, and
   LockLost for a key already known lost, are raised at the call. The in-process views'
   releases answer an awaitable done already, so ``await aio.release(key)`` runs on both.
   ``release_all`` (which answers a count) stays a coroutine here.
