@@ -140,6 +140,35 @@ def test_a_task_asking_another_manager_for_a_key_it_holds_is_refused_at_once(pai
     assert not held_on_server(dsn, rw, "k")
 
 
+def test_the_loop_thread_asking_another_manager_for_a_key_another_of_its_tasks_holds_is_refused(
+        pair, dsn) -> None:
+    """A task holds ``k`` through one manager; another task of the same loop makes a
+    blocking call to the other manager for ``k``: the holder cannot run while the loop's
+    thread waits, so the call is refused at once, as the in-process engine refuses it
+    through one manager."""
+    locks, rw = pair
+    holding, done = asyncio.Event(), asyncio.Event()
+
+    async def holder() -> None:
+        assert await locks.aio.acquire("k")
+        holding.set()
+        await done.wait()
+        await locks.aio.release("k")
+
+    async def main() -> None:
+        held = asyncio.create_task(holder())
+        await holding.wait()
+        for timeout in TIMEOUTS:
+            with pytest.raises(DeadlockError, match="holds 'k' through another manager"):
+                rw.acquire_write("k", timeout=timeout)  # the loop's thread, in another task
+        assert len(rw) == 0
+        done.set()
+        await held
+
+    run(main)
+    assert not held_on_server(dsn, rw, "k") and not held_on_server(dsn, locks, "k")
+
+
 @pytest.mark.posix_only
 def test_a_forked_child_holds_none_of_its_parents_keys_through_another_manager(
         engine, dsn, namespace) -> None:

@@ -29,6 +29,8 @@ from ._deadlock import Owner, alone, live_managers
 from ._session import _owner_kind
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._engine import _PgEngine
     from ._link import _Link
     from ._session import _Session
@@ -36,11 +38,11 @@ if TYPE_CHECKING:
 
 def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
                                items: Sequence[tuple[Hashable, int]]) -> None:
-    """DeadlockError if the calling thread, or the task it runs (which cannot run while
-    the thread waits), holds one of ``items`` it does not hold through ``manager`` (its
-    ``session``) through another manager, on this call's server and database: a wait for
-    it would wait for itself. Without a connection yet, the session takes one to learn
-    the server."""
+    """DeadlockError if the calling thread, or a task of the event loop it runs (none of
+    which can run while the thread waits), holds one of ``items`` it does not hold through
+    ``manager`` (its ``session``) through another manager, on this call's server and
+    database: a wait for it would wait for itself. Without a connection yet, the session
+    takes one to learn the server."""
     if alone():
         return  # (the usual: no other manager in this process)
     fresh = [item for item in items if not session.levels.get(item)]
@@ -48,7 +50,7 @@ def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
         return  # re-entered: no wait on the server
     task = current_task_or_none()
     owners = [(threading.get_ident(), False)] + ([] if task is None else [(task, True)])
-    found = held_elsewhere(manager, owners, fresh)
+    found = held_elsewhere(manager, owners, fresh, None if task is None else task.get_loop())
     if not found:
         return
     try:
@@ -59,11 +61,14 @@ def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
 
 
 def held_elsewhere(manager: _PgEngine[Any], owners: Sequence[tuple[Owner, bool]],
-                   items: Sequence[tuple[Hashable, int]]) -> list[tuple[Hashable, Owner, _Link]]:
+                   items: Sequence[tuple[Hashable, int]],
+                   loop: asyncio.AbstractEventLoop | None = None
+                   ) -> list[tuple[Hashable, Owner, _Link]]:
     """Of ``items`` ((key, mode) pairs ``manager`` is asked for), those that one of
     ``owners`` (the calling thread's ident and the current task, each with whether it is
-    a task) holds, in a conflicting mode, on a connection of another manager of this
-    process: (key, owner, that connection) each, whatever server it reaches."""
+    a task), or a task of ``loop``, holds, in a conflicting mode, on a connection of
+    another manager of this process: (key, owner, that connection) each, whatever server
+    it reaches."""
     if not items:
         return []
     others = [other for other in live_managers() if other is not manager]
@@ -72,7 +77,7 @@ def held_elsewhere(manager: _PgEngine[Any], owners: Sequence[tuple[Owner, bool]]
     wanted = [(manager.advisory_key(key), key, mode) for key, mode in items]
     found = []
     for other in others:
-        for owner, is_task in owners:
+        for owner, is_task in [*owners, *_tasks_of(other, loop, owners)]:
             session = _session_of(other, owner, is_task)
             link = None if session is None else session.link
             if session is None or link is None or not session.levels:
@@ -82,6 +87,17 @@ def held_elsewhere(manager: _PgEngine[Any], owners: Sequence[tuple[Owner, bool]]
             found += [(key, owner, link) for ident, key, mode in wanted
                       if (ident, WRITE) in held or (mode == WRITE and (ident, READ) in held)]
     return found
+
+
+def _tasks_of(manager: _PgEngine[Any], loop: asyncio.AbstractEventLoop | None,
+              owners: Sequence[tuple[Owner, bool]]) -> list[tuple[Owner, bool]]:
+    """The tasks of ``loop`` with a session of ``manager``'s, but ``owners``."""
+    tasks = None if loop is None else manager._tasks
+    if tasks is None:
+        return []
+    named = {owner for owner, _ in owners}
+    return [(task, True) for task in list(tasks.sessions)
+            if task.get_loop() is loop and task not in named]
 
 
 def _session_of(manager: _PgEngine[Any], owner: Any, is_task: bool) -> _Session | None:
