@@ -236,11 +236,14 @@ def _set_late(future: asyncio.Future[bool | None]) -> None:
 class _TaskSession(_Session):
     """One task's standing with one manager (a ``_Session``, the task as its owner)."""
 
-    __slots__ = ("cleaning", "ended")
+    __slots__ = ("cleaning", "ended", "losses")
     link: _AsyncLink | None
 
     def __init__(self) -> None:
         super().__init__()
+        # How many times its connection was lost (_Tasks.lose, the owner or its clean-up):
+        # a release under way when one came cannot say whether its keys went first.
+        self.losses = 0
         # Set once the task's session ended (_Tasks.end): a block's exit releases nothing.
         self.ended = False
         # The clean-up task giving back what a cancelled call may hold (set by the owner,

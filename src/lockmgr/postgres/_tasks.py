@@ -220,7 +220,7 @@ class _Tasks:
             releasing = self.drop_or_lose(session) if earlier else self.release_on_server(session)
             session.cleaning = asyncio.get_running_loop().create_task(releasing)
             session.cleaning.add_done_callback(_retrieve)
-        answer = _Release(session, session.cleaning if last else None, link, last)
+        answer = _Release(session, session.cleaning if last else None, last)
         self.return_if_idle(session)
         if lost:
             raise _lost_error(sorted(set(lost), key=repr))
@@ -488,6 +488,7 @@ class _Tasks:
         """The session's connection is gone, and with it every lock it held."""
         link, session.link = session.link, None
         session.unsure = []
+        session.losses += 1
         with self.manager._guard:
             session.lose_levels()
         if link is not None:
@@ -713,13 +714,13 @@ class _Release:
     gone there, or its connection lost first; not awaiting it loses only that report
     (``on_lost`` has it too)."""
 
-    __slots__ = ("_items", "_link", "_releasing", "_session")
+    __slots__ = ("_items", "_losses", "_releasing", "_session")
 
     def __init__(self, session: _TaskSession, releasing: asyncio.Task[Any] | None,
-                 link: _AsyncLink | None, items: list[tuple[Hashable, int]]) -> None:
+                 items: list[tuple[Hashable, int]]) -> None:
         self._session = session
         self._releasing = releasing  # what releases ``items`` on the server (None: nothing to)
-        self._link = link  # the connection that held them
+        self._losses = session.losses  # a loss from now on may have taken them first
         self._items = items
 
     def __await__(self) -> Generator[Any, None, None]:
@@ -735,8 +736,8 @@ class _Release:
             if not releasing.cancelled():
                 raise  # the awaiting task is cancelled; the release goes on
             not_released = None
-        if not_released is None:  # a clean-up's drop, or cut short: told by the connection
-            lost = self._items if self._session.link is not self._link else []
+        if not_released is None:  # a clean-up's drop, or cut short: lost if it lost the connection
+            lost = self._items if self._session.losses != self._losses else []
         else:
             lost = [item for item in self._items if item in not_released]
         if lost:
@@ -746,4 +747,5 @@ class _Release:
 def _close_link(session: _TaskSession) -> None:
     link, session.link = session.link, None
     if link is not None:
+        session.losses += 1  # (its keys go with it: a release under way cannot say when)
         link.close()
