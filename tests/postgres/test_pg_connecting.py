@@ -201,6 +201,46 @@ def test_a_timed_call_gives_up_connecting_at_its_deadline(
         locks.close()
 
 
+def hosts_of(*dsns: str) -> str:
+    """One DSN naming each of ``dsns``' hosts in turn, connect_timeout=1 (libpq makes it
+    2 s a host)."""
+    hosts = ",".join(dsn.split("@", 1)[1].split("/", 1)[0] for dsn in dsns)
+    return f"postgresql://postgres@{hosts}/postgres?connect_timeout=1"
+
+
+@pytest.mark.parametrize("timeout", [-1, PATIENCE], ids=["untimed", "timed"])
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_hung_first_host_gives_way_to_the_next(engine, dsn, namespace, owner,
+                                                 timeout) -> None:
+    """A DSN whose first host takes the TCP connection and never answers: its attempt
+    ends after the host's connect_timeout and the second host serves the call, as libpq's
+    own connect and psycopg's do. It used to spend the call's whole connect bound on the
+    first host and fail (or time out) without trying the second."""
+    with silent_port() as hung:
+        locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+            hosts_of(hung, dsn), namespace=namespace)
+        got, _ = outcome_within(acquirer(locks, owner, timeout=timeout, release=True), owner)
+        assert got is True, repr(got)
+        assert len(locks) == 0
+        locks.close()
+
+
+@pytest.mark.parametrize("owner", ["thread", "task"])
+def test_a_timed_call_ending_on_a_hung_first_host_times_out(engine, dsn, namespace,
+                                                            owner) -> None:
+    """The same DSN, and a call whose deadline comes before the first host's attempt
+    ends: it times out by its deadline plus the documented half second, holding
+    nothing."""
+    with silent_port() as hung:
+        locks: postgres.PgLockManager[Any] = postgres.PgLockManager(
+            hosts_of(hung, dsn), namespace=namespace)
+        got, took = outcome_within(acquirer(locks, owner, timeout=0.5), owner)
+        assert got is False, repr(got)
+        assert took < 0.5 + SLACK, f"returned {took:.1f} s after its call"
+        assert len(locks) == 0 and not locks.owned("k")
+        locks.close()
+
+
 @pytest.mark.parametrize("bound", ["connect_timeout", "default"])
 @pytest.mark.parametrize("owner", ["thread", "task"])
 def test_an_untimed_call_gives_up_connecting_after_its_connect_bound(

@@ -43,7 +43,8 @@ The rules that keep it correct:
   ``_WAIT_MARGIN``); past it the statement is cancelled, and if the cancel goes
   unanswered too (``_CANCEL_GRACE``) the connection is closed and its keys are lost. So
   does every connect (a timed call's deadline, else ``connect_timeout``, else
-  ``_CONNECT_WITHIN``: ``_link._connect_by``; libpq's non-blocking connect for a thread),
+  ``_CONNECT_WITHIN`` for each host in turn: ``_link._connect_pgconn``; libpq's
+  non-blocking connect for a thread),
   and every deadlock look (``LOOK_FOR``, and its wait's deadline). A connect that fails
   raises ``PgConnectionError`` (psycopg's error as its cause); a DSN libpq cannot parse
   fails when the manager is made.

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_attempts_async, conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from ._link import (
@@ -33,6 +33,28 @@ from ._link import (
 from ._session import _Session
 
 
+async def _connect_async(conninfo: str, deadline: float | None
+                         ) -> tuple[psycopg.AsyncConnection[Any], float | None]:
+    """``_link._connect_pgconn`` for a task: each host's attempt is psycopg's async connect
+    to it (``conninfo_attempts_async`` resolves the hosts without blocking the loop), given
+    up at its ``_connect_by``."""
+    failure: BaseException | None = None
+    for attempt in await conninfo_attempts_async(conninfo_to_dict(conninfo)):
+        if failure is not None and deadline is not None and time.monotonic() >= deadline:
+            break
+        host = make_conninfo("", **attempt)
+        by = _connect_by(host, deadline)
+        try:  # (the loop's clock is time.monotonic: see _ready)
+            async with asyncio.timeout(None if by is None else by - time.monotonic()):
+                return await psycopg.AsyncConnection.connect(host, autocommit=True), by
+        except TimeoutError:
+            failure = _NotConnectedInTime(_NOT_CONNECTED_IN_TIME)
+        except psycopg.OperationalError as error:
+            failure = error
+    assert failure is not None  # (conninfo_attempts_async gives one attempt, or raises)
+    raise failure
+
+
 class _AsyncLink(_Link):
     """A ``_Link`` whose round trips await the socket on the running event loop.
 
@@ -46,14 +68,9 @@ class _AsyncLink(_Link):
                             statements: dict[bytes, bytes],
                             deadline: float | None = None) -> _AsyncLink:
         """``_Link.connect`` on the event loop (psycopg's async connect, which never blocks
-        the loop, given up at the deadline)."""
-        conninfo = make_conninfo(dsn, **connect_kwargs)
-        by = _connect_by(conninfo, deadline)
-        try:  # (the loop's clock is time.monotonic: see _ready)
-            async with asyncio.timeout(None if by is None else by - time.monotonic()):
-                conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
-        except TimeoutError:
-            raise _NotConnectedInTime(_NOT_CONNECTED_IN_TIME) from None
+        the loop, host by host as ``_connect_pgconn``)."""
+        try:
+            conn, by = await _connect_async(make_conninfo(dsn, **connect_kwargs), deadline)
         except psycopg.Error as error:
             raise _not_connected(error) from error
         link = cls(conn, statements)  # type: ignore[arg-type]  # only its pgconn and cancel_safe are used

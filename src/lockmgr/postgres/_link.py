@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import pq
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_attempts, conninfo_to_dict, make_conninfo
 from psycopg.pq import ConnStatus, ExecStatus, PollingStatus, TransactionStatus
 
 from .._tuning import MAIN_THREAD_SLICE
@@ -38,9 +38,10 @@ _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 # connection (``_Unanswered``): its session's locks are lost, and nothing is left that
 # could be granted to it later. A timed call so returns by its deadline plus at most
 # _WAIT_MARGIN + _CANCEL_GRACE, and _CANCEL_GRACE for the release of what it may have taken.
-# Connecting has a deadline as well: a timed call's (and a try's) is its round trips'; any
-# other's ``connect_timeout`` of the DSN or connect_kwargs, else _server._CONNECT_WITHIN
-# (``_connect_by``). A new connection's set-up round trip shares it.
+# Connecting has a deadline as well: a timed call's (and a try's) is its round trips'; and
+# each host's attempt has ``connect_timeout`` of the DSN or connect_kwargs, else
+# _server._CONNECT_WITHIN (``_connect_by``). A new connection's set-up round trip shares
+# its attempt's.
 _ANSWER_WITHIN = 10.0
 # A try (timeout 0) that has to open a connection first gives its connect this long: a
 # connect says nothing about the key, and a loaded host (or a far server, over TLS) may take
@@ -280,13 +281,13 @@ class _Link:
     def connect(cls, dsn: str, connect_kwargs: dict[str, Any],
                 statements: dict[bytes, bytes], deadline: float | None = None) -> _Link:
         """A new connection, set up and checked (``_setup_sql``, ``_refusal``) by
-        ``deadline`` (``_connect_by``): closed again if that fails or it is refused.
+        ``deadline`` and its host's bound (``_connect_pgconn``): closed again if that fails
+        or it is refused.
         Raises ``PgConnectionError`` (``_NotConnectedInTime`` past the deadline),
         ``UnsafeServerError``."""
-        conninfo = make_conninfo(dsn, **connect_kwargs)
-        by = _connect_by(conninfo, deadline)
         try:
-            conn = psycopg.Connection(_connect_pgconn(conninfo, by))
+            pgconn, by = _connect_pgconn(make_conninfo(dsn, **connect_kwargs), deadline)
+            conn = psycopg.Connection(pgconn)
         except psycopg.Error as error:
             raise _not_connected(error) from error
         conn.autocommit = True  # (no round trip: the session is idle)
@@ -492,8 +493,8 @@ def _ready_by(poller: Any, deadline: float | None, reading: bool) -> bool:
 
 
 def _connect_by(conninfo: str, deadline: float | None) -> float | None:
-    """When a connect to ``conninfo`` gives up: at ``deadline`` (a timed call's or a try's),
-    and at the end of ``_connect_limit`` (None: never)."""
+    """When a connect to ``conninfo`` (one host's attempt) gives up: at ``deadline`` (a
+    timed call's or a try's), and at the end of ``_connect_limit`` (None: never)."""
     limit = _connect_limit(conninfo)
     if limit is not None:
         limit += time.monotonic()
@@ -501,9 +502,31 @@ def _connect_by(conninfo: str, deadline: float | None) -> float | None:
     return deadline
 
 
-def _connect_pgconn(conninfo: str, by: float | None) -> pq.abc.PGconn:
-    """A connection to ``conninfo`` by ``by``: libpq's non-blocking connect (several hosts,
-    ``target_session_attrs`` and the rest are libpq's own), waiting as round trips do
+def _connect_pgconn(conninfo: str, deadline: float | None
+                    ) -> tuple[pq.abc.PGconn, float | None]:
+    """A connection to ``conninfo`` and its attempt's bound, host by host as libpq's
+    blocking connect and psycopg do (``conninfo_attempts``: one single-host conninfo an
+    address, psycopg's order): each attempt given up at its ``_connect_by`` (the host's
+    ``connect_timeout``, and ``deadline``), the next host tried after a failure until
+    ``deadline``, the last failure raised. (One non-blocking connect to several hosts would
+    spend the whole bound on the first.)"""
+    failure: BaseException | None = None
+    for attempt in conninfo_attempts(conninfo_to_dict(conninfo)):
+        if failure is not None and deadline is not None and time.monotonic() >= deadline:
+            break
+        host = make_conninfo("", **attempt)
+        by = _connect_by(host, deadline)
+        try:
+            return _connect_host(host, by), by
+        except (psycopg.OperationalError, _NotConnectedInTime) as error:
+            failure = error
+    assert failure is not None  # (conninfo_attempts gives one attempt at least, or raises)
+    raise failure
+
+
+def _connect_host(conninfo: str, by: float | None) -> pq.abc.PGconn:
+    """A connection to ``conninfo`` (one host) by ``by``: libpq's non-blocking connect
+    (``target_session_attrs`` and the rest are libpq's own), waiting as round trips do
     (``_ready_by``). psycopg.connect cannot end its wait sooner than 2 s."""
     pgconn = pq.PGconn.connect_start(conninfo.encode())
     try:
