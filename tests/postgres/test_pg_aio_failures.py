@@ -32,6 +32,43 @@ def locks(pg_locks: postgres.PgLockManager[Any]) -> postgres.PgLockManager[Any]:
     return pg_locks  # the PostgreSQL manager (pg_fixtures), in place of conftest's ``locks``
 
 
+def test_a_release_answered_after_a_clean_up_that_kept_its_connection_is_no_loss(
+        locks, dsn, namespace, monkeypatch) -> None:  # noqa: F811
+    """A cancelled wait starts a clean-up, and a second cancellation stops the task waiting
+    for it; the task then releases a key it held: the release waits for the clean-up, which
+    releases everything and keeps the connection (handed back idle). Awaited, the release
+    raises nothing: the key was released on the server, not lost."""
+    holder = child(dsn, namespace, HOLDER)
+    expect(holder, held=True)
+    slow_abort(monkeypatch, 0.3)
+
+    async def main() -> None:
+        aio = locks.aio
+        assert await aio.acquire("a")
+        me = asyncio.current_task()
+        assert me is not None
+        session = locks._tasks.sessions[me]
+
+        async def cancel_twice() -> None:
+            await until(lambda: _waiting_on_server(dsn) == 1, "the task waits for k")
+            me.cancel()  # 1: the wait is cancelled, the clean-up starts
+            await until(lambda: session.cleaning is not None, "the clean-up started")
+            me.cancel()  # 2: the task stops waiting for it
+
+        canceller = asyncio.create_task(cancel_twice())
+        with pytest.raises(asyncio.CancelledError):
+            await aio.acquire("k")
+        me.uncancel()
+        me.uncancel()
+        await canceller
+        assert session.cleaning is not None  # still under way: the release waits for it
+        await aio.release("a")  # raised LockLost: the clean-up's link change taken for a loss
+        assert locks.lost_keys() == set() and not held_on_server(dsn, locks, "a")
+
+    run(main)
+    finish(holder)
+
+
 def test_release_all_cancelled_during_a_clean_up_leaves_a_server_lock_on_an_idle_link(
         locks, dsn, namespace, monkeypatch) -> None:  # noqa: F811
     """release_all() waiting for a clean-up and cancelled there clears the levels without
