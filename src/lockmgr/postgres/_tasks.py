@@ -18,7 +18,7 @@ from .._errors import block_in_use, not_entered, not_owned, not_owned_block
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
-from ._elsewhere import held_elsewhere, refuse_waiting_for_oneself
+from ._elsewhere import attach_bounds, held_elsewhere, refuse_waiting_for_oneself
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._capacity import _Slot, crowded, keep_idle, reserve_async
 from ._link import (
@@ -76,7 +76,13 @@ class _Tasks:
         session.refuse_lost(items)
         await self.refuse_own_xact_lock(items)
         if seconds != 0:  # (a try never waits: it finds the key taken)
-            await self.refuse_own_locks_elsewhere(session, items)
+            try:
+                await self.refuse_own_locks_elsewhere(session, items,
+                                                      *attach_bounds(started, seconds))
+            except _CLIENT_TIMEOUTS:
+                if seconds < 0:
+                    raise
+                return False  # no connection in time: timed out, holding nothing
         if not await self.acquire_in_process(items, seconds, local_acquire):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
@@ -135,15 +141,17 @@ class _Tasks:
                 raise _xact_deadlock(task, key)
 
     async def refuse_own_locks_elsewhere(self, session: _TaskSession,
-                                         items: Sequence[tuple[Hashable, int]]) -> None:
-        """``_PgEngine._refuse_own_locks_elsewhere`` for the current task (its own locks
+                                         items: Sequence[tuple[Hashable, int]],
+                                         deadline: float | None,
+                                         connect_by: float | None) -> None:
+        """``_elsewhere.refuse_own_locks_elsewhere`` for the current task (its own locks
         only: its loop's thread may release its own while the task waits)."""
         found = held_elsewhere(self.manager, [(current_task_or_raise(), True)],
                                [item for item in items if not session.levels.get(item)])
         if not found:
             return
         try:
-            link = session.link if session.link is not None else (await self.attach(session))[0]
+            link = session.link if session.link is not None else (await self.attach(session, deadline, connect_by))[0]
             refuse_waiting_for_oneself(found, link)
         finally:
             self.return_if_idle(session)
