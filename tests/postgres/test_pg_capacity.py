@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,8 +15,9 @@ import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, wait_until
 from lockmgr import LockTimeout, postgres
+from lockmgr.postgres import _capacity, _tasks
 from lockmgr.postgres._deadlock import live_managers
-from pg_support import held_on_server, in_loop_thread, own_sessions_locks, until
+from pg_support import held_on_server, in_loop_thread, own_sessions_locks, run, until
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -277,5 +278,88 @@ def test_an_idle_connection_of_threads_makes_room_for_a_task_and_back(
     assert locks.acquire_write("a", timeout=0)
     locks.release_write("a")
     assert len(locks._idle) == 1 and not locks._task_idle and locks._capacity.open == 1
+    locks.close()
+    assert locks._capacity.open == 0
+
+
+class Interrupt(BaseException):
+    """What a signal handler raises in a task (a KeyboardInterrupt there stops its loop)."""
+
+
+def interrupt_as_it_returns(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+                            when: Callable[[Any], bool] = lambda result: True) -> None:
+    """``<module>.<name>`` raises once as it returns (``when`` its result), as a signal
+    handler would at the check CPython makes right after a call: KeyboardInterrupt, in a
+    coroutine ``Interrupt``."""
+    original = getattr(module, name)
+    fired = threading.Event()
+
+    def interrupted(*args: Any) -> Any:
+        result = original(*args)
+        if not fired.is_set() and when(result):
+            fired.set()
+            raise KeyboardInterrupt
+        return result
+
+    async def interrupted_async(*args: Any) -> Any:
+        result = await original(*args)
+        if not fired.is_set() and when(result):
+            fired.set()
+            raise Interrupt
+        return result
+
+    monkeypatch.setattr(module, name,
+                        interrupted_async if asyncio.iscoroutinefunction(original) else interrupted)
+
+
+def test_an_interrupt_as_a_thread_or_task_gets_its_place_gives_it_back(
+        engine, dsn, namespace, monkeypatch) -> None:
+    """Capped at 1: a thread's, then a task's, acquisition interrupted right after its
+    place under the cap was taken, before it connected: the place is free again."""
+    locks = capped(engine, dsn, namespace, 1)
+    interrupt_as_it_returns(monkeypatch, _capacity, "reserve")
+    with pytest.raises(KeyboardInterrupt):
+        locks.acquire("a")
+    assert locks._capacity.open == 0
+    assert locks.acquire("b", timeout=0)
+    locks.release("b")
+    locks.close()
+    assert locks._capacity.open == 0
+
+    interrupt_as_it_returns(monkeypatch, _tasks, "reserve_async")
+
+    async def main() -> None:
+        with pytest.raises(Interrupt):
+            await locks.aio.acquire("a")
+        assert locks._capacity.open == 0
+        assert await locks.aio.acquire("b", timeout=0)
+        await locks.aio.release("b")
+
+    locks = capped(engine, dsn, namespace, 1)
+    try:
+        run(main)
+    finally:
+        locks.close()
+    assert locks._capacity.open == 0
+
+
+def test_an_interrupt_as_a_thread_queues_for_a_place_leaves_the_queue(
+        engine, dsn, namespace, workers) -> None:
+    """Capped at 1, held by another thread: an acquisition interrupted right after it
+    joined the queue leaves it, and the place given back later goes to nobody but the
+    next caller."""
+    locks = capped(engine, dsn, namespace, 1)
+    holder = workers("holder")
+    holder.run(lambda: locks.acquire("a"))
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            interrupt_as_it_returns(patch, _capacity, "claim", lambda taken: taken is False)
+            with pytest.raises(KeyboardInterrupt):
+                locks.acquire("b")
+        assert not locks._capacity.waiters
+    finally:
+        holder.run(lambda: locks.release("a"))
+    assert locks.acquire("b", timeout=0)  # the place is there for the taking
+    locks.release("b")
     locks.close()
     assert locks._capacity.open == 0

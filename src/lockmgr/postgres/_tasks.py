@@ -440,7 +440,7 @@ class _Tasks:
             with manager._guard:
                 link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
-                link = await self.connect(await reserve_async(self.manager, deadline), connect_by)
+                link = await self.connect(deadline, connect_by)
                 fresh = True
                 break
             if link.idle():
@@ -585,20 +585,22 @@ class _Tasks:
             return link
         if link is not None:
             link.close()
-        return await self.connect(
-            await reserve_async(self.manager, True if deadline is None else deadline), deadline)
+        return await self.connect(True if deadline is None else deadline, deadline)
 
-    async def connect(self, slot: _Slot | None, connect_by: float | None) -> _AsyncLink:
-        """A new connection, in ``slot`` (given back if it fails), connected by ``connect_by``."""
+    async def connect(self, deadline: float | bool | None,
+                      connect_by: float | None) -> _AsyncLink:
+        """A new connection, in a slot under ``max_connections`` waited for until ``deadline``
+        (``reserve_async``; given back if connecting fails), connected by ``connect_by``."""
         manager = self.manager
+        slot = _Slot()
         try:
+            await reserve_async(manager, deadline, slot)
             link = await _AsyncLink.connect_async(
                 manager._dsn, manager._connect_kwargs, manager._fence_table.statements, connect_by)
+            link.slot = slot if slot.capacity is not None else None
         except BaseException:
-            if slot is not None:
-                slot.free()
+            slot.free()
             raise
-        link.slot = slot
         return link
 
     async def ask(self, question: str, deadline: float | bool = True) -> bool:
