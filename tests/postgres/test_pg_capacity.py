@@ -14,10 +14,12 @@ import pytest
 import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, wait_until
-from lockmgr import LockTimeout, postgres
+from lockmgr import AbandonedLockWarning, LockTimeout, postgres
 from lockmgr.postgres import _capacity, _tasks
 from lockmgr.postgres._deadlock import live_managers
-from pg_support import held_on_server, in_loop_thread, own_sessions_locks, run, until
+from pg_support import (
+    held_on_server, in_loop_thread, own_sessions_locks, quietly_collect, run, until,
+)
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -363,3 +365,36 @@ def test_an_interrupt_as_a_thread_queues_for_a_place_leaves_the_queue(
     locks.release("b")
     locks.close()
     assert locks._capacity.open == 0
+
+
+@pytest.mark.parametrize("then", ["acquire", "close"])
+def test_a_place_given_to_a_task_whose_loop_then_closed_comes_back(
+        engine, dsn, namespace, then) -> None:
+    """Capped at 1, held by a thread: a task waits in line; its loop stops (as a shutdown
+    cut short by another Ctrl-C leaves it), the thread gives its connection back (its place
+    goes to the task), then the loop is closed. Nobody takes that place there: the next
+    acquisition (which sweeps closed loops) or ``close()`` gives it back."""
+    locks = capped(engine, dsn, namespace, 1)
+    capacity = locks._capacity
+    assert locks.acquire("held")
+    loop = asyncio.new_event_loop()
+
+    async def queued() -> asyncio.Task[bool]:
+        waiting = asyncio.create_task(locks.aio.acquire("t"))
+        await until(lambda: len(capacity.waiters) == 1, "the task waits for the connection")
+        return waiting
+
+    try:
+        stranded = loop.run_until_complete(asyncio.wait_for(queued(), PATIENCE))
+        locks.release("held")  # its place goes to the task, which its stopped loop never runs
+        assert not capacity.waiters and capacity.open == 1
+    finally:
+        loop.close()
+    with pytest.warns(AbandonedLockWarning):  # the sweep ends the task, which held "t"
+        if then == "acquire":
+            assert locks.acquire("x", timeout=0)
+            locks.release("x")
+        locks.close()
+    assert capacity.open == 0 and not stranded.done()
+    del stranded
+    assert quietly_collect() == []

@@ -103,6 +103,9 @@ class _Capacity:
         self.lock = threading.RLock()
         self.open = 0  # slots taken (connections open, or being opened)
         self.waiters: collections.deque[_Waiter] = collections.deque()
+        # Tasks given a slot that have not taken it yet (``leave``): one whose loop stops,
+        # then closes, never will (``reclaim_stranded``).
+        self.handed: set[_Waiter] = set()
 
     @classmethod
     def of(cls, limit: object) -> _Capacity | None:
@@ -141,9 +144,22 @@ class _Capacity:
             waiter.slot.capacity = self
             self.waiters.popleft()
             waiter.queued = False
+            if waiter.loop is not None:
+                self.handed.add(waiter)
             if not waiter.wake():  # nobody takes it there
+                self.handed.discard(waiter)
                 waiter.slot.capacity = None
                 self.open -= 1
+
+    def reclaim_stranded(self) -> None:
+        """The slots given to tasks whose loop was closed before they took them (a loop
+        stopped with them waiting, then closed): nobody takes them there."""
+        with self.lock:
+            stranded = [waiter for waiter in self.handed
+                        if waiter.loop is not None and waiter.loop.is_closed()]
+            for waiter in stranded:
+                self.handed.discard(waiter)
+                waiter.slot.free()
 
     def wait(self, waiter: _Waiter, deadline: float | None) -> None:
         """The calling thread's slot, once given, by ``deadline`` (None: however long it
@@ -174,6 +190,7 @@ class _Capacity:
         """The waiter's wait ended (given a slot, timed out, interrupted): whether it got
         one, after which its owner must use or free it; else its place in the queue goes."""
         with self.lock:
+            self.handed.discard(waiter)
             if waiter.slot.capacity is not None:
                 return True
             if waiter.queued:

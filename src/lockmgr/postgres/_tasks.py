@@ -536,10 +536,14 @@ class _Tasks:
     def sweep_closed_loops(self) -> None:
         """Sessions of tasks whose event loop was closed with them pending (a shutdown
         interrupted by another Ctrl-C): nobody can talk on their connections any more,
-        and a wait queued there would be granted to nobody. Close them, and end the tasks
+        and a wait queued there would be granted to nobody; a place under max_connections
+        given to one of them is given back. Close them, and end the tasks
         in the in-process engine too, one at a time: ending one runs Python code (its
         AbandonedLockWarning) that may raise, and the others stay listed for the next
         sweep whatever it raises."""
+        capacity = self.manager._capacity
+        if capacity is not None and capacity.handed:  # (a task of no session's too: ``ask``)
+            capacity.reclaim_stranded()  # slots given to them, which no session holds
         while True:
             with self.manager._guard:
                 closed = [loop for loop in self.loops if loop.is_closed()]
