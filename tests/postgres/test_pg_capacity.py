@@ -285,30 +285,28 @@ def test_an_idle_connection_of_threads_makes_room_for_a_task_and_back(
 
 
 class Interrupt(BaseException):
-    """What a signal handler raises in a task (a KeyboardInterrupt there stops its loop)."""
+    """A signal handler's exception in a task (a KeyboardInterrupt there stops its loop)."""
 
 
 def interrupt_as_it_returns(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+                            error: type[BaseException] = KeyboardInterrupt,
                             when: Callable[[Any], bool] = lambda result: True) -> None:
-    """``<module>.<name>`` raises once as it returns (``when`` its result), as a signal
-    handler would at the check CPython makes right after a call: KeyboardInterrupt, in a
-    coroutine ``Interrupt``."""
+    """``<module>.<name>`` raises ``error`` once as it returns (``when`` its result), as a
+    signal handler would at the check CPython makes right after a call."""
     original = getattr(module, name)
     fired = threading.Event()
 
-    def interrupted(*args: Any) -> Any:
-        result = original(*args)
+    def interrupt(result: Any) -> Any:
         if not fired.is_set() and when(result):
             fired.set()
-            raise KeyboardInterrupt
+            raise error
         return result
 
+    def interrupted(*args: Any) -> Any:
+        return interrupt(original(*args))
+
     async def interrupted_async(*args: Any) -> Any:
-        result = await original(*args)
-        if not fired.is_set() and when(result):
-            fired.set()
-            raise Interrupt
-        return result
+        return interrupt(await original(*args))
 
     monkeypatch.setattr(module, name,
                         interrupted_async if asyncio.iscoroutinefunction(original) else interrupted)
@@ -328,7 +326,7 @@ def test_an_interrupt_as_a_thread_or_task_gets_its_place_gives_it_back(
     locks.close()
     assert locks._capacity.open == 0
 
-    interrupt_as_it_returns(monkeypatch, _tasks, "reserve_async")
+    interrupt_as_it_returns(monkeypatch, _tasks, "reserve_async", Interrupt)
 
     async def main() -> None:
         with pytest.raises(Interrupt):
@@ -345,19 +343,30 @@ def test_an_interrupt_as_a_thread_or_task_gets_its_place_gives_it_back(
     assert locks._capacity.open == 0
 
 
-def test_an_interrupt_as_a_thread_queues_for_a_place_leaves_the_queue(
-        engine, dsn, namespace, workers) -> None:
+@pytest.mark.parametrize("by", ["thread", "task"])
+def test_an_interrupt_as_a_thread_or_task_queues_for_a_place_leaves_the_queue(
+        engine, dsn, namespace, workers, by) -> None:
     """Capped at 1, held by another thread: an acquisition interrupted right after it
     joined the queue leaves it, and the place given back later goes to nobody but the
     next caller."""
     locks = capped(engine, dsn, namespace, 1)
     holder = workers("holder")
     holder.run(lambda: locks.acquire("a"))
+
+    async def main() -> None:
+        with pytest.raises(Interrupt):
+            await locks.aio.acquire("b")
+
     try:
         with pytest.MonkeyPatch.context() as patch:
-            interrupt_as_it_returns(patch, _capacity, "claim", lambda taken: taken is False)
-            with pytest.raises(KeyboardInterrupt):
-                locks.acquire("b")
+            interrupt_as_it_returns(patch, _capacity, "claim",
+                                    KeyboardInterrupt if by == "thread" else Interrupt,
+                                    lambda taken: taken is False)
+            if by == "thread":
+                with pytest.raises(KeyboardInterrupt):
+                    locks.acquire("b")
+            else:
+                run(main)
         assert not locks._capacity.waiters
     finally:
         holder.run(lambda: locks.release("a"))
