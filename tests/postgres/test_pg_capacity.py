@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -14,9 +14,12 @@ import pytest
 import pgserver  # first: it skips this module where psycopg cannot load libpq
 import psycopg
 from conftest import PATIENCE, wait_until
-from lockmgr import LockTimeout, postgres
+from lockmgr import AbandonedLockWarning, LockTimeout, postgres
+from lockmgr.postgres import _capacity, _tasks
 from lockmgr.postgres._deadlock import live_managers
-from pg_support import held_on_server, in_loop_thread, own_sessions_locks, until
+from pg_support import (
+    held_on_server, in_loop_thread, own_sessions_locks, quietly_collect, run, until,
+)
 
 pytestmark = pytest.mark.usefixtures("nothing_left_held", "children_reaped")
 
@@ -314,3 +317,128 @@ def idle_of_threads(locks: postgres.PgRWLockManager[Any]) -> int:
     that last used it (parked) until another needs one."""
     return len(locks._idle) + len(locks._parked)
     assert locks._capacity.open == 0
+
+
+class Interrupt(BaseException):
+    """A signal handler's exception in a task (a KeyboardInterrupt there stops its loop)."""
+
+
+def interrupt_as_it_returns(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+                            error: type[BaseException] = KeyboardInterrupt,
+                            when: Callable[[Any], bool] = lambda result: True) -> None:
+    """``<module>.<name>`` raises ``error`` once as it returns (``when`` its result), as a
+    signal handler would at the check CPython makes right after a call."""
+    original = getattr(module, name)
+    fired = threading.Event()
+
+    def interrupt(result: Any) -> Any:
+        if not fired.is_set() and when(result):
+            fired.set()
+            raise error
+        return result
+
+    def interrupted(*args: Any) -> Any:
+        return interrupt(original(*args))
+
+    async def interrupted_async(*args: Any) -> Any:
+        return interrupt(await original(*args))
+
+    monkeypatch.setattr(module, name,
+                        interrupted_async if asyncio.iscoroutinefunction(original) else interrupted)
+
+
+def test_an_interrupt_as_a_thread_or_task_gets_its_place_gives_it_back(
+        engine, dsn, namespace, monkeypatch) -> None:
+    """Capped at 1: a thread's, then a task's, acquisition interrupted right after its
+    place under the cap was taken, before it connected: the place is free again."""
+    locks = capped(engine, dsn, namespace, 1)
+    interrupt_as_it_returns(monkeypatch, _capacity, "reserve")
+    with pytest.raises(KeyboardInterrupt):
+        locks.acquire("a")
+    assert locks._capacity.open == 0
+    assert locks.acquire("b", timeout=0)
+    locks.release("b")
+    locks.close()
+    assert locks._capacity.open == 0
+
+    interrupt_as_it_returns(monkeypatch, _tasks, "reserve_async", Interrupt)
+
+    async def main() -> None:
+        with pytest.raises(Interrupt):
+            await locks.aio.acquire("a")
+        assert locks._capacity.open == 0
+        assert await locks.aio.acquire("b", timeout=0)
+        await locks.aio.release("b")
+
+    locks = capped(engine, dsn, namespace, 1)
+    try:
+        run(main)
+    finally:
+        locks.close()
+    assert locks._capacity.open == 0
+
+
+@pytest.mark.parametrize("by", ["thread", "task"])
+def test_an_interrupt_as_a_thread_or_task_queues_for_a_place_leaves_the_queue(
+        engine, dsn, namespace, workers, by) -> None:
+    """Capped at 1, held by another thread: an acquisition interrupted right after it
+    joined the queue leaves it, and the place given back later goes to nobody but the
+    next caller."""
+    locks = capped(engine, dsn, namespace, 1)
+    holder = workers("holder")
+    holder.run(lambda: locks.acquire("a"))
+
+    async def main() -> None:
+        with pytest.raises(Interrupt):
+            await locks.aio.acquire("b")
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            interrupt_as_it_returns(patch, _capacity, "claim",
+                                    KeyboardInterrupt if by == "thread" else Interrupt,
+                                    lambda taken: taken is False)
+            if by == "thread":
+                with pytest.raises(KeyboardInterrupt):
+                    locks.acquire("b")
+            else:
+                run(main)
+        assert not locks._capacity.waiters
+    finally:
+        holder.run(lambda: locks.release("a"))
+    assert locks.acquire("b", timeout=0)  # the place is there for the taking
+    locks.release("b")
+    locks.close()
+    assert locks._capacity.open == 0
+
+
+@pytest.mark.parametrize("then", ["acquire", "close"])
+def test_a_place_given_to_a_task_whose_loop_then_closed_comes_back(
+        engine, dsn, namespace, then) -> None:
+    """Capped at 1, held by a thread: a task waits in line; its loop stops (as a shutdown
+    cut short by another Ctrl-C leaves it), the thread gives its connection back (its place
+    goes to the task), then the loop is closed. Nobody takes that place there: the next
+    acquisition (which sweeps closed loops) or ``close()`` gives it back."""
+    locks = capped(engine, dsn, namespace, 1)
+    capacity = locks._capacity
+    assert locks.acquire("held")
+    loop = asyncio.new_event_loop()
+
+    async def queued() -> asyncio.Task[bool]:
+        waiting = asyncio.create_task(locks.aio.acquire("t"))
+        await until(lambda: len(capacity.waiters) == 1, "the task waits for the connection")
+        return waiting
+
+    try:
+        stranded = loop.run_until_complete(asyncio.wait_for(queued(), PATIENCE))
+        locks.release("held")  # its place goes to the task, which its stopped loop never runs
+        assert not capacity.waiters and capacity.open == 1
+    finally:
+        loop.close()
+    with pytest.warns(AbandonedLockWarning):  # the sweep ends the task, which held "t"
+        if then == "acquire":
+            assert locks.acquire("x", timeout=0)
+            locks.release("x")
+        locks.close()
+    assert capacity.open == 0 and not stranded.done()
+    del stranded
+    assert quietly_collect() == []

@@ -169,6 +169,48 @@ def test_the_loop_thread_asking_another_manager_for_a_key_another_of_its_tasks_h
     assert not held_on_server(dsn, rw, "k") and not held_on_server(dsn, locks, "k")
 
 
+def test_the_check_for_a_key_held_elsewhere_waits_for_a_connection_no_longer_than_the_call(
+        engine, dsn, namespace) -> None:
+    """The check needs a connection of the asked manager to learn its server: at its
+    ``max_connections``, a timed call waits for one until its deadline only, then times
+    out holding nothing (a thread's and a task's alike), while another thread keeps that
+    manager's connection."""
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    capped: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace,
+                                                                 max_connections=1)
+    holding, done = threading.Event(), threading.Event()
+
+    def keep_the_only_connection() -> None:
+        assert capped.acquire("busy")
+        holding.set()
+        done.wait(PATIENCE)  # (before the fix the timed calls below wait this long)
+        capped.release("busy")
+
+    keeper = threading.Thread(target=keep_the_only_connection)
+    keeper.start()
+    try:
+        assert holding.wait(PATIENCE)
+        assert locks.acquire("k")
+        assert capped.acquire("k", timeout=0.2) is False
+        assert not done.is_set()  # timed out while the connection was still kept
+
+        async def main() -> None:
+            assert await locks.aio.acquire("t")
+            assert await capped.aio.acquire("t", timeout=0.2) is False
+            assert not done.is_set()
+            await locks.aio.release("t")
+
+        run(main)
+        assert len(capped) == 1  # "busy" only
+        locks.release("k")
+    finally:
+        done.set()
+        keeper.join(PATIENCE)
+        locks.close()
+        capped.close()
+    assert not keeper.is_alive()
+
+
 @pytest.mark.posix_only
 def test_a_forked_child_holds_none_of_its_parents_keys_through_another_manager(
         engine, dsn, namespace) -> None:

@@ -10,6 +10,7 @@ cap, and the order kept); a newcomer at the cap takes an idle or parked one's sl
 
 from __future__ import annotations
 
+import _thread
 import collections
 import threading
 import time
@@ -41,12 +42,16 @@ def max_connections_arg(value: object) -> int | None:
 
 
 class _Slot:
-    """One connection's place under the cap; ``free`` (once) gives it back."""
+    """One connection's place under the cap once ``capacity`` is set; ``free`` (once) gives
+    it back. Its owner makes it empty, before the ``try`` that frees it whatever happens
+    (an interrupt, a signal handler's exception, at any point): the cap sets ``capacity``
+    together with its count, with no check point between (``_Capacity``), so no place
+    exists that nobody owns."""
 
     __slots__ = ("capacity",)
 
-    def __init__(self, capacity: _Capacity) -> None:
-        self.capacity: _Capacity | None = capacity
+    def __init__(self) -> None:
+        self.capacity: _Capacity | None = None
 
     def free(self) -> None:
         capacity, self.capacity = self.capacity, None
@@ -55,28 +60,53 @@ class _Slot:
 
 
 class _Waiter:
-    """A thread (``loop`` None) or a task waiting for a slot: ``slot`` once given one."""
+    """A thread (``loop`` None) or a task claiming its owner's ``slot``: it waits in line
+    (``queued``) until given one. Made before the ``try`` that gives it up (``leave``)."""
 
-    __slots__ = ("event", "future", "loop", "slot")
+    __slots__ = ("woken", "future", "loop", "queued", "slot")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, slot: _Slot) -> None:
         self.loop = loop
-        self.event = threading.Event() if loop is None else None
+        self.slot = slot
+        self.queued = False
+        # A thread's: a bare lock, held until it is given a slot; released by one C call,
+        # which no signal handler can interrupt half-way (threading.Event's set is Python).
+        self.woken = None if loop is not None else _thread.allocate_lock()
+        if self.woken is not None:
+            self.woken.acquire()
         self.future: asyncio.Future[None] | None = None if loop is None else loop.create_future()
-        self.slot: _Slot | None = None
+
+    def wake(self) -> bool:
+        """Tell the waiter it has its slot; False if nobody can take it (its loop is closed)."""
+        if self.woken is not None:
+            self.woken.release()
+            return True
+        assert self.loop is not None and self.future is not None
+        try:
+            self.loop.call_soon_threadsafe(_wake, self.future)
+        except RuntimeError:  # its loop is closed
+            return False
+        return True
 
 
 class _Capacity:
     """At most ``limit`` connections open at once, threads' and tasks' together (``of``).
 
     ``lock`` is reentrant: a connection collected inside one of its spans gives its slot
-    back on the same thread. Whoever also needs the manager's ``_guard`` takes that first."""
+    back on the same thread. Whoever also needs the manager's ``_guard`` takes that first.
+    Every change of ``open`` sets or clears a slot's ``capacity`` with no call between
+    (where CPython runs signal handlers): an exception anywhere leaves each place counted
+    and owned, or free. A place left free while someone waits (an interrupt between giving
+    one back and handing it out) goes to them at the next give-back (``hand_out``)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.lock = threading.RLock()
         self.open = 0  # slots taken (connections open, or being opened)
         self.waiters: collections.deque[_Waiter] = collections.deque()
+        # Tasks given a slot that have not taken it yet (``leave``): one whose loop stops,
+        # then closes, never will (``reclaim_stranded``).
+        self.handed: set[_Waiter] = set()
 
     @classmethod
     def of(cls, limit: object) -> _Capacity | None:
@@ -90,49 +120,58 @@ class _Capacity:
         closed rather than kept."""
         return bool(self.waiters)
 
-    def take_or_queue(self, loop: asyncio.AbstractEventLoop | None) -> _Slot | _Waiter:
-        """A slot if one is free and nobody waits, else the caller's place at the end of the
-        queue (under ``lock``)."""
+    def take_or_queue(self, waiter: _Waiter) -> bool:
+        """``waiter``'s slot taken if one is free and nobody waits (True), else its place at
+        the end of the queue (under ``lock``)."""
         if not self.waiters and self.open < self.limit:
             self.open += 1
-            return _Slot(self)
-        waiter = _Waiter(loop)
+            waiter.slot.capacity = self
+            return True
+        waiter.queued = True  # first: an interrupt as append returns finds it in line
         self.waiters.append(waiter)
-        return waiter
+        return False
 
     def give_back(self) -> None:
         """A slot is free: to the longest waiter still there, else back to the count."""
         with self.lock:
-            while self.waiters:
-                waiter = self.waiters.popleft()
-                waiter.slot = _Slot(self)
-                if waiter.event is not None:
-                    waiter.event.set()
-                    return
-                assert waiter.loop is not None and waiter.future is not None
-                try:
-                    waiter.loop.call_soon_threadsafe(_wake, waiter.future)
-                    return
-                except RuntimeError:  # its loop is closed: nobody takes it there
-                    waiter.slot.capacity = None
             self.open -= 1
+            self.hand_out()
 
-    def wait(self, waiter: _Waiter, deadline: float | None) -> _Slot:
+    def hand_out(self) -> None:
+        """Free places to the longest waiters (under ``lock``)."""
+        while self.waiters and self.open < self.limit:
+            waiter = self.waiters[0]
+            self.open += 1
+            waiter.slot.capacity = self
+            self.waiters.popleft()
+            waiter.queued = False
+            if waiter.loop is not None:
+                self.handed.add(waiter)
+            if not waiter.wake():  # nobody takes it there
+                self.handed.discard(waiter)
+                waiter.slot.capacity = None
+                self.open -= 1
+
+    def reclaim_stranded(self) -> None:
+        """The slots given to tasks whose loop was closed before they took them (a loop
+        stopped with them waiting, then closed): nobody takes them there."""
+        with self.lock:
+            stranded = [waiter for waiter in self.handed
+                        if waiter.loop is not None and waiter.loop.is_closed()]
+            for waiter in stranded:
+                self.handed.discard(waiter)
+                waiter.slot.free()
+
+    def wait(self, waiter: _Waiter, deadline: float | None) -> None:
         """The calling thread's slot, once given, by ``deadline`` (None: however long it
-        takes); past it, ``_NoConnectionFree``. Interrupted, it gives up its place (and a
-        slot given meanwhile)."""
-        assert waiter.event is not None
-        try:
-            waiter.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except BaseException:
-            self._give_up(waiter)
-            raise
-        slot = self._leave(waiter)
-        if slot is None:
-            raise _NoConnectionFree("no connection free under max_connections in time")
-        return slot
+        takes); past it, ``_NoConnectionFree``. Its caller gives up its place, and frees a
+        slot given, whatever happens (``leave``)."""
+        assert waiter.woken is not None
+        waiter.woken.acquire(timeout=-1 if deadline is None
+                             else max(0.0, deadline - time.monotonic()))
+        self._given_or_overdue(waiter)
 
-    async def wait_async(self, waiter: _Waiter, deadline: float | None) -> _Slot:
+    async def wait_async(self, waiter: _Waiter, deadline: float | None) -> None:
         """``wait`` for the current task: it awaits, the loop runs on."""
         import asyncio
 
@@ -142,28 +181,23 @@ class _Capacity:
             await asyncio.wait_for(asyncio.shield(waiter.future), left)
         except TimeoutError:
             pass
-        except BaseException:
-            self._give_up(waiter)
-            raise
-        slot = self._leave(waiter)
-        if slot is None:
+        self._given_or_overdue(waiter)
+
+    def _given_or_overdue(self, waiter: _Waiter) -> None:
+        if not self.leave(waiter):
             raise _NoConnectionFree("no connection free under max_connections in time")
-        return slot
 
-    def _give_up(self, waiter: _Waiter) -> None:
-        """An interrupted or cancelled wait: its place goes, and a slot given meanwhile to
-        the next in line."""
-        slot = self._leave(waiter)
-        if slot is not None:
-            slot.free()
-
-    def _leave(self, waiter: _Waiter) -> _Slot | None:
-        """The waiter's wait ended (given a slot, timed out, interrupted): its slot if it got
-        one, after which it must use or free it; else its place in the queue goes."""
+    def leave(self, waiter: _Waiter) -> bool:
+        """The waiter's wait ended (given a slot, timed out, interrupted): whether it got
+        one, after which its owner must use or free it; else its place in the queue goes."""
         with self.lock:
-            if waiter.slot is None:
+            self.handed.discard(waiter)
+            if waiter.slot.capacity is not None:
+                return True
+            if waiter.queued:
                 self.waiters.remove(waiter)
-            return waiter.slot
+                waiter.queued = False
+            return False
 
 
 def crowded(manager: _PgEngine[Any]) -> bool:
@@ -187,24 +221,24 @@ def keep_idle(manager: _PgEngine[Any], link: _Link, idle: list[Any]) -> None:
         link.close()
 
 
-def claim(manager: _PgEngine[Any],
-          loop: asyncio.AbstractEventLoop | None = None) -> _Slot | _Waiter | None:
-    """A slot for a new connection of ``manager`` (None without a cap): one free, or an
-    idle connection's (threads' or tasks': it is closed), or else a place in the queue
-    (``_Capacity.wait``, ``wait_async``)."""
+def claim(manager: _PgEngine[Any], waiter: _Waiter) -> bool:
+    """``waiter``'s slot for a new connection of ``manager`` (with a cap): one free, or an
+    idle connection's (threads' or tasks': it is closed), True; or else its place in the
+    queue (``_Capacity.wait``, ``wait_async``)."""
     capacity = manager._capacity
-    if capacity is None:
-        return None
+    assert capacity is not None
     with manager._guard:
         with capacity.lock:
             if capacity.waiters or capacity.open < capacity.limit:
-                return capacity.take_or_queue(loop)
+                return capacity.take_or_queue(waiter)
+        # (an interrupt as it returns: the link, collected, closes and frees its slot)
         link = manager._pop_idle() or (manager._task_idle.pop() if manager._task_idle else None)
         if link is None or link.slot is None:
             with capacity.lock:
-                taken = capacity.take_or_queue(loop)
-        else:
-            taken, link.slot = link.slot, None
+                taken = capacity.take_or_queue(waiter)
+        else:  # its place moves to the waiter's slot, in one step
+            waiter.slot.capacity, link.slot.capacity = link.slot.capacity, None
+            taken = True
     if link is not None:
         link.close()
     return taken
@@ -215,38 +249,48 @@ def new_link(manager: _PgEngine[Any], deadline: float | bool | None,
     """A new connection of ``manager``'s threads, in a slot under its cap, waited for until
     ``deadline`` (True: soon, ``_answer_by``) and given back if connecting fails; outside
     the cap if not ``counted``. Connected by ``connect_by`` (``_Link.connect``)."""
-    slot = reserve(manager, _answer_by() if deadline is True else deadline) if counted else None
+    slot = _Slot()
     try:
+        if counted:
+            reserve(manager, _answer_by() if deadline is True else deadline, slot)
         link = _Link.connect(manager._dsn, manager._connect_kwargs, manager._fence_table.statements,
                              connect_by)
+        link.slot = slot if slot.capacity is not None else None
     except BaseException:
-        if slot is not None:
-            slot.free()
+        slot.free()
         raise
-    link.slot = slot
     return link
 
 
-def reserve(manager: _PgEngine[Any], deadline: float | bool | None) -> _Slot | None:
-    """``claim`` for the calling thread: a place in the queue waited out until ``deadline``
+def reserve(manager: _PgEngine[Any], deadline: float | bool | None, slot: _Slot) -> None:
+    """``slot`` (empty, its caller's to free) takes a place under ``manager``'s cap, if it
+    has one: a free one, or one waited for in line until ``deadline``
     (``_NoConnectionFree``)."""
-    taken = claim(manager)
-    if isinstance(taken, _Waiter):
-        assert manager._capacity is not None
-        return manager._capacity.wait(taken, _answer_by() if deadline is True else deadline)
-    return taken
+    capacity = manager._capacity
+    if capacity is None:
+        return
+    waiter = _Waiter(None, slot)
+    try:
+        if not claim(manager, waiter):
+            capacity.wait(waiter, _answer_by() if deadline is True else deadline)
+    finally:
+        capacity.leave(waiter)  # out of the line, whatever ended the wait
 
 
-async def reserve_async(manager: _PgEngine[Any], deadline: float | bool | None) -> _Slot | None:
+async def reserve_async(manager: _PgEngine[Any], deadline: float | bool | None,
+                        slot: _Slot) -> None:
     """``reserve`` for the current task: it awaits its turn."""
     import asyncio
 
-    taken = claim(manager, asyncio.get_running_loop())
-    if isinstance(taken, _Waiter):
-        assert manager._capacity is not None
-        return await manager._capacity.wait_async(
-            taken, _answer_by() if deadline is True else deadline)
-    return taken
+    capacity = manager._capacity
+    if capacity is None:
+        return
+    waiter = _Waiter(asyncio.get_running_loop(), slot)
+    try:
+        if not claim(manager, waiter):
+            await capacity.wait_async(waiter, _answer_by() if deadline is True else deadline)
+    finally:
+        capacity.leave(waiter)
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -26,6 +26,7 @@ from .._args import READ, WRITE
 from .._errors import DeadlockError
 from .._owners import current_task_or_none
 from ._deadlock import Owner, alone, live_managers
+from ._link import _round_trip_deadline
 from ._session import _owner_kind
 
 if TYPE_CHECKING:
@@ -37,12 +38,14 @@ if TYPE_CHECKING:
 
 
 def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
-                               items: Sequence[tuple[Hashable, int]]) -> None:
+                               items: Sequence[tuple[Hashable, int]], deadline: float | None,
+                               connect_by: float | None) -> None:
     """DeadlockError if the calling thread, or a task of the event loop it runs (none of
     which can run while the thread waits), holds one of ``items`` it does not hold through
     ``manager`` (its ``session``) through another manager, on this call's server and
     database: a wait for it would wait for itself. Without a connection yet, the session
-    takes one to learn the server."""
+    takes one to learn the server, as the call would (``attach_bounds``: a timed call's
+    client timeout past them)."""
     if alone():
         return  # (the usual: no other manager in this process)
     fresh = [item for item in items if not session.levels.get(item)]
@@ -54,10 +57,21 @@ def refuse_own_locks_elsewhere(manager: _PgEngine[Any], session: _Session,
     if not found:
         return
     try:
-        link = session.link if session.link is not None else manager._attach(session)[0]
+        link = session.link if session.link is not None else manager._attach(session, deadline, connect_by)[0]
         refuse_waiting_for_oneself(found, link)
     finally:
         manager._return_if_idle(session)
+
+
+def attach_bounds(started: float, seconds: float) -> tuple[float | None, float | None]:
+    """How long a call started at ``started`` with ``seconds`` (a timed call or a wait)
+    waits for a place under ``max_connections`` and when its connect gives up, as
+    ``_lock_steps``: a timed call its deadline and its round trips'; a wait for ever, and
+    its connect by its own bound."""
+    if seconds < 0:
+        return None, None
+    deadline = started + seconds
+    return deadline, _round_trip_deadline("timed", deadline)
 
 
 def held_elsewhere(manager: _PgEngine[Any], owners: Sequence[tuple[Owner, bool]],

@@ -30,7 +30,7 @@ from ._deadlock import (
     managers_after_fork,
     register,
 )
-from ._elsewhere import refuse_own_locks_elsewhere
+from ._elsewhere import attach_bounds, refuse_own_locks_elsewhere
 from ._inspect import _Inspecting, application_name
 from ._xact import note_xact_lock, refuse_own_session_lock, refuse_own_xact_lock
 from ._fences import (
@@ -385,7 +385,12 @@ class _PgEngine(_Inspecting, Generic[K]):
         session.refuse_lost(items)
         refuse_own_xact_lock(self, items)
         if seconds != 0:  # (a try never waits: it finds the key taken)
-            refuse_own_locks_elsewhere(self, session, items)
+            try:
+                refuse_own_locks_elsewhere(self, session, items, *attach_bounds(started, seconds))
+            except _CLIENT_TIMEOUTS:
+                if seconds < 0:
+                    raise
+                return False  # no connection in time: timed out, holding nothing
             if tasks is not None:
                 tasks.refuse_unfinished_releases(items)
         before = {item: session.levels.get(item, 0) for item in items}

@@ -18,7 +18,7 @@ from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_o
 from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
-from ._elsewhere import held_elsewhere, refuse_waiting_for_oneself
+from ._elsewhere import attach_bounds, held_elsewhere, refuse_waiting_for_oneself
 from ._fences import Lease, _no_fencing, _read_has_no_fence
 from ._capacity import _Slot, crowded, keep_idle, reserve_async
 from ._link import (
@@ -76,7 +76,13 @@ class _Tasks:
         session.refuse_lost(items)
         await self.refuse_own_xact_lock(items)
         if seconds != 0:  # (a try never waits: it finds the key taken)
-            await self.refuse_own_locks_elsewhere(session, items)
+            try:
+                await self.refuse_own_locks_elsewhere(session, items,
+                                                      *attach_bounds(started, seconds))
+            except _CLIENT_TIMEOUTS:
+                if seconds < 0:
+                    raise
+                return False  # no connection in time: timed out, holding nothing
         if not await self.acquire_in_process(items, seconds, local_acquire):
             return False
         before = {item: session.levels.get(item, 0) for item in items}
@@ -135,15 +141,17 @@ class _Tasks:
                 raise _xact_deadlock(task, key)
 
     async def refuse_own_locks_elsewhere(self, session: _TaskSession,
-                                         items: Sequence[tuple[Hashable, int]]) -> None:
-        """``_PgEngine._refuse_own_locks_elsewhere`` for the current task (its own locks
+                                         items: Sequence[tuple[Hashable, int]],
+                                         deadline: float | None,
+                                         connect_by: float | None) -> None:
+        """``_elsewhere.refuse_own_locks_elsewhere`` for the current task (its own locks
         only: its loop's thread may release its own while the task waits)."""
         found = held_elsewhere(self.manager, [(current_task_or_raise(), True)],
                                [item for item in items if not session.levels.get(item)])
         if not found:
             return
         try:
-            link = session.link if session.link is not None else (await self.attach(session))[0]
+            link = session.link if session.link is not None else (await self.attach(session, deadline, connect_by))[0]
             refuse_waiting_for_oneself(found, link)
         finally:
             self.return_if_idle(session)
@@ -460,7 +468,7 @@ class _Tasks:
             with manager._guard:
                 link = manager._task_idle.pop() if manager._task_idle else None
             if link is None:
-                link = await self.connect(await reserve_async(self.manager, deadline), connect_by)
+                link = await self.connect(deadline, connect_by)
                 fresh = True
                 break
             if link.idle():
@@ -557,10 +565,14 @@ class _Tasks:
     def sweep_closed_loops(self) -> None:
         """Sessions of tasks whose event loop was closed with them pending (a shutdown
         interrupted by another Ctrl-C): nobody can talk on their connections any more,
-        and a wait queued there would be granted to nobody. Close them, and end the tasks
+        and a wait queued there would be granted to nobody; a place under max_connections
+        given to one of them is given back. Close them, and end the tasks
         in the in-process engine too, one at a time: ending one runs Python code (its
         AbandonedLockWarning) that may raise, and the others stay listed for the next
         sweep whatever it raises."""
+        capacity = self.manager._capacity
+        if capacity is not None and capacity.handed:  # (a task of no session's too: ``ask``)
+            capacity.reclaim_stranded()  # slots given to them, which no session holds
         while True:
             with self.manager._guard:
                 closed = [loop for loop in self.loops if loop.is_closed()]
@@ -606,20 +618,22 @@ class _Tasks:
             return link
         if link is not None:
             link.close()
-        return await self.connect(
-            await reserve_async(self.manager, True if deadline is None else deadline), deadline)
+        return await self.connect(True if deadline is None else deadline, deadline)
 
-    async def connect(self, slot: _Slot | None, connect_by: float | None) -> _AsyncLink:
-        """A new connection, in ``slot`` (given back if it fails), connected by ``connect_by``."""
+    async def connect(self, deadline: float | bool | None,
+                      connect_by: float | None) -> _AsyncLink:
+        """A new connection, in a slot under ``max_connections`` waited for until ``deadline``
+        (``reserve_async``; given back if connecting fails), connected by ``connect_by``."""
         manager = self.manager
+        slot = _Slot()
         try:
+            await reserve_async(manager, deadline, slot)
             link = await _AsyncLink.connect_async(
                 manager._dsn, manager._connect_kwargs, manager._fence_table.statements, connect_by)
+            link.slot = slot if slot.capacity is not None else None
         except BaseException:
-            if slot is not None:
-                slot.free()
+            slot.free()
             raise
-        link.slot = slot
         return link
 
     async def ask(self, question: str, deadline: float | bool = True) -> bool:
