@@ -312,6 +312,49 @@ def test_a_connection_a_thread_keeps_goes_to_the_next_thread_at_the_cap(
     locks.close()
 
 
+def test_a_thread_waiting_in_process_keeps_no_connection_another_needs(
+        engine, dsn, namespace) -> None:
+    """Capped at 1, two threads take turns on one key: the one waiting in process for the
+    other needs no connection, so its kept one goes to the holder, which needs one to
+    release on the server; every turn is taken, none waits for a connection to its end."""
+    locks = capped(engine, dsn, namespace, 1)
+    outcomes: list[bool] = []
+
+    def take_turns() -> None:
+        for _ in range(10):
+            got = locks.acquire("k", timeout=5)
+            outcomes.append(got)
+            if not got:
+                return
+            locks.release("k")
+
+    threads = [threading.Thread(target=take_turns) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PATIENCE)
+    assert outcomes == [True] * 20 and not any(thread.is_alive() for thread in threads)
+    locks.close()
+
+
+def test_a_failed_acquisition_leaves_the_threads_kept_connection_to_others(
+        engine, dsn, namespace, workers) -> None:
+    """Capped at 2, one thread holds k: the other's try for k fails in process, and its
+    kept connection still goes to a third thread at once, and to close()."""
+    locks = capped(engine, dsn, namespace, 2)
+    holder, third = workers("holder"), workers("third")
+    holder.run(lambda: locks.acquire("k"))
+    assert locks.acquire("j")  # this thread's connection, kept once it holds nothing
+    locks.release("j")
+    assert locks.acquire("k", blocking=False) is False
+    assert locks.acquire("k", timeout=0.1) is False
+    assert third.run(lambda: locks.acquire("other", timeout=PATIENCE)) is True
+    third.run(lambda: locks.release("other"))
+    holder.run(locks.release_all)
+    locks.close()
+    assert locks._capacity.open == 0
+
+
 def idle_of_threads(locks: postgres.PgRWLockManager[Any]) -> int:
     """The threads' connections holding nothing: on the idle list, or kept by the thread
     that last used it (parked) until another needs one."""

@@ -765,6 +765,56 @@ def test_a_forked_child_never_frees_its_parents_locks(engine, dsn, namespace) ->
     locks.close()
 
 
+AT_FORK_FIRST = """
+import json, os, sys
+made = {}
+
+def in_the_child():  # an application's at-fork handler, registered before lockmgr's
+    if "locks" in made:
+        made["locks"].acquire("child-key")
+        made["backend"] = made["locks"]._session().link.backend
+
+os.register_at_fork(after_in_child=in_the_child)
+from lockmgr import postgres
+
+locks = made["locks"] = postgres.PgLockManager(os.environ["DSN"], namespace=os.environ["NAMESPACE"])
+locks.acquire("k")
+parent = locks._session().link.backend
+locks.release("k")  # the thread keeps its connection for its next call
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(write, json.dumps(made.get("backend")).encode())
+    os._exit(0)
+os.close(write)
+child = json.loads(os.read(read, 100))
+os.waitpid(pid, 0)
+print(json.dumps({"parent": parent, "child": child}))
+"""
+
+
+@pytest.mark.posix_only
+def test_a_forked_childs_first_handler_never_speaks_on_its_parents_connection(
+        engine, dsn, namespace) -> None:
+    """An application's at-fork handler registered before lockmgr's runs first in the
+    child: a lock it takes goes on a connection of the child's own, never on the one the
+    parent's thread keeps (the parent's session would hold it, and nobody release it).
+    (The pure twin refuses the call there, its bookkeeping not yet set up for the child:
+    no connection is used at all.)"""
+    env = {**os.environ, "DSN": dsn, "NAMESPACE": namespace,
+           "LOCKMGR_NO_EXTENSIONS": "1" if engine.__name__.endswith("_pure") else ""}
+    done = subprocess.run([sys.executable, "-c", AT_FORK_FIRST], capture_output=True, text=True,
+                          env=env, timeout=PATIENCE * 3)
+    assert done.returncode == 0, done.stderr
+    backends = json.loads(done.stdout.splitlines()[-1])
+    assert backends["child"] != backends["parent"]
+    if engine.__name__.endswith("_core"):
+        assert backends["child"] is not None
+    locks: postgres.PgLockManager[Any] = postgres.PgLockManager(dsn, namespace=namespace)
+    wait_until(lambda: not held_on_server(dsn, locks, "child-key"), "the child's session ended")
+    locks.close()
+
+
 @pytest.mark.parametrize("how", ["pg_terminate_backend", "server restart"])
 def test_a_dead_connection_never_locks_a_thread_out(engine, dsn, namespace, how) -> None:
     lost: list[list[object]] = []

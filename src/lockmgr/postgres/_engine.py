@@ -12,11 +12,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE, hold_seconds
-from .._errors import DeadlockError, LockError, not_owned, timed_out
+from .._errors import LockError, not_owned, timed_out
 from .._owners import WAIT_CHECK
 from .._views import LockStats
 from .._observe import LockMetrics
@@ -32,7 +31,12 @@ from ._deadlock import (
 )
 from ._elsewhere import attach_bounds, refuse_own_locks_elsewhere
 from ._inspect import _Inspecting, application_name
-from ._xact import note_xact_lock, refuse_own_session_lock, refuse_own_xact_lock
+from ._xact import (
+    note_xact_lock,
+    refuse_own_session_lock,
+    refuse_own_xact_lock,
+    wait_in_transaction,
+)
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
@@ -60,7 +64,6 @@ from ._sql import (
     _GRANTED_ADVISORY,
     _OWN_TRANSACTION,
     _drop_sql,
-    _milliseconds,
 )
 
 if TYPE_CHECKING:
@@ -338,31 +341,7 @@ class _PgEngine(_Inspecting, Generic[K]):
             if not row or not row[0]:
                 raise timed_out(key, seconds)
         else:
-            deadline = None if seconds < 0 else time.monotonic() + seconds
-            previous = conn.execute(
-                "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
-            waiting = self._lookout.xact_waiting(conn)
-            try:
-                while True:
-                    left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
-                    try:
-                        with conn.transaction():  # a savepoint: a timeout leaves the caller's intact
-                            conn.execute(f"SET LOCAL lock_timeout = {left}")
-                            row = conn.execute(
-                                f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
-                                f" {_OWN_TRANSACTION}", (ident,)).fetchone()
-                        break
-                    except pg_errors.LockNotAvailable:
-                        # lock_timeout's ceiling (about 24.8 days) is below threading's
-                        if deadline is None or deadline - time.monotonic() <= 0:
-                            raise timed_out(key, seconds) from None
-            except pg_errors.DeadlockDetected as error:
-                raise DeadlockError(f"PostgreSQL: {error}", []) from None
-            finally:
-                self._lookout.xact_waited(waiting)
-                if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
-                    conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
-                                 (previous[0],))
+            row = wait_in_transaction(self, conn, key, ident, kind, seconds)
         assert row is not None
         note_xact_lock(self, conn, ident, shared, row[1])
         yield
@@ -379,8 +358,8 @@ class _PgEngine(_Inspecting, Generic[K]):
         if tasks is not None:
             tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
-        if session.parked:
-            self._unpark(session)
+        # (a parked connection stays parked while the call waits in process: ``_lock``
+        # takes it back once the keys are the thread's in process, if nobody took it)
         self._settle(session, _call_deadline(started, seconds))
         session.refuse_lost(items)
         refuse_own_xact_lock(self, items)
@@ -614,12 +593,19 @@ class _PgEngine(_Inspecting, Generic[K]):
 
     def _unpark(self, session: _Session) -> None:
         """The owner's next acquisition takes its parked connection back, if nobody took it
-        (then it has none: ``_attach``)."""
+        (then it has none: ``_attach``), and checks it as ``_attach`` checks an idle one:
+        one the server ended, or a parent's (an at-fork handler of the application's runs
+        before lockmgr's), is closed (a parent's only on this side), and another attached."""
         with self._guard:
-            if session.parked:
-                session.parked = False
-                self._parked.discard(session)
-                self._sessions.add(session)
+            if not session.parked:
+                return
+            session.parked = False
+            self._parked.discard(session)
+            self._sessions.add(session)
+        link = session.link
+        if link is not None and not link.idle():
+            session.link = None
+            link.close()
 
     def _pop_idle(self) -> _Link | None:
         """An idle connection of the threads' (under ``_guard``): from the idle list, else

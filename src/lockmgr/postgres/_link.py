@@ -77,12 +77,6 @@ class _NotConnectedInTime(PgConnectionError):
 _CLIENT_TIMEOUTS = (_Unanswered, _Overdue, _NotConnectedInTime)
 _T = TypeVar("_T")
 
-# This process's pid, for ``_Link.idle``, which every acquisition asks (os.getpid is a
-# system call): set again in a forked child before any other handler runs (the managers'
-# ``_forget_parent_sessions`` is registered after this module is imported).
-_PROCESS = [os.getpid()]
-if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
-    os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, os.getpid()))
 
 
 # -- the protocol's steps, once for threads and tasks ------------------------------------------
@@ -413,7 +407,9 @@ class _Link:
         error, gives up the session's locks, then closes the socket. The error turns the
         socket readable; reading and parsing it (libpq hands an error between statements
         to the notice handler) tells the session ended even before the socket closes."""
-        if self.pid != _PROCESS[0]:
+        # (asked, not remembered at a fork: an application's at-fork handler registered
+        # before lockmgr's, or a fork from C code, runs before any handler of lockmgr's)
+        if self.pid != os.getpid():
             return False
         with self.guard:
             return self._idle()

@@ -8,16 +8,20 @@ for a key the other holds in a conflicting mode would wait for the owner itself,
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE
-from .._errors import DeadlockError
+from .._errors import DeadlockError, timed_out
 from .._owners import current_task_or_none
 from ._session import _keep_open, _owner_kind, _xact_deadlock, _xact_question, _XactLock
+from ._sql import _OWN_TRANSACTION, _milliseconds
 
 if TYPE_CHECKING:
     from ._aio_link import _TaskSession
@@ -94,3 +98,37 @@ def xact_conflicts(manager: _PgEngine[Any], records: list[_XactLock] | None,
         for record in records:
             if record.ident == ident and (mode == WRITE or not record.shared):
                 yield key, record
+
+
+def wait_in_transaction(manager: _PgEngine[Any], conn: psycopg.Connection[Any], key: Hashable,
+                        ident: int, kind: str, seconds: float) -> Any:
+    """``xact_lock``'s wait (``seconds``: -1 for ever) for ``key`` (advisory ``ident``) in
+    ``conn``'s open transaction, under savepoints so that a timeout leaves it intact, seen
+    by the looks meanwhile: the row of the lock's statement (its transaction: the second
+    column)."""
+    deadline = None if seconds < 0 else time.monotonic() + seconds
+    previous = conn.execute(
+        "SELECT pg_catalog.current_setting('lock_timeout')").fetchone()
+    waiting = manager._lookout.xact_waiting(conn)
+    try:
+        while True:
+            left = 0 if deadline is None else _milliseconds(deadline - time.monotonic())
+            try:
+                with conn.transaction():  # a savepoint: a timeout leaves the caller's intact
+                    conn.execute(f"SET LOCAL lock_timeout = {left}")
+                    row = conn.execute(
+                        f"SELECT pg_catalog.pg_advisory_xact_lock{kind}(%s),"
+                        f" {_OWN_TRANSACTION}", (ident,)).fetchone()
+                break
+            except pg_errors.LockNotAvailable:
+                # lock_timeout's ceiling (about 24.8 days) is below threading's
+                if deadline is None or deadline - time.monotonic() <= 0:
+                    raise timed_out(key, seconds) from None
+    except pg_errors.DeadlockDetected as error:
+        raise DeadlockError(f"PostgreSQL: {error}", []) from None
+    finally:
+        manager._lookout.xact_waited(waiting)
+        if previous and conn.info.transaction_status == TransactionStatus.INTRANS:
+            conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
+                         (previous[0],))
+    return row
