@@ -5,6 +5,7 @@ real servers — one of them with a small ``max_connections`` of its own."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -387,7 +388,7 @@ def interrupt_as_it_returns(monkeypatch: pytest.MonkeyPatch, module: Any, name: 
         return interrupt(await original(*args))
 
     monkeypatch.setattr(module, name,
-                        interrupted_async if asyncio.iscoroutinefunction(original) else interrupted)
+                        interrupted_async if inspect.iscoroutinefunction(original) else interrupted)
 
 
 def test_an_interrupt_as_a_thread_or_task_gets_its_place_gives_it_back(
