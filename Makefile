@@ -2,7 +2,7 @@
 .PHONY: test typecheck bench docs wheel memcheck free-threaded-python tsan
 
 test:
-	bash scripts/test-servers.sh && python3 -m pip install -e '.[test]' && python3 -m pytest -n auto
+	bash scripts/test-servers.sh && python3 -m pip install -e '.[test]' && python3 -m pytest -n 4
 
 # mypy --strict on the package, as pyproject's [tool.mypy] sets it (src/lockmgr): the pure
 # twin against the engine contract (lockmgr._contract) included. One run, a few seconds.

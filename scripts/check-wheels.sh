@@ -9,7 +9,7 @@
 #    repaired to a manylinux tag with auditwheel; `twine check --strict` on all of dist/ and
 #    wheelhouse/, `check-wheel-contents` on the wheels.
 # 3. Each wheel installed into a fresh virtual environment and tested from a copy of the tests
-#    far from src/, in two pytest-xdist workers (the suite spends half its time waiting on
+#    far from src/, in four pytest-xdist workers (the suite spends half its time waiting on
 #    events and servers). For time, the GIL builds run the wheels' portable selection
 #    (-m "not posix_only", what cibuildwheel's test-command runs on every platform; here the
 #    servers are there, so its server tests run too), and only the cp313t wheel runs the whole
@@ -148,7 +148,7 @@ PY
   # against the cp313t wheel below; each GIL wheel runs what its compiled core and asyncio
   # layer do, in the portable selection cibuildwheel runs (CI's time limit).
   echo "=== $tag: the engines, asyncio and observation tests of the portable selection"
-  (cd "$work" && "$work/venv-$tag/bin/python" -m pytest -q -p no:cacheprovider -n 2 \
+  (cd "$work" && "$work/venv-$tag/bin/python" -m pytest -q -p no:cacheprovider -n 4 \
       -m "not posix_only" tests/engine tests/aio tests/observe)
   took
 done
@@ -167,6 +167,6 @@ PY
 )
 echo "=== cp313t: the whole suite, GIL off"
 (cd "$work" && PYTHON_GIL=0 LOCKMGR_REQUIRE_NO_GIL=1 "$work/venv-cp313t/bin/python" -m pytest \
-    -q -p no:cacheprovider -n 2 tests)
+    -q -p no:cacheprovider -n 4 tests)
 took
 echo "wheels OK: $(ls wheelhouse | tr '\n' ' ')"

@@ -3,7 +3,7 @@
 # chroot of scripts/debian-sid-python.sh (Debian's build: no registry serves 3.15 as source).
 # The checkout's files (tracked and untracked, not ignored) are copied into the chroot; there a
 # fresh virtual environment gets `pip install -e '.[test]'` (the compiled core built by 3.15),
-# the core is asserted to be in use, and the suite runs with two pytest-xdist workers against
+# the core is asserted to be in use, and the suite runs with four pytest-xdist workers against
 # Debian sid's PostgreSQL, pgbouncer and Redis (LOCKMGR_REQUIRE_SERVERS=1: a missing server
 # fails, never skips). Needs root.
 #
@@ -55,9 +55,9 @@ import lockmgr, lockmgr._core, sys
 assert lockmgr.implementation == "cython", f"compiled core not in use: {lockmgr.implementation}"
 print("compiled core in use on", sys.version.split()[0], "(Debian sid):", lockmgr._core.__file__)
 PY
-printf "=== the whole suite on %s, 2 workers\n" "$PYTHON"
+printf "=== the whole suite on %s, 4 workers\n" "$PYTHON"
 status=0
-python -m pytest -n 2 -p no:cacheprovider -q -ra "${@:-tests}" || status=$?
+python -m pytest -n 4 -p no:cacheprovider -q -ra "${@:-tests}" || status=$?
 took "the suite"
 exit "$status"
 ' bash "$@" || status=$?
