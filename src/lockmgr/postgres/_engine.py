@@ -16,6 +16,7 @@ from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE, hold_seconds
 from .._errors import LockError, not_owned, timed_out
+from .._keyhash import KeyIdents
 from .._owners import WAIT_CHECK
 from .._views import LockStats
 from .._observe import LockMetrics
@@ -44,7 +45,6 @@ from ._fences import (
     _no_fencing,
     _read_has_no_fence,
 )
-from ._keys import _REMEMBERED_KEYS, _salt, _salted_key
 from ._link import (
     _CANCEL_GRACE,
     _CLIENT_TIMEOUTS,
@@ -114,8 +114,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._fencing = fencing
         self._fence_table = _FenceTable(fence_table)
         self._fence_table_made = False  # set once this manager has made sure it exists
-        self._salt = _salt(namespace)
-        self._str_idents: dict[str, int] = {}
+        self._idents = KeyIdents(namespace)
         self._on_lost = on_lost
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _parked, _sessions and loss reports
@@ -185,16 +184,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         """The advisory key ``key`` uses in this manager's namespace (``advisory_key(key,
         namespace)``). Raises TypeError for a key PostgreSQL cannot take (keys are str,
         bytes, int and tuples of them)."""
-        if type(key) is not str:
-            return _salted_key(key, self._salt)
-        # Each call hashes its keys more than once: recent str keys are remembered, in a
-        # table that is emptied when full (so memory stays bounded).
-        ident = self._str_idents.get(key)
-        if ident is None:
-            if len(self._str_idents) >= _REMEMBERED_KEYS:
-                self._str_idents.clear()
-            ident = self._str_idents[key] = _salted_key(key, self._salt)
-        return ident
+        return self._idents.of(key)
 
     def stats(self) -> LockStats:
         """The in-process engine's counters (this process's threads). Raises nothing."""

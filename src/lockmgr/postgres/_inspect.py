@@ -111,7 +111,7 @@ class _Inspecting:
         if not server:
             return states
         known = {manager.advisory_key(key): key for key in
-                 [*(state.key for state in states), *manager._str_idents, *keys]}
+                 [*(state.key for state in states), *manager._idents.remembered(), *keys]}
         return _server_states(manager, known)
 
 
