@@ -90,7 +90,8 @@ except ImportError as exc:  # tested in a subprocess without psycopg
     ) from exc
 
 from .._errors import LockLost
-from ._fences import DEFAULT_FENCE_TABLE, FenceNotDurableError, Lease
+from .._layered import Lease
+from ._fences import DEFAULT_FENCE_TABLE, FenceNotDurableError
 from ._inspect import ServerKeyState, ServerSession
 from ._keys import advisory_key
 from ._managers import PgKeyLock, PgLockManager, PgRWLockManager

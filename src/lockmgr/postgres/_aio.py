@@ -56,7 +56,7 @@ from ._tasks import _PgBlockRecord, _enter_record, _exit_block
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine
-    from ._fences import Lease
+    from .._layered import Lease
     from ._managers import PgLockManager, PgRWLockManager
     from ._tasks import _Tasks
 

@@ -17,6 +17,7 @@ from psycopg.pq import TransactionStatus
 from .._args import READ, WRITE, hold_seconds
 from .._errors import LockError, not_owned, timed_out
 from .._keyhash import KeyIdents
+from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import WAIT_CHECK
 from .._views import LockStats
 from .._observe import LockMetrics
@@ -41,9 +42,6 @@ from ._xact import (
 from ._fences import (
     DEFAULT_FENCE_TABLE,
     _FenceTable,
-    Lease,
-    _no_fencing,
-    _read_has_no_fence,
 )
 from ._link import (
     _CANCEL_GRACE,
@@ -179,6 +177,9 @@ class _PgEngine(_Inspecting, Generic[K]):
                 tasks = _Tasks(self)
                 self._tasks_ref = weakref.ref(tasks)
             return tasks
+
+    def _check_key(self, key: Hashable) -> int:
+        return self._idents.of(key)
 
     def advisory_key(self, key: Hashable) -> int:
         """The advisory key ``key`` uses in this manager's namespace (``advisory_key(key,

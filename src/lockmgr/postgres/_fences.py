@@ -1,5 +1,5 @@
-"""Fencing tokens: the fence table, the statements that take a key's next fence, and the
-``Lease`` a fenced acquisition hands out."""
+"""Fencing tokens: the fence table, and the statements that take a key's next fence (the
+``Lease`` that hands them out is ``lockmgr._layered``'s)."""
 
 from __future__ import annotations
 
@@ -95,14 +95,6 @@ def _not_durable(items: Sequence[tuple[Hashable, int]], warning: str | None) -> 
         " Nothing was handed out or kept held; check the synchronous standby")
 
 
-def _no_fencing() -> LockError:
-    return LockError("this manager takes no fences: create it with fencing=True")
-
-
-def _read_has_no_fence(key: Hashable) -> LockError:
-    return LockError(f"key {key!r} is held for reading: only a write takes a fence")
-
-
 def _fence_table_steps(link: _Link, table: _FenceTable, deadline: float | bool) -> _Steps[None]:
     """Make sure the fence table exists (its own transaction: committed before any wait),
     by ``deadline`` (``_Link.run``)."""
@@ -141,54 +133,3 @@ def _fenced(ordered: list[tuple[int, int]]) -> list[str]:
     keys of one call that collide share a counter, and so one fence)."""
     return [str(ident) for ident in dict.fromkeys(ident for ident, mode in ordered
                                                   if mode == WRITE)]
-
-
-class Lease:
-    """What ``with locks.hold(key) as lease:`` (``write``, ``read``, ``hold_many``) gives:
-    truthy, like the ``True`` it stands for, with the ``keys`` held and, from a manager
-    made with ``fencing=True``, the fence each written key was taken under.
-
-    A fence strictly increases for its key across every process, connection and server
-    restart: pass it with each write to storage that refuses a fence lower than one it
-    has seen, and a holder whose lock was lost under it (a long pause, a dead session) can
-    no longer overwrite the work of the one that took the key next."""
-
-    __slots__ = ("_fences", "_keys")
-
-    def __init__(self, keys: tuple[Hashable, ...], fences: dict[Hashable, int] | None) -> None:
-        self._keys = keys
-        self._fences = fences  # written key -> fence; None: the manager takes no fences
-
-    @property
-    def keys(self) -> tuple[Hashable, ...]:
-        return self._keys
-
-    @property
-    def fence(self) -> int:
-        """The fence of a single-key lease (LockError for a read, or several keys)."""
-        fences = self.fences
-        if len(self._keys) != 1:
-            raise LockError(f"a lease on {len(self._keys)} keys has a fence for each: "
-                            "use lease.fences")
-        key = self._keys[0]
-        if key not in fences:
-            raise _read_has_no_fence(key)
-        return fences[key]
-
-    @property
-    def fences(self) -> dict[Hashable, int]:
-        """Each written key's fence (read keys have none): a copy."""
-        if self._fences is None:
-            raise _no_fencing()
-        return dict(self._fences)
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __repr__(self) -> str:
-        return f"<Lease {', '.join(map(self._describe, self._keys))}>"
-
-    def _describe(self, key: Hashable) -> str:
-        if self._fences is None:
-            return repr(key)
-        return f"{key!r} fence={self._fences[key]}" if key in self._fences else f"{key!r} (read)"

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from .. import LockManager, RWLockManager
-from .._args import READ, WRITE, hold_seconds, many_items, restored_count, rw_items, wait_seconds
-from .._errors import not_owned
+from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
+from .._layered import Held as _Held, LayeredKeyLock
 from .._views import synchronized
 from ._engine import _PgEngine
 from ._fences import DEFAULT_FENCE_TABLE
-from ._session import _Held, _same
+from ._session import _same
 from ._sql import _MODE_NAMES
 
 if TYPE_CHECKING:
@@ -368,53 +367,11 @@ class PgRWLockManager(_PgEngine[K]):
         return writing or self._engine.readers(key) > lost[key, READ]
 
 
-class PgKeyLock(Generic[K]):
-    """``locks[key]`` of a PgLockManager: ``acquire``, ``release``, ``locked``, ``with``, and
-    ``threading.Condition(locks[key])``.
+class PgKeyLock(LayeredKeyLock[K]):
+    """``locks[key]`` of a PgLockManager: ``acquire``, ``release``, ``locked`` (asking the
+    server), ``with``, and ``threading.Condition(locks[key])``.
 
-    Making one raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int and tuples of them)."""
+    Making one raises TypeError for a key PostgreSQL cannot take (keys are str, bytes, int
+    and tuples of them)."""
 
-    __slots__ = ("key", "manager")
-
-    def __init__(self, manager: PgLockManager[K], key: K) -> None:
-        manager.advisory_key(key)  # a key PostgreSQL cannot take fails here
-        self.manager = manager
-        self.key = key
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """``manager.acquire(key, ...)``: raises what it raises."""
-        return self.manager.acquire(self.key, blocking, timeout)
-
-    def release(self) -> None:
-        """``manager.release(key)``: raises what it raises."""
-        self.manager.release(self.key)
-
-    def locked(self) -> bool:
-        """``manager.locked(key)``, asking the server: raises what connecting raises."""
-        return self.manager.locked(self.key)
-
-    def _is_owned(self) -> bool:
-        return self.manager.owned(self.key)
-
-    def _recursion_count(self) -> int:
-        return self.manager.recursion_count(self.key)
-
-    def _release_save(self) -> tuple[int, int]:
-        """For ``threading.Condition``: give the key up entirely, remembering the level."""
-        count = self.manager.recursion_count(self.key)
-        if not count:
-            raise not_owned(self.key, threading.get_ident())
-        for _ in range(count):
-            self.manager.release(self.key)
-        return count, threading.get_ident()
-
-    def _acquire_restore(self, state: tuple[int, int]) -> None:
-        self.manager.acquire(self.key)
-        for _ in range(restored_count(state) - 1):
-            self.manager.acquire(self.key)
-
-    def __enter__(self) -> bool:
-        return self.manager.acquire(self.key)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.manager.release(self.key)
+    __slots__ = ()

@@ -6,19 +6,18 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg.pq import TransactionStatus
 
 from .._args import READ, WRITE
-from .._errors import DeadlockError, LockLost, not_owned, timed_out
+from .._errors import DeadlockError, LockLost, not_owned
 from ._sql import _GRANTED_ADVISORY, _MODE_NAMES
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine
-    from ._fences import Lease
     from ._link import _Link
 
 
@@ -215,30 +214,6 @@ def _holding(session: _Session | None, items: Sequence[tuple[Hashable, int]],
             raise not_owned(key, owner)
     assert session is not None
     return session
-
-
-class _Held:
-    """What ``hold()``, ``read()``, ``write()`` and ``hold_many()`` return."""
-
-    __slots__ = ("_acquire", "_items", "_manager", "_release", "_seconds")
-
-    def __init__(self, manager: _PgEngine[Any], items: list[tuple[Hashable, int]],
-                 acquire: Callable[[], bool], release: Callable[[], None],
-                 seconds: float) -> None:
-        self._manager = manager
-        self._items = items
-        self._acquire = acquire
-        self._release = release
-        self._seconds = seconds
-
-    def __enter__(self) -> Lease:
-        if not self._acquire():
-            keys = [key for key, _ in self._items]
-            raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
-        return self._manager._lease(self._items)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._release()
 
 
 def _same(key: Hashable) -> Hashable:

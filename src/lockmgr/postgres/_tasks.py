@@ -19,7 +19,7 @@ from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_rai
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
 from ._elsewhere import attach_bounds, held_elsewhere, refuse_waiting_for_oneself
-from ._fences import Lease, _no_fencing, _read_has_no_fence
+from .._layered import Lease, _no_fencing, _read_has_no_fence
 from ._capacity import _Slot, crowded, keep_idle, reserve_async
 from ._link import (
     _CANCEL_GRACE,
