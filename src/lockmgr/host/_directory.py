@@ -215,7 +215,6 @@ def _open_file(directory_fd: int, name: str, what: str, shared_with_group: bool,
     return fd
 
 
-
 def _open_directory(path: str, shared_with_group: bool) -> int:
     """The directory's descriptor; a missing directory is made (its parents as os.makedirs
     does), with exactly 0700 (0770 shared) whatever the umask."""
