@@ -317,7 +317,8 @@ def test_a_shared_directory_of_another_user_and_group_is_refused(tmp_path: Path)
     path = tmp_path / "locks"
     path.mkdir(mode=0o770)
     os.chown(path, NOBODY, NOBODY)
-    assert f"owned by uid {NOBODY}" in refused(path, shared_with_group=True)
+    message = refused(path, shared_with_group=True)
+    assert f"owned by uid {NOBODY}" in message and "not one of this process's groups" in message
     assert os.listdir(path) == []
 
 
@@ -454,9 +455,9 @@ def test_processes_opening_a_new_directory_at_once_all_succeed_with_one_header(
 
 # -- fork -------------------------------------------------------------------------------------
 
-FORK_SCENARIO = textwrap.dedent("""
+FORKED_CHILD = textwrap.dedent("""
     import fcntl, os, struct, sys, traceback
-    from lockmgr.host._directory import open_lock_directory
+    from lockmgr.host._directory import UnsafeDirectoryError, open_lock_directory
 
     def take(fd, byte):
         try:
@@ -466,27 +467,15 @@ FORK_SCENARIO = textwrap.dedent("""
         except BlockingIOError:
             return False
 
-    directory = open_lock_directory(sys.argv[1])
-    assert take(directory.shard_fds[0], 7)  # the parent holds byte 7 of shard-00
+    path = sys.argv[1]
+    directory = open_lock_directory(path)
     inherited = directory.shard_fds
+    {before_fork}
     pid = os.fork()
     if pid == 0:
         status = 1
         try:
-            # the inherited descriptor is the parent's description: the kernel lets it through
-            assert take(inherited[0], 7)
-            directory.reopen_after_fork()
-            assert set(directory.shard_fds).isdisjoint(inherited)
-            for fd in inherited:
-                try:
-                    os.fstat(fd)
-                except OSError:
-                    continue
-                raise AssertionError(f"inherited descriptor {fd} still open")
-            assert not take(directory.shard_fds[0], 7), "the child shares the parent's lock"
-            assert take(directory.shard_fds[0], 8)
-            assert directory.registry[:7] == b"lockmgr"  # the mapping stays
-            directory.close()
+            {in_child}
             status = 0
         except BaseException:
             traceback.print_exc()
@@ -494,42 +483,115 @@ FORK_SCENARIO = textwrap.dedent("""
             os._exit(status)
     _, wait_status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(wait_status) == 0, "the child failed"
-    # the child's closing of its inherited descriptors left the parent's lock alone
-    other = os.open(os.path.join(sys.argv[1], "shard-00"), os.O_RDWR | os.O_CLOEXEC)
-    assert not take(other, 7), "the child dropped the parent's lock"
-    assert take(other, 8), "the child's lock outlived it"
-    os.close(other)
+    {after_child}
     directory.close()
     print("done")
 """)
 
 
-def test_a_forked_child_reopens_its_shards_as_descriptions_of_its_own(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", FORK_SCENARIO, str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+def run_forked_child(path: Path, in_child: str, before_fork: str = "",
+                     after_child: str = "") -> None:
+    """Runs, in a subprocess, a parent that opens ``path``, runs ``before_fork``, forks a child
+    running ``in_child`` (which must end without an exception), then runs ``after_child``."""
+    def placed(code: str, indent: int) -> str:  # at the placeholder's indentation
+        return textwrap.indent(textwrap.dedent(code).strip() or "pass", " " * indent).lstrip()
+
+    script = FORKED_CHILD.format(before_fork=placed(before_fork, 0),
+                                 in_child=placed(in_child, 8), after_child=placed(after_child, 0))
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "done"
 
 
-def test_reopening_a_shard_that_was_replaced_is_refused_and_closes_everything(
-        made: Path) -> None:
-    before = open_fds()
-    directory = open_lock_directory(made)
-    (made / "shard-12").rename(made / "elsewhere")
-    (made / "shard-12").touch(mode=0o600)
-    with pytest.raises(UnsafeDirectoryError, match="shard-12 was replaced"):
+def test_a_forked_child_reopens_its_shards_as_descriptions_of_its_own(tmp_path: Path) -> None:
+    run_forked_child(tmp_path, before_fork="""
+        assert take(directory.shard_fds[0], 7)  # the parent holds byte 7 of shard-00
+    """, in_child="""
+        # the inherited descriptor is the parent's description: the kernel lets it through
+        assert take(inherited[0], 7)
         directory.reopen_after_fork()
-    assert directory.shard_fds == () and directory.registry.closed
-    assert open_fds() == before
+        assert set(directory.shard_fds).isdisjoint(inherited)
+        for fd in inherited:  # closed (listing /proc/self/fd would reuse a number)
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue
+            raise AssertionError(f"inherited descriptor {fd} still open")
+        assert not take(directory.shard_fds[0], 7), "the child shares the parent's lock"
+        assert take(directory.shard_fds[0], 8)
+        assert directory.registry[:7] == b"lockmgr"  # the mapping stays
+        directory.close()
+    """, after_child="""
+        # the child's closing of its inherited descriptors left the parent's lock alone
+        other = os.open(os.path.join(path, "shard-00"), os.O_RDWR | os.O_CLOEXEC)
+        assert not take(other, 7), "the child dropped the parent's lock"
+        assert take(other, 8), "the child's lock outlived it"
+        os.close(other)
+    """)
+
+
+def test_a_child_reopens_once_and_its_own_child_reopens_again(tmp_path: Path) -> None:
+    run_forked_child(tmp_path, in_child="""
+        directory.reopen_after_fork()
+        try:  # the child's descriptors are now its own
+            directory.reopen_after_fork()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("reopened its own descriptors")
+        assert take(directory.shard_fds[3], 1)  # the child holds byte 1 of shard-03
+        grandchild = os.fork()
+        if grandchild == 0:
+            directory.reopen_after_fork()
+            os._exit(0 if not take(directory.shard_fds[3], 1) else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]) == 0
+    """)
+
+
+def test_reopening_a_shard_that_was_replaced_is_refused_and_closes_everything(
+        tmp_path: Path) -> None:
+    run_forked_child(tmp_path, in_child="""
+        os.rename(os.path.join(path, "shard-12"), os.path.join(path, "elsewhere"))
+        os.close(os.open(os.path.join(path, "shard-12"), os.O_CREAT | os.O_WRONLY, 0o600))
+        try:
+            directory.reopen_after_fork()
+        except UnsafeDirectoryError as error:
+            assert "shard-12 was replaced" in str(error)
+        else:
+            raise AssertionError("reopened a replaced shard")
+        assert directory.shard_fds == () and directory.registry.closed
+        # 0-2 and the listing's own
+        assert sorted(os.listdir("/proc/self/fd")) == ["0", "1", "2", "3"], "left open"
+    """)
 
 
 def test_reopening_a_shard_that_is_gone_creates_nothing_and_closes_everything(
-        made: Path) -> None:
-    before = open_fds()
-    directory = open_lock_directory(made)
-    (made / "shard-50").unlink()
-    with pytest.raises(FileNotFoundError):
+        tmp_path: Path) -> None:
+    run_forked_child(tmp_path, in_child="""
+        os.unlink(os.path.join(path, "shard-50"))
+        try:
+            directory.reopen_after_fork()
+        except FileNotFoundError:
+            pass
+        else:
+            raise AssertionError("reopened a shard that is gone")
+        assert not os.path.exists(os.path.join(path, "shard-50"))
+        assert directory.shard_fds == () and directory.registry.closed
+        # 0-2 and the listing's own
+        assert sorted(os.listdir("/proc/self/fd")) == ["0", "1", "2", "3"], "left open"
+    """)
+
+
+def test_reopening_in_the_process_that_opened_is_refused_and_keeps_its_locks(
+        tmp_path: Path) -> None:
+    directory = open_lock_directory(tmp_path)
+    try:
+        fds = directory.shard_fds
+        with pytest.raises(RuntimeError, match="forked child"):
+            directory.reopen_after_fork()
+        assert directory.shard_fds == fds and not directory.registry.closed
+    finally:
+        directory.close()
+    with pytest.raises(ValueError, match="closed"):
         directory.reopen_after_fork()
-    assert not (made / "shard-50").exists()
-    assert directory.shard_fds == () and directory.registry.closed
-    assert open_fds() == before

@@ -17,6 +17,7 @@ files are opened relative to the directory's own descriptor: what was checked is
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -27,6 +28,7 @@ import stat
 import struct
 import sys
 import threading
+from typing import Any
 
 from .._errors import LockError
 
@@ -128,10 +130,23 @@ _F_TYPE = ctypes.c_uint if platform.machine() == "s390x" else ctypes.c_long
 _STATFS_BUFFER = 512  # more than any ABI's struct statfs (120 bytes on 64-bit Linux)
 
 
-def _filesystem_type(directory_fd: int) -> int:
+def _fstatfs() -> Any:
+    """libc's fstatfs64 where it has one (the same call on 64-bit; on 32-bit, the one that
+    does not fail with EOVERFLOW on a large filesystem), else fstatfs."""
     libc = ctypes.CDLL(None, use_errno=True)
+    function = getattr(libc, "fstatfs64", None) or libc.fstatfs
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    function.restype = ctypes.c_int
+    return function
+
+
+_FSTATFS = _fstatfs() if sys.platform.startswith("linux") else None
+
+
+def _filesystem_type(directory_fd: int) -> int:
+    assert _FSTATFS is not None, "read on Linux only"
     buffer = ctypes.create_string_buffer(_STATFS_BUFFER)
-    if libc.fstatfs(ctypes.c_int(directory_fd), buffer) != 0:
+    if _FSTATFS(directory_fd, buffer) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
     return _F_TYPE.from_buffer(buffer).value & 0xFFFFFFFF
@@ -157,11 +172,15 @@ def _check_access(status: os.stat_result, what: str, shared_with_group: bool) ->
     member of the group may own it; other users never."""
     if status.st_uid != os.geteuid():
         in_group = status.st_gid == os.getegid() or status.st_gid in os.getgroups()
-        if not (shared_with_group and in_group):
+        if not shared_with_group:
             raise UnsafeDirectoryError(
                 f"{what} is owned by uid {status.st_uid}, not by this process's user "
-                f"({os.geteuid()})" + ("" if shared_with_group else
-                                       "; pass shared_with_group=True to share it with its group"))
+                f"({os.geteuid()}); pass shared_with_group=True to share it with its group")
+        if not in_group:
+            raise UnsafeDirectoryError(
+                f"{what} is owned by uid {status.st_uid}, not by this process's user "
+                f"({os.geteuid()}), and its group ({status.st_gid}) is not one of this "
+                "process's groups")
     if status.st_mode & stat.S_IWOTH:
         raise UnsafeDirectoryError(f"{what} can be written by any user "
                                    f"(mode {stat.S_IMODE(status.st_mode):o})")
@@ -244,17 +263,30 @@ def _open_directory(path: str, shared_with_group: bool) -> int:
 # -- the registry -----------------------------------------------------------------------------
 
 # An OFD lock excludes every other open file description, those of this process's other threads
-# included. Elsewhere only POSIX record locks exist: they exclude other processes, and this
-# process's own threads are excluded by _REGISTRY_CHECK.
+# included. Elsewhere only POSIX record locks exist: they exclude other processes, not this
+# one's threads, which _POSIX_REGISTRY_CHECK excludes instead (made anew in a forked child,
+# where a thread of the parent may have left it held). (A POSIX lock also ends when any
+# descriptor of the file closes in the process, another opener's registry mapping included:
+# a narrow window there, on those platforms only.)
 _OFD_WRITE_LOCK_WAIT = getattr(fcntl, "F_OFD_SETLKW", None)
 _FLOCK = struct.Struct("@hhqqi")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
-_REGISTRY_CHECK = threading.Lock()
+_POSIX_REGISTRY_CHECK = threading.Lock()
+
+
+def _renew_posix_registry_check() -> None:
+    global _POSIX_REGISTRY_CHECK
+    _POSIX_REGISTRY_CHECK = threading.Lock()
+
+
+if _OFD_WRITE_LOCK_WAIT is None:
+    os.register_at_fork(after_in_child=_renew_posix_registry_check)
 
 
 def _lock_registry(fd: int, lock_type: int) -> None:
+    """Write-lock (waiting) or unlock the whole registry file (l_len 0: to its end and past)."""
     if _OFD_WRITE_LOCK_WAIT is None:
         fcntl.lockf(fd, fcntl.LOCK_UN if lock_type == fcntl.F_UNLCK else fcntl.LOCK_EX)
-    else:  # the whole file (l_len 0); l_pid must be 0 for an OFD lock
+    else:  # l_pid must be 0 for an OFD lock
         fcntl.fcntl(fd, _OFD_WRITE_LOCK_WAIT, _FLOCK.pack(lock_type, os.SEEK_SET, 0, 0, 0))
 
 
@@ -295,7 +327,7 @@ def _map_registry(directory_fd: int, path: str, shared_with_group: bool) -> mmap
     what = os.path.join(path, REGISTRY)
     fd = _open_file(directory_fd, REGISTRY, what, shared_with_group, create=True)
     try:
-        with _REGISTRY_CHECK:
+        with contextlib.nullcontext() if _OFD_WRITE_LOCK_WAIT else _POSIX_REGISTRY_CHECK:
             _lock_registry(fd, fcntl.F_WRLCK)
             try:
                 if os.fstat(fd).st_size == 0:
@@ -325,7 +357,8 @@ class LockDirectory:
     belongs to the description). Made by ``open_lock_directory``.
     """
 
-    __slots__ = ("_directory_fd", "_shared_with_group", "path", "registry", "shard_fds")
+    __slots__ = ("_directory_fd", "_opened_by", "_shared_with_group", "path", "registry",
+                 "shard_fds")
 
     def __init__(self, path: str, directory_fd: int, shard_fds: tuple[int, ...],
                  registry: mmap.mmap, shared_with_group: bool) -> None:
@@ -336,6 +369,7 @@ class LockDirectory:
         # the path names by then.
         self._directory_fd = directory_fd
         self._shared_with_group = shared_with_group
+        self._opened_by = os.getpid()  # the process whose descriptions shard_fds are
 
     def __repr__(self) -> str:
         state = "closed" if self._directory_fd < 0 else "open"
@@ -349,7 +383,15 @@ class LockDirectory:
         parent's locks alone (they last while the parent's descriptor does). Each reopened
         file must be the inherited one (same device and inode), else the child would lock
         another file than its parent. On any error everything is closed. The registry's
-        mapping stays: it is meant to be shared."""
+        mapping stays: it is meant to be shared.
+
+        Refused (RuntimeError) in the process that opened the descriptors, where closing them
+        would drop its own locks; ValueError once closed."""
+        if self._directory_fd < 0:
+            raise ValueError(f"the lock directory {self.path} is closed")
+        if os.getpid() == self._opened_by:
+            raise RuntimeError("reopen_after_fork() is for a forked child: this process opened "
+                               "these descriptors, and closing them would drop its locks")
         fresh: list[int] = []
         try:
             for shard, inherited in enumerate(self.shard_fds):
@@ -365,11 +407,14 @@ class LockDirectory:
             self.close()
             raise
         inherited_fds, self.shard_fds = self.shard_fds, tuple(fresh)
+        self._opened_by = os.getpid()
         _close_all(inherited_fds)
 
     def close(self) -> None:
         """Close the descriptors and the mapping; again is a no-op. Closing ends this process's
-        locks taken through these descriptors."""
+        locks taken through these descriptors. The mapping closes only once nothing exports
+        its buffer (ctypes objects made from it): BufferError otherwise, the descriptors being
+        closed already, and a later close() tries the mapping again."""
         shard_fds, self.shard_fds = self.shard_fds, ()
         directory_fd, self._directory_fd = self._directory_fd, -1
         _close_all(shard_fds)
