@@ -41,7 +41,9 @@ def _postgres_plugins() -> list[str]:
     return ["pg_fixtures"]
 
 
-pytest_plugins = _postgres_plugins()
+# The host backend's fixtures, where it exists (not on Windows, whose host tests are left out).
+pytest_plugins = _postgres_plugins() + ([] if sys.platform == "win32" else ["host_fixtures"])
+collect_ignore = ["host"] if sys.platform == "win32" else []
 
 IMPLEMENTATIONS = {"cython": "lockmgr._core", "python": "lockmgr._pure"}
 

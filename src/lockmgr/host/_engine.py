@@ -1,0 +1,269 @@
+"""``_HostEngine``: what both host managers share, the two layers of a host lock.
+
+A call takes its keys in process first (the manager's own in-process engine orders the
+threads of this process: reentrancy, FIFO, deadlock detection), then, for each key the
+calling thread did not hold yet, in the kernel (``ProcessDirectory.take``), in the order of
+their identities: two ``acquire_many`` of overlapping sets from any processes never wait
+for each other in a cycle. A call that cannot take every kernel lock by its deadline gives
+back what it took, in the kernel and in process, and returns False.
+
+Each thread's levels per (key, mode) are its own (``_Levels``, in thread-local storage):
+the first level takes the kernel lock, the last gives it back. A thread that ends holding
+keys has them given back in the kernel when its storage goes (the in-process engine
+releases them in process, with ``AbandonedLockWarning``). In a forked child the keys the
+forking thread held are its parent's: lost to the child (``LockLost`` at their release, as
+``lockmgr.postgres`` does), and never given back in the kernel by the child.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+
+from .._errors import LockLost, not_owned
+from .._keyhash import KeyIdents
+from .._layered import Lease
+from .._observe import LockMetrics
+from .._views import LockStats
+from ._kernel import default_mechanism
+from ._shared import let_go, process_directory
+
+if TYPE_CHECKING:
+    from .._contract import Engine
+
+K = TypeVar("K", bound=Hashable)
+_Manager = TypeVar("_Manager", bound="_HostEngine[Any]")
+_Item = tuple[Hashable, int]
+
+# The managers alive, for the fork handler (a weak set: a manager's life is its user's).
+_MANAGERS: weakref.WeakSet[_HostEngine[Any]] = weakref.WeakSet()
+
+
+def _managers_after_fork() -> None:
+    for manager in list(_MANAGERS):
+        manager._forget_parent_levels()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_managers_after_fork)
+
+
+class _Levels:
+    """One thread's levels with one manager, in its thread-local storage."""
+
+    __slots__ = ("manager", "pid", "held", "lost", "__weakref__")
+
+    def __init__(self, manager: _HostEngine[Any]) -> None:
+        self.manager = weakref.ref(manager)
+        self.pid = os.getpid()
+        self.held: dict[_Item, int] = {}  # (key, mode) -> levels held, the kernel's included
+        self.lost: dict[_Item, int] = {}  # levels the forking thread held: the parent's
+
+    def __del__(self) -> None:
+        manager = self.manager()
+        if manager is not None and self.held and self.pid == os.getpid():
+            manager._thread_ended(self.held)
+
+
+class _HostEngine(Generic[K]):
+    """What ``HostLockManager`` and ``HostRWLockManager`` share."""
+
+    _engine: Engine  # the in-process manager (lockmgr._contract)
+
+    def __init__(self, directory: str | os.PathLike[str], engine: Engine, *,
+                 namespace: str, mechanism: str | None, shared_with_group: bool) -> None:
+        if not isinstance(namespace, str):
+            raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
+        if not isinstance(shared_with_group, bool):
+            raise TypeError("shared_with_group must be a bool")
+        if mechanism is not None and not isinstance(mechanism, str):
+            raise TypeError(f"mechanism must be a str or None, not {type(mechanism).__name__}")
+        self._shared = process_directory(
+            directory, default_mechanism() if mechanism is None else mechanism,
+            shared_with_group)
+        self._engine = engine
+        self._namespace = namespace
+        self._idents = KeyIdents(namespace)
+        self._local = threading.local()
+        self._closed = False
+        _MANAGERS.add(self)
+
+    def __repr__(self) -> str:
+        return (f"<lockmgr.host.{type(self).__name__} {self._shared.directory.path!r}"
+                f" namespace={self._namespace!r} at {id(self):#x}>")
+
+    @property
+    def directory(self) -> str:
+        """The lock directory, as opened (absolute)."""
+        return self._shared.directory.path
+
+    @property
+    def mechanism(self) -> str:
+        """The kernel's record locks in use: ``"ofd"`` or ``"posix"``."""
+        return self._shared.mechanism
+
+    def close(self) -> None:
+        """Let go of the directory (the last manager of it in this process closes its
+        files). Keys still held stay held until released or until the process ends; a
+        manager is closed once. Raises nothing."""
+        if not self._closed:
+            self._closed = True
+            let_go(self._shared)
+
+    def __enter__(self: _Manager) -> _Manager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_key(self, key: Hashable) -> int:
+        """``key``'s identity; TypeError for a key other processes could not name alike
+        (keys are str, bytes, int and tuples of them)."""
+        return self._idents.of(key)
+
+    def host_key(self, key: Hashable) -> int:
+        """The signed 64-bit identity ``key`` locks in this manager's namespace (the same
+        as ``lockmgr.postgres.advisory_key(key, namespace)``). Raises TypeError for a key
+        that is not str, bytes, int or a tuple of them."""
+        return self._idents.of(key)
+
+    # -- what the in-process engine answers ---------------------------------------------------
+
+    def stats(self) -> LockStats:
+        """The in-process engine's counters (this process's threads). Raises nothing."""
+        stats: LockStats = self._engine.stats()
+        return stats
+
+    def metrics(self) -> LockMetrics:
+        """The in-process engine's metrics (waits between this process's threads). Raises
+        nothing."""
+        metrics: LockMetrics = self._engine.metrics()
+        return metrics
+
+    @property
+    def log_waits_after(self) -> float | None:
+        """Seconds after which a thread waiting for another thread of this process logs a
+        WARNING (None: never)."""
+        after: float | None = self._engine.log_waits_after
+        return after
+
+    def snapshot(self) -> list[Any]:
+        """The in-process engine's snapshot: this process's keys, holders and waiters."""
+        states: list[Any] = self._engine.snapshot()
+        return states
+
+    def __len__(self) -> int:
+        """Keys held by this process's threads through this manager."""
+        return len(self._engine)
+
+    def _lease(self, items: Sequence[_Item]) -> Lease:
+        return Lease(tuple(key for key, _ in items), None)
+
+    # -- the two layers -----------------------------------------------------------------------
+
+    def _levels(self) -> _Levels:
+        levels: _Levels | None = getattr(self._local, "levels", None)
+        if levels is None:
+            levels = self._local.levels = _Levels(self)
+        return levels
+
+    def _take(self, items: Sequence[_Item], seconds: float,
+              local_acquire: Callable[[float], bool],
+              local_release: Callable[[], None]) -> bool:
+        """Take ``items`` ((key, mode) pairs) in process, then in the kernel, within
+        ``seconds`` (-1: no limit; 0: at once or not): all of them, or none."""
+        started = time.monotonic()
+        idents = [self._check_key(key) for key, _ in items]  # a bad key changes nothing
+        levels = self._levels()
+        if levels.lost:
+            for key, mode in items:
+                if levels.lost.get((key, mode)):
+                    raise LockLost(f"key {key!r} is held by the parent process this one was"
+                                   " forked from: release it first")
+        if not local_acquire(seconds):
+            return False
+        held = levels.held
+        if len(items) == 1:  # (the common call, without the sort)
+            fresh = [] if items[0] in held else [(idents[0], items[0])]
+        else:
+            fresh = sorted((ident, item) for ident, item in zip(idents, items)
+                           if item not in held)
+        deadline = None if seconds < 0 else started + seconds
+        taken: list[tuple[int, int]] = []
+        try:
+            for ident, (_key, mode) in fresh:
+                if not self._shared.take(ident, mode, deadline, id(self)):
+                    break
+                taken.append((ident, mode))
+        finally:
+            if len(taken) < len(fresh):  # not in time, failed or interrupted: nothing stays
+                try:
+                    for ident, mode in reversed(taken):
+                        self._shared.give(ident, mode, id(self))
+                finally:
+                    local_release()
+        if len(taken) < len(fresh):
+            return False
+        for item in items:
+            held[item] = held.get(item, 0) + 1
+        return True
+
+    def _give(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
+        """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
+        back. NotOwnedError, with nothing changed, if the thread holds one of them not."""
+        levels = self._levels()
+        for key, mode in items:
+            if not levels.held.get((key, mode)) and not levels.lost.get((key, mode)):
+                raise not_owned(key, None, mode if self._rw else None)
+        lost = [key for key, mode in items if levels.lost.get((key, mode))]
+        try:
+            for key, mode in items:
+                if levels.lost.get((key, mode)):
+                    _count_down(levels.lost, (key, mode))
+                elif _count_down(levels.held, (key, mode)) == 0:
+                    self._shared.give(self._idents.of(key), mode, id(self))
+        finally:
+            local_release()
+        if lost:
+            raise LockLost(f"the lock on {', '.join(map(repr, lost))} was the parent"
+                           " process's: released in this process only")
+
+    _rw = False  # whether NotOwnedError names the mode (the RW manager's)
+
+    def release_all(self) -> int:
+        """Release every key the calling thread holds through this manager, all levels;
+        returns how many keys. Raises nothing."""
+        levels = self._levels()
+        released = self._engine.release_all()
+        held, levels.held, levels.lost = levels.held, {}, {}
+        for (key, mode), _count in held.items():
+            self._shared.give(self._idents.of(key), mode, id(self))
+        return released
+
+    def _thread_ended(self, held: dict[_Item, int]) -> None:
+        for (key, mode) in held:
+            self._shared.give(self._idents.of(key), mode, id(self))
+
+    def _forget_parent_levels(self) -> None:
+        """In a forked child: the forking thread's keys are the parent's (lost here), and
+        no other thread of the parent's exists."""
+        levels: _Levels | None = getattr(self._local, "levels", None)
+        if levels is not None:
+            for item, count in levels.held.items():
+                levels.lost[item] = levels.lost.get(item, 0) + count
+            levels.held = {}
+            levels.pid = os.getpid()
+
+
+def _count_down(counts: dict[_Item, int], item: _Item) -> int:
+    left = counts[item] - 1
+    if left:
+        counts[item] = left
+    else:
+        del counts[item]
+    return left
