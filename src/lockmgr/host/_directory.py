@@ -75,8 +75,8 @@ def _shard_name(shard: int) -> str:
 # whose record locks the kernel's own VFS keeps (none defines its own lock operation), so a
 # lock is seen by every process of this kernel and goes away exactly with its holder:
 # ext2/3/4 (one magic), xfs, btrfs, zfs, f2fs, bcachefs; tmpfs and ramfs (memory; /dev/shm,
-# /run); overlayfs (containers' root: lockmgr's files are created in, and locked on, the
-# upper layer, which the kernel requires to be local).
+# /run); overlayfs (containers' root: it keeps the locks on its own inodes, one per file for
+# every process that uses the mount).
 _LOCAL_FILESYSTEMS = {
     0xEF53: "ext2/ext3/ext4",
     0x58465342: "xfs",
