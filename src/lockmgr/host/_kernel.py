@@ -42,6 +42,7 @@ import os
 import platform
 import struct
 import sys
+import threading
 import time
 
 from .._errors import LockError
@@ -146,9 +147,11 @@ class KernelLocks:
             return False
         return self._fcntl(shard, start + _HOLD, _RDLCK if shared else _WRLCK)
 
-    def take(self, ident: int, shared: bool, deadline: float | None) -> bool:
+    def take(self, ident: int, shared: bool, deadline: float | None,
+             stop: threading.Event | None = None) -> bool:
         """The key's hold byte by ``deadline`` (monotonic; None: no limit), waiting on the
-        doorbell as the module says; False at the deadline, holding nothing of it."""
+        doorbell as the module says; False at the deadline, or within one ``SLICE`` of
+        ``stop`` being set (a task's wait, cancelled), holding nothing of it."""
         shard, start = place(ident)
         behind = self._others_hold(shard, start + _QUEUE)  # others already wait for it
         queued = writer_queued = armed = False
@@ -167,7 +170,7 @@ class KernelLocks:
                     continue
                 behind = False  # after one ring or one slice, it tries as every waiter does
                 left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                if left is not None and left <= 0 or stop is not None and stop.is_set():
                     return False
                 self._sleep(shard, rung, SLICE if left is None else min(SLICE, left))
         finally:

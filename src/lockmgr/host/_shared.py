@@ -21,7 +21,7 @@ import time
 
 from .._args import READ, WRITE
 from ._directory import LockDirectory, open_lock_directory
-from ._kernel import KernelLocks
+from ._kernel import SLICE, KernelLocks
 
 
 class _Ident:
@@ -61,9 +61,11 @@ class ProcessDirectory:
         self._guard = threading.Condition(threading.Lock())
         self._idents: dict[int, _Ident] = {}  # identities held or being taken (guard)
 
-    def take(self, ident: int, mode: int, deadline: float | None, manager: int) -> bool:
+    def take(self, ident: int, mode: int, deadline: float | None, manager: int,
+             stop: threading.Event | None = None) -> bool:
         """Hold ``ident`` in ``mode`` in the kernel for ``manager`` by ``deadline``
-        (monotonic; None: no limit; 0: at once or not); False if not in time."""
+        (monotonic; None: no limit; 0: at once or not); False if not in time, or within
+        one ``SLICE`` of ``stop`` being set (a task's wait in a thread, cancelled)."""
         with self._guard:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
@@ -83,6 +85,12 @@ class ProcessDirectory:
                     state.busy = True
                     break
                 left = None if deadline is None else deadline - time.monotonic()
+                if stop is not None:  # (woken by no one when set: it looks every slice)
+                    if stop.is_set():
+                        left = 0
+                    elif left is None or left > SLICE:
+                        self._guard.wait(SLICE)
+                        continue
                 if (left is not None and left <= 0) or not self._guard.wait(left):
                     self._forget_if_empty(ident, state)
                     return False
@@ -91,7 +99,7 @@ class ProcessDirectory:
             if deadline is not None and deadline <= time.monotonic():
                 taken = self.kernel.try_take(ident, mode == READ)
             else:
-                taken = self.kernel.take(ident, mode == READ, deadline)
+                taken = self.kernel.take(ident, mode == READ, deadline, stop)
         finally:
             with self._guard:
                 state.busy = False
