@@ -42,14 +42,12 @@ for tasks too, with these for the event loop:
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
 from .._errors import timed_out
-from .._views import checked_key_func, function_to_wrap
+from .._layered import async_synchronized as _synchronized
 from ._session import _same
 from ._sql import _MODE_NAMES
 from ._tasks import _PgBlockRecord, _enter_record, _exit_block
@@ -354,25 +352,3 @@ class PgAsyncKeyLock(Generic[K]):
 
     def __repr__(self) -> str:
         return f"<lockmgr.PgAsyncKeyLock key={self._key!r}>"
-
-
-def _synchronized(hold: Callable[[Any], _AsyncHeld], key_func: Callable[..., Hashable]
-                  ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
-                                Callable[P, Coroutine[Any, Any, T]]]:
-    key_func = checked_key_func(key_func, "aio.synchronized")
-
-    def decorate(*args: Any, **kwargs: Any) -> Callable[P, Coroutine[Any, Any, T]]:
-        func: Callable[P, Coroutine[Any, Any, T]] = function_to_wrap(
-            key_func, args, kwargs, "aio.synchronized")
-        if not inspect.iscoroutinefunction(func):
-            raise TypeError(f"aio.synchronized() wraps coroutine functions; "
-                            f"{getattr(func, '__qualname__', func)!r} is not one")
-
-        @functools.wraps(func)
-        async def locked_call(*args: P.args, **kwargs: P.kwargs) -> T:
-            async with hold(key_func(*args, **kwargs)):
-                return await func(*args, **kwargs)
-
-        return locked_call
-
-    return decorate
