@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable, Iterable
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from .. import LockManager, RWLockManager
 from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
 from .._layered import Held, LayeredKeyLock
 from .._views import synchronized
 from ._engine import _HostEngine
+from ._tasks import _HostTasks
+
+if TYPE_CHECKING:
+    from ._aio import HostAsyncLockManager, HostAsyncRWLockManager
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")  # a synchronized function's parameters
@@ -54,6 +58,17 @@ class HostLockManager(_HostEngine[K]):
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
                          shared_with_group=shared_with_group)
         self._locks = engine
+        self._tasks = _HostTasks(self)
+
+    @property
+    def aio(self) -> HostAsyncLockManager[K]:
+        """This manager with the current asyncio task as owner: the same methods, acquiring
+        awaited (a wait for another process runs in a thread: the loop runs on), releasing
+        done at the call; tasks and threads of this process exclude each other per key
+        (``lockmgr.host._aio``)."""
+        from ._aio import HostAsyncLockManager
+
+        return HostAsyncLockManager(self, self._tasks)
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` across every process using this directory and namespace; as
@@ -158,6 +173,15 @@ class HostRWLockManager(_HostEngine[K]):
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
                          shared_with_group=shared_with_group)
         self._rwlocks = engine
+        self._tasks = _HostTasks(self)
+
+    @property
+    def aio(self) -> HostAsyncRWLockManager[K]:
+        """This manager with the current asyncio task as owner (see
+        ``HostLockManager.aio``)."""
+        from ._aio import HostAsyncRWLockManager
+
+        return HostAsyncRWLockManager(self, self._tasks)
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Read-lock ``key`` across processes (shared with other readers); as

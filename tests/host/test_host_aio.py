@@ -1,0 +1,332 @@
+"""Host locks from asyncio tasks (``locks.aio``) across real processes: exclusion between
+tasks of two processes, between a task and a thread of one process, timed waits, cancelled
+waits in the kernel, the loop running on while a task waits, readers and writers, a task
+that ends holding keys. Each test on both engines (``impl``) and both kernel mechanisms."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from conftest import abandoned_warnings, wait_until
+from host_fixtures import PATIENCE
+from lockmgr import LockTimeout, NotOwnedError
+from lockmgr._args import WRITE
+from lockmgr.host import HostLockManager, HostRWLockManager, Lease
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.posix_only]
+
+# A child's own event loop, in a thread, with tasks holding keys until told to let go:
+# ``hold(name, acquire, release)`` answers once the task has acquired (or failed), and
+# ``let_go(name)`` has it release and end.
+_CHILD_TASKS = r"""
+import asyncio, concurrent.futures
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+letting_go = {}
+ending = {}
+
+def run(coro):
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+def hold(name, acquire, release):
+    acquired = concurrent.futures.Future()
+    async def body():
+        letting_go[name] = asyncio.Event()
+        got = await acquire()
+        acquired.set_result(got)
+        if got:
+            await letting_go[name].wait()
+            await release()
+    ending[name] = asyncio.run_coroutine_threadsafe(body(), loop)
+    return acquired.result(60)
+
+def let_go(name):
+    loop.call_soon_threadsafe(letting_go[name].set)
+    ending.pop(name).result(60)
+"""
+
+
+def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``main()`` as the task of a fresh event loop, bounded in time."""
+    async def bounded() -> Any:
+        return await asyncio.wait_for(main(), PATIENCE)
+    return asyncio.run(bounded())
+
+
+@pytest.fixture
+def locks(host_engine: ModuleType, lock_dir: str, mechanism: str) -> Any:
+    manager: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def rw(host_engine: ModuleType, lock_dir: str, mechanism: str) -> Any:
+    manager: HostRWLockManager[Any] = HostRWLockManager(lock_dir, mechanism=mechanism,
+                                                        namespace="rw")
+    yield manager
+    manager.close()
+
+
+def held_here(locks: Any, key: str) -> bool:
+    """Whether this process holds ``key`` in the kernel (its directory's table says)."""
+    state = locks._shared._idents.get(locks.host_key(key))
+    return state is not None and bool(state.writers)
+
+
+async def in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """A blocking call (a child's answer) off the loop, so that its tasks run meanwhile."""
+    return await asyncio.to_thread(function, *args)
+
+
+def test_tasks_of_two_processes_exclude_each_other(locks: Any, children: Any) -> None:
+    child = children(_CHILD_TASKS)
+
+    async def main() -> None:
+        assert await locks.aio.acquire("k")
+        assert child.ask("hold('t', lambda: locks.aio.acquire('k', timeout=0),"
+                         " lambda: locks.aio.release('k'))") is False
+        child.send("hold('t', lambda: locks.aio.acquire('k'), lambda: locks.aio.release('k'))")
+        await locks.aio.release("k")
+        assert await in_thread(child.answer) is True  # the child's task has it now
+        assert await locks.aio.acquire("k", timeout=0) is False
+        letting_go = asyncio.ensure_future(in_thread(child.ask, "let_go('t')"))
+        assert await locks.aio.acquire("k") is True and locks.aio.owned("k")
+        await letting_go
+        assert child.ask("hold('u', lambda: locks.aio.acquire('k', timeout=0),"
+                         " lambda: locks.aio.release('k'))") is False
+        await locks.aio.release("k")
+        assert not locks.aio.owned("k")
+
+    run(main)
+
+
+def test_a_task_and_a_thread_of_one_process_exclude_each_other(
+        locks: Any, children: Any) -> None:
+    child = children()
+    taken, let_go = threading.Event(), threading.Event()
+    tried: list[bool] = []
+
+    def thread_holding() -> None:
+        assert locks.acquire("k")
+        taken.set()
+        let_go.wait(PATIENCE)
+        locks.release("k")
+
+    async def main() -> None:
+        async with locks.aio["k"]:
+            trying = threading.Thread(target=lambda: tried.append(locks.acquire("k", timeout=0.05)))
+            trying.start()
+            trying.join(PATIENCE)
+            assert tried == [False]
+            assert child.ask("locks.acquire('k', timeout=0)") is False
+        holder = threading.Thread(target=thread_holding)
+        holder.start()
+        assert taken.wait(PATIENCE)
+        assert await locks.aio.acquire("k", timeout=0.05) is False
+        assert child.ask("locks.acquire('k', timeout=0)") is False
+        let_go.set()
+        assert await locks.aio.acquire("k") is True
+        holder.join(PATIENCE)
+        assert child.ask("locks.acquire('k', timeout=0)") is False
+        await locks.aio.release("k")
+        assert child.ask("locks.acquire('k', timeout=0)") is True
+
+    run(main)
+
+
+def test_a_timed_wait_in_a_task_times_out_holding_nothing(locks: Any, children: Any) -> None:
+    holder, other = children(), children()
+    assert holder.ask("locks.acquire('k')") is True
+
+    async def main() -> None:
+        assert await locks.aio.acquire("k", timeout=0.1) is False
+        with pytest.raises(LockTimeout):
+            async with locks.aio.hold("k", timeout=0.1):
+                pass
+        # A key taken in the kernel before "k" (they are taken in the order of their
+        # identities) goes back when "k" is not had in time.
+        free = next(key for key in "abcdefghij" if locks.host_key(key) < locks.host_key("k"))
+        assert await locks.aio.acquire_many([free, "k"], timeout=0.1) is False
+        assert not locks.aio.owned("k") and not locks.aio.owned(free) and len(locks) == 0
+        assert other.ask(f"locks.acquire({free!r}, timeout=0)") is True
+        other.ask(f"locks.release({free!r})")
+
+    run(main)
+    holder.ask("locks.release('k')")
+    assert other.ask("locks.acquire('k', timeout=0)") is True
+
+
+def test_a_cancelled_task_waiting_in_the_kernel_leaves_nothing_held(
+        locks: Any, children: Any) -> None:
+    holder, other = children(), children()
+    assert holder.ask("locks.acquire('k')") is True
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(locks.aio.acquire("k"))
+        while not locks.snapshot():  # it holds the key in process: it waits in the kernel
+            await asyncio.sleep(0.001)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not locks.aio.owned("k") and len(locks) == 0
+
+    run(main)
+    # The wait stops with the task, while the key is still held: it queues no more.
+    wait_until(lambda: not any(thread.name == "lockmgr-host-wait"
+                               for thread in threading.enumerate()),
+               "the cancelled wait's thread ends")
+    holder.ask("locks.release('k')")
+    assert other.ask("locks.acquire('k', timeout=0)") is True
+    other.ask("locks.release('k')")
+    assert not locks.locked("k")
+
+
+def test_a_task_cancelled_as_its_kernel_wait_ends_gives_the_key_back(
+        locks: Any, children: Any) -> None:
+    holder, other = children(), children()
+    assert holder.ask("locks.acquire('k')") is True
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(locks.aio.acquire("k"))
+        while not locks.snapshot():
+            await asyncio.sleep(0.001)
+        # The holder releases while this loop does not run: the waiting thread takes the
+        # key and posts its answer, which the cancellation then overtakes.
+        holder.ask("locks.release('k')")
+        wait_until(lambda: held_here(locks, "k"), "the waiting thread holds the key")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    run(main)
+    wait_until(lambda: not locks.locked("k"), "the key went back")
+    assert other.ask("locks.acquire('k', timeout=0)") is True
+
+
+def test_the_loop_runs_on_while_a_task_waits_for_another_process(
+        locks: Any, children: Any) -> None:
+    holder = children()
+    assert holder.ask("locks.acquire('k')") is True
+
+    async def main() -> None:
+        progress = asyncio.Event()
+
+        async def another_task() -> None:
+            assert await locks.aio.acquire("other")
+            await locks.aio.release("other")
+            progress.set()
+
+        async def release_once_the_other_task_ran() -> None:
+            await progress.wait()
+            await in_thread(holder.ask, "locks.release('k')")
+
+        others = asyncio.gather(another_task(), release_once_the_other_task_ran())
+        # The holder lets go only once the other task has run: meanwhile this one waits.
+        assert await locks.aio.acquire("k") is True
+        await others
+        await locks.aio.release("k")
+
+    run(main)
+
+
+def test_readers_and_writers_from_tasks_across_processes(rw: Any, children: Any) -> None:
+    child = children(_CHILD_TASKS)
+
+    async def main() -> None:
+        async with rw.aio.read("doc") as lease:
+            assert isinstance(lease, Lease)
+            assert child.ask("hold('r', lambda: rw.aio.acquire_read('doc', timeout=0),"
+                             " lambda: rw.aio.release_read('doc'))") is True
+            assert child.ask("rw.acquire_write('doc', timeout=0)") is False
+            child.ask("let_go('r')")
+            assert await rw.aio.acquire_write("doc", timeout=0) is True  # an upgrade
+            assert rw.aio.recursion_count("doc") == 1
+            assert child.ask("rw.acquire_read('doc', timeout=0)") is False
+            await rw.aio.release_write("doc")  # back to reading
+            assert child.ask("(rw.acquire_read('doc', timeout=0),"
+                             " rw.release_read('doc'))[0]") is True
+            assert await rw.aio.write_locked("doc") is False
+        child.send("hold('w', lambda: rw.aio.acquire_write('doc'),"
+                   " lambda: rw.aio.release_write('doc'))")
+        assert await in_thread(child.answer) is True
+        assert await rw.aio.write_locked("doc")
+        assert await rw.aio.acquire_many(reads=["doc"], timeout=0.05) is False
+        letting_go = asyncio.ensure_future(in_thread(child.ask, "let_go('w')"))
+        assert await rw.aio.acquire_read("doc") is True and rw.aio.owned("doc")
+        await letting_go
+        await rw.aio.release_read("doc")
+
+    run(main)
+
+
+def test_a_task_that_ends_holding_a_key_frees_it_across_processes(
+        locks: Any, children: Any) -> None:
+    child = children()
+
+    async def main() -> None:
+        with abandoned_warnings() as warned:
+            assert await asyncio.ensure_future(locks.aio.acquire("k"))
+            await asyncio.sleep(0)  # (the task's done-callbacks run)
+        assert warned
+
+    run(main)
+    assert child.ask("locks.acquire('k', timeout=0)") is True
+
+
+def test_the_aio_surface_of_a_host_manager(locks: Any, children: Any) -> None:
+    child = children()
+
+    @locks.aio.synchronized(lambda name: name)
+    async def guarded(name: str) -> bool:
+        return bool(locks.aio.owned(name)) and child.ask(
+            f"locks.acquire({name!r}, timeout=0)") is False
+
+    async def main() -> None:
+        assert await guarded("g") and not locks.aio.owned("g")
+        async with locks.aio.hold_many(["a", "b"]) as lease:
+            assert set(lease.keys) == {"a", "b"}
+            assert await locks.aio.locked("a") and await locks.aio["b"].locked()
+            assert child.ask("locks.acquire_many(['b'], timeout=0)") is False
+        assert await locks.aio.acquire("a") and await locks.aio.acquire("a")
+        assert locks.aio.recursion_count("a") == 2
+        await locks.aio.release("a")
+        assert child.ask("locks.acquire('a', timeout=0)") is False
+        assert await locks.aio.release_all() == 1
+        assert child.ask("locks.acquire('a', timeout=0)") is True
+        with pytest.raises(NotOwnedError):
+            locks.aio.release("a")
+        with pytest.raises(NotOwnedError):
+            locks.aio.release_many(["a", "b"])
+        with pytest.raises(TypeError):
+            await locks.aio.acquire(1.5)
+        with pytest.raises(TypeError):
+            locks.aio[object()]
+        with pytest.raises(TypeError):
+            locks.aio.synchronized(lambda: "k")(lambda: None)
+        assert len(locks) == 0
+
+    run(main)
+    with pytest.raises(RuntimeError):
+        locks.aio.owned("a")
+
+
+def test_a_stopped_kernel_wait_ends_holding_nothing(locks: Any, children: Any) -> None:
+    holder = children()
+    assert holder.ask("locks.acquire('k')") is True
+    stop = threading.Event()
+    results: list[bool] = []
+    waiting = threading.Thread(target=lambda: results.append(
+        locks._shared.take(locks.host_key("k"), WRITE, None, id(locks), stop)))
+    waiting.start()
+    stop.set()
+    waiting.join(PATIENCE)
+    assert results == [False]
+    holder.ask("locks.release('k')")
+    assert not locks.locked("k")
