@@ -144,14 +144,14 @@ def xfail_if_the_interpreter_aborted(returncode: int, stderr: str, pure: bool) -
 
 def block_records() -> int:
     """How many records of which task is inside an ``async with`` object are alive: the
-    pure twin's and the PostgreSQL views' ``_BlockRecord``s, and the compiled core's (its
+    pure twin's and the backends' (``_layered.AsyncBlockRecord``), and the compiled core's (its
     ``aio[key]`` view is its own record)."""
     from lockmgr import _pure
 
     kinds: tuple[type, ...] = (_pure._BlockRecord,)
-    pg_aio = sys.modules.get("lockmgr.postgres._tasks")
-    if pg_aio is not None:
-        kinds += (pg_aio._PgBlockRecord,)
+    layered = sys.modules.get("lockmgr._layered")
+    if layered is not None:
+        kinds += (layered.AsyncBlockRecord,)
     core = sys.modules.get("lockmgr._core")
     if core is not None:
         kinds += (core._BlockRecord,)

@@ -301,6 +301,63 @@ class AsyncHeld:
         await exit_block(self._record, self._items[0][0], self._release)
 
 
+class AsyncExclusiveView(Protocol[K_contra]):
+    """What ``aio[key]`` uses of its backend's ``aio`` view."""
+
+    @property
+    def manager(self) -> Any: ...  # (its ``_check_key`` refuses a key it cannot lock)
+    @property
+    def _tasks(self) -> TaskOwners: ...
+    async def acquire(self, key: K_contra, blocking: bool = True,
+                      timeout: float = -1) -> bool: ...
+    def release(self, key: K_contra) -> Awaitable[None]: ...
+    async def locked(self, key: K_contra) -> bool: ...
+
+
+class LayeredAsyncKeyLock(Generic[K]):
+    """``locks.aio[key]`` of a backend across processes: one key as an asyncio lock of the
+    current task (``async with``, or ``await acquire()`` / ``await release()``); its exit
+    gives back the hold of the task that entered it.
+
+    Making one raises TypeError for a key the manager cannot take (keys are str, bytes,
+    int and tuples of them)."""
+
+    __slots__ = ("_key", "_record", "_view")
+
+    def __init__(self, view: AsyncExclusiveView[K], key: K) -> None:
+        view.manager._check_key(key)  # a key the manager cannot take fails here
+        self._view = view
+        self._key = key
+        self._record = AsyncBlockRecord()
+
+    @property
+    def key(self) -> K:
+        return self._key
+
+    async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """``aio.acquire(key, ...)``: raises what it raises."""
+        return await self._view.acquire(self._key, blocking, timeout)
+
+    def release(self) -> Awaitable[None]:
+        """``aio.release(key)``: answers and raises what it does."""
+        return self._view.release(self._key)
+
+    async def locked(self) -> bool:
+        """``aio.locked(key)``: raises what it raises."""
+        return await self._view.locked(self._key)
+
+    async def __aenter__(self) -> bool:
+        got = await self._view.acquire(self._key)
+        await enter_block(self._record, self._view._tasks, self.release)
+        return got
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
+        await exit_block(self._record, self._key, self.release)
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.{type(self).__name__} key={self._key!r}>"
+
+
 def async_synchronized(hold: Callable[[Any], AbstractAsyncContextManager[object]],
                        key_func: Callable[..., Hashable]
                        ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
-from .._layered import AsyncBlockRecord, AsyncHeld, async_synchronized, enter_block, exit_block
+from .._layered import AsyncHeld, LayeredAsyncKeyLock, async_synchronized
 
 if TYPE_CHECKING:
     from ._managers import HostLockManager, HostRWLockManager
@@ -288,45 +288,11 @@ class HostAsyncRWLockManager(Generic[K]):
         return f"<lockmgr.{type(self).__name__} of {self._manager!r}>"
 
 
-class HostAsyncKeyLock(Generic[K]):
-    """``locks.aio[key]``: one key as an asyncio lock of the current task, across processes
-    (``async with``, or ``await acquire()`` / ``release()``); its exit gives back the hold
-    of the task that entered it (see the module)."""
+class HostAsyncKeyLock(LayeredAsyncKeyLock[K]):
+    """``locks.aio[key]`` of a HostLockManager: one key as an asyncio lock of the current
+    task, across processes (``async with``, or ``await acquire()`` / ``release()``); its
+    exit gives back the hold of the task that entered it (see the module).
 
-    __slots__ = ("_key", "_record", "_view")
+    Making one raises TypeError for a key that is not str, bytes, int or a tuple of them."""
 
-    def __init__(self, view: HostAsyncLockManager[K], key: K) -> None:
-        view.manager._check_key(key)  # a key other processes could not name alike fails here
-        self._view = view
-        self._key = key
-        self._record = AsyncBlockRecord()
-
-    @property
-    def key(self) -> K:
-        return self._key
-
-    async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """As ``HostAsyncLockManager.acquire`` for this key: raises what it raises."""
-        return await self._view.acquire(self._key, blocking, timeout)
-
-    def release(self) -> Awaitable[None]:
-        """As ``HostAsyncLockManager.release`` for this key: raises what it raises."""
-        return self._view.release(self._key)
-
-    async def locked(self) -> bool:
-        """Whether any process holds the key. Raises nothing."""
-        return await self._view.locked(self._key)
-
-    async def __aenter__(self) -> bool:
-        got = await self._view.acquire(self._key)
-        await enter_block(self._record, self._view._tasks, self._view_release)
-        return got
-
-    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await exit_block(self._record, self._key, self._view_release)
-
-    def _view_release(self) -> Awaitable[None]:
-        return self._view.release(self._key)
-
-    def __repr__(self) -> str:
-        return f"<lockmgr.HostAsyncKeyLock key={self._key!r}>"
+    __slots__ = ()

@@ -46,15 +46,13 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_seconds
-from .._errors import timed_out
+from .._layered import AsyncHeld, LayeredAsyncKeyLock
 from .._layered import async_synchronized as _synchronized
 from ._session import _same
 from ._sql import _MODE_NAMES
-from ._tasks import _PgBlockRecord, _enter_record, _exit_block
 
 if TYPE_CHECKING:
     from ._engine import _PgEngine
-    from .._layered import Lease
     from ._managers import PgLockManager, PgRWLockManager
     from ._tasks import _Tasks
 
@@ -63,33 +61,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 __all__ = ["PgAsyncKeyLock", "PgAsyncLockManager", "PgAsyncRWLockManager"]
-
-
-class _AsyncHeld:
-    """What the ``aio`` views' ``hold()``, ``read()``, ``write()`` and ``hold_many()`` return:
-    ``async with`` gives the ``Lease``."""
-
-    __slots__ = ("_acquire", "_items", "_record", "_release", "_seconds", "_tasks")
-
-    def __init__(self, tasks: _Tasks, items: list[tuple[Hashable, int]],
-                 acquire: Callable[[], Awaitable[bool]],
-                 release: Callable[[], Awaitable[None]], seconds: float) -> None:
-        self._tasks = tasks
-        self._items = items
-        self._acquire = acquire
-        self._release = release
-        self._seconds = seconds
-        self._record = _PgBlockRecord()
-
-    async def __aenter__(self) -> Lease:
-        if not await self._acquire():
-            keys = [key for key, _ in self._items]
-            raise timed_out(keys[0] if len(keys) == 1 else tuple(keys), self._seconds)
-        await _enter_record(self._record, self._tasks, self._release)
-        return self._tasks.lease(self._items)
-
-    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._record, self._items[0][0], self._release)
 
 
 class _PgAsyncView(Generic[K]):
@@ -157,10 +128,10 @@ class PgAsyncLockManager(_PgAsyncView[K]):
         local = self._manager._engine.aio
         return self._tasks.give([(key, WRITE)], lambda: local.release(key))
 
-    def hold(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+    def hold(self, key: K, timeout: float | None = None) -> AsyncHeld:
         """``async with aio.hold(key, timeout=...)``: LockTimeout if not acquired in time."""
         seconds = hold_seconds(timeout)
-        return _AsyncHeld(self._tasks, [(key, WRITE)], lambda: self.acquire(key, timeout=seconds),
+        return AsyncHeld(self._tasks, [(key, WRITE)], lambda: self.acquire(key, timeout=seconds),
                           lambda: self.release(key), seconds)
 
     def __getitem__(self, key: K) -> PgAsyncKeyLock[K]:
@@ -176,10 +147,10 @@ class PgAsyncLockManager(_PgAsyncView[K]):
         """Undo one ``acquire_many``, at the call (as ``release``)."""
         return self._release_items(many_items(keys, _same, True))
 
-    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _AsyncHeld:
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncHeld:
         seconds = hold_seconds(timeout)
         items = many_items(keys, _same)
-        return _AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
+        return AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
                           lambda: self._release_items(items), seconds)
 
     async def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
@@ -249,15 +220,15 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         local = self._manager._engine.aio
         return self._tasks.give([(key, WRITE)], lambda: local.release_write(key))
 
-    def read(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+    def read(self, key: K, timeout: float | None = None) -> AsyncHeld:
         seconds = hold_seconds(timeout)
-        return _AsyncHeld(self._tasks, [(key, READ)],
+        return AsyncHeld(self._tasks, [(key, READ)],
                           lambda: self.acquire_read(key, timeout=seconds),
                           lambda: self.release_read(key), seconds)
 
-    def write(self, key: K, timeout: float | None = None) -> _AsyncHeld:
+    def write(self, key: K, timeout: float | None = None) -> AsyncHeld:
         seconds = hold_seconds(timeout)
-        return _AsyncHeld(self._tasks, [(key, WRITE)],
+        return AsyncHeld(self._tasks, [(key, WRITE)],
                           lambda: self.acquire_write(key, timeout=seconds),
                           lambda: self.release_write(key), seconds)
 
@@ -272,10 +243,10 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         return self._release_items(rw_items(reads, writes, _same, True))
 
     def hold_many(self, reads: Iterable[K] = (), writes: Iterable[K] = (),
-                  timeout: float | None = None) -> _AsyncHeld:
+                  timeout: float | None = None) -> AsyncHeld:
         seconds = hold_seconds(timeout)
         items = rw_items(reads, writes, _same)
-        return _AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
+        return AsyncHeld(self._tasks, items, lambda: self._acquire_items(items, seconds),
                           lambda: self._release_items(items), seconds)
 
     async def _acquire_items(self, items: list[tuple[Hashable, int]], seconds: float) -> bool:
@@ -316,39 +287,8 @@ class PgAsyncRWLockManager(_PgAsyncView[K]):
         return _synchronized(self.write, key_func)
 
 
-class PgAsyncKeyLock(Generic[K]):
+class PgAsyncKeyLock(LayeredAsyncKeyLock[K]):
     """``locks.aio[key]``: one key as an asyncio lock of the current task, across processes
     (``async with``, or ``await acquire()`` / ``await release()``)."""
 
-    __slots__ = ("_key", "_record", "_view")
-
-    def __init__(self, view: PgAsyncLockManager[K], key: K) -> None:
-        view.manager.advisory_key(key)  # a key PostgreSQL cannot take fails here
-        self._view = view
-        self._key = key
-        self._record = _PgBlockRecord()
-
-    @property
-    def key(self) -> K:
-        return self._key
-
-    async def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return await self._view.acquire(self._key, blocking, timeout)
-
-    def release(self) -> Awaitable[None]:
-        return self._view.release(self._key)
-
-    async def locked(self) -> bool:
-        return await self._view.locked(self._key)
-
-    async def __aenter__(self) -> bool:
-        got = await self._view.acquire(self._key)
-        await _enter_record(self._record, self._view._tasks,
-                            lambda: self._view.release(self._key))
-        return got
-
-    async def __aexit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        await _exit_block(self._record, self._key, lambda: self._view.release(self._key))
-
-    def __repr__(self) -> str:
-        return f"<lockmgr.PgAsyncKeyLock key={self._key!r}>"
+    __slots__ = ()

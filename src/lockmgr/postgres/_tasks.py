@@ -1,11 +1,10 @@
-"""The task sessions of one manager (``_Tasks``): asyncio tasks as owners, their clean-ups,
-and the records of which task is inside an ``async with`` block."""
+"""The task sessions of one manager (``_Tasks``): asyncio tasks as owners and their clean-ups
+(which task is inside an ``async with`` block: ``_layered.AsyncBlockRecord``)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Generator, Hashable, Sequence
@@ -14,8 +13,8 @@ from typing import TYPE_CHECKING, Any, cast
 import psycopg
 
 from .._args import READ, WRITE
-from .._errors import DeadlockError, block_in_use, not_entered, not_owned, not_owned_block
-from .._owners import TASK_WAIT_CHECK, current_task_or_none, current_task_or_raise
+from .._errors import DeadlockError, not_owned
+from .._owners import TASK_WAIT_CHECK, current_task_or_raise
 from ._aio_link import _AsyncLink, _TaskSession, _clean_up_done, _drive_async, _retrieve
 from ._deadlock import LOOK_EVERY, Look, deadlock_through_server
 from ._elsewhere import attach_bounds, held_elsewhere, refuse_waiting_for_oneself
@@ -517,6 +516,12 @@ class _Tasks:
             if link is not None and link.idle_unless_busy() is False:
                 self.manager._report(other, dead_link=link)
 
+    def entered(self) -> tuple[asyncio.Task[Any], _TaskSession]:
+        """The current task, which has just acquired, and its session: an ``async with``
+        object's record (``_layered.TaskOwners``)."""
+        task = current_task_or_raise()
+        return task, self.sessions[task]
+
     def lease(self, items: Sequence[tuple[Hashable, int]]) -> Lease:
         """The current task's lease on ``items``, which it has just acquired."""
         keys = tuple(key for key, _ in items)
@@ -647,78 +652,6 @@ class _Tasks:
             raise
         keep_idle(manager, link, manager._task_idle)
         return bool(result.get_value(0, 0) == b"t")
-
-
-class _PgBlockRecord:
-    """Which task is inside a PostgreSQL ``async with`` object, and how many times (the
-    rule of lockmgr._aio): written once ``__aenter__`` holds the keys, read back by
-    ``__aexit__``. The task is kept by a weak reference, its session strongly (an ended
-    session keeps no connection). A task that is done counts as ended at once: its
-    session's end (its done-callback) may still be queued behind the task awaiting it.
-    Changed under a lock of its own (the collector may close a coroutine inside a block
-    on another thread); reentrant, as a collection inside may run another exit."""
-
-    __slots__ = ("_depth", "_lock", "_session", "_task")
-
-    def __init__(self) -> None:
-        self._task: weakref.ref[asyncio.Task[Any]] | None = None
-        self._session: _TaskSession | None = None
-        self._depth = 0
-        self._lock = threading.RLock()
-
-    def enter(self, tasks: _Tasks) -> None:
-        """The current task holds the block's keys: it is inside (RuntimeError, and nothing
-        changed, if another task is)."""
-        task = current_task_or_raise()
-        with self._lock:
-            session, inside = self._session, None if self._task is None else self._task()
-            if session is None:
-                self._task, self._session = weakref.ref(task), tasks.sessions[task]
-            if session is None or inside is task:
-                self._depth += 1
-                return
-        raise block_in_use(inside, _ended(session, inside))
-
-    def leave(self) -> asyncio.Task[Any] | None:
-        """One block exits: its task, or None if that task has ended (its end released, or
-        releases, its keys). RuntimeError if no block is inside."""
-        with self._lock:
-            session, task = self._session, None if self._task is None else self._task()
-            if session is None:
-                raise not_entered()
-            self._depth -= 1
-            if not self._depth:
-                self._task = self._session = None
-        return None if _ended(session, task) else task
-
-
-def _ended(session: _TaskSession, task: asyncio.Task[Any] | None) -> bool:
-    return session.ended or task is None or task.done()
-
-
-async def _exit_block(record: _PgBlockRecord, key: Hashable,
-                      release: Callable[[], Awaitable[None]]) -> None:
-    """The exit of a block gives back the hold of the task that entered it, in that task;
-    nothing if that task's session has ended. Run by another task (an async generator
-    asyncio finalizes in a task of its own), it cannot use that task's connection:
-    NotOwnedError, and the key stays held until that task releases it or ends."""
-    task = record.leave()
-    if task is None:
-        return
-    if task is not current_task_or_none():
-        raise not_owned_block(key, task)
-    await release()
-
-
-async def _enter_record(record: _PgBlockRecord, tasks: _Tasks,
-                        release: Callable[[], Awaitable[None]]) -> None:
-    """The block enters ``record`` now that its task holds the keys; if another task
-    entered meanwhile (two readers), they go back first (RuntimeError)."""
-    try:
-        record.enter(tasks)
-    except RuntimeError:
-        await release()
-        raise
 
 
 class _Release:
