@@ -59,6 +59,12 @@ def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     return asyncio.run(bounded())
 
 
+def held_here(locks: Any, key: str) -> bool:
+    """Whether this process holds ``key`` in the kernel (its directory's table says)."""
+    state = locks._shared._idents.get(locks.host_key(key))
+    return state is not None and bool(state.writers)
+
+
 @pytest.fixture
 def locks(host_engine: ModuleType, lock_dir: str, mechanism: str) -> Any:
     manager: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
@@ -74,10 +80,13 @@ def rw(host_engine: ModuleType, lock_dir: str, mechanism: str) -> Any:
     manager.close()
 
 
-def held_here(locks: Any, key: str) -> bool:
-    """Whether this process holds ``key`` in the kernel (its directory's table says)."""
-    state = locks._shared._idents.get(locks.host_key(key))
-    return state is not None and bool(state.writers)
+async def waiting_in_the_kernel(locks: Any, key: str) -> asyncio.Future[bool]:
+    """A task of this loop acquiring ``key``, once it waits for another process (it holds
+    the key in process: its kernel try failed in the same step, and its wait runs)."""
+    waiting = asyncio.ensure_future(locks.aio.acquire(key))
+    while not locks.snapshot():
+        await asyncio.sleep(0.001)
+    return waiting
 
 
 async def in_thread(function: Callable[..., Any], *args: Any) -> Any:
@@ -169,9 +178,7 @@ def test_a_cancelled_task_waiting_in_the_kernel_leaves_nothing_held(
     assert holder.ask("locks.acquire('k')") is True
 
     async def main() -> None:
-        waiting = asyncio.ensure_future(locks.aio.acquire("k"))
-        while not locks.snapshot():  # it holds the key in process: it waits in the kernel
-            await asyncio.sleep(0.001)
+        waiting = await waiting_in_the_kernel(locks, "k")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -194,9 +201,7 @@ def test_a_task_cancelled_as_its_kernel_wait_ends_gives_the_key_back(
     assert holder.ask("locks.acquire('k')") is True
 
     async def main() -> None:
-        waiting = asyncio.ensure_future(locks.aio.acquire("k"))
-        while not locks.snapshot():
-            await asyncio.sleep(0.001)
+        waiting = await waiting_in_the_kernel(locks, "k")
         # The holder releases while this loop does not run: the waiting thread takes the
         # key and posts its answer, which the cancellation then overtakes.
         holder.ask("locks.release('k')")

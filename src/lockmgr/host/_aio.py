@@ -33,12 +33,14 @@ from .._args import READ, WRITE, hold_seconds, many_items, rw_items, wait_second
 from .._layered import AsyncHeld, LayeredAsyncKeyLock, async_synchronized
 
 if TYPE_CHECKING:
+    from ._engine import _HostEngine
     from ._managers import HostLockManager, HostRWLockManager
     from ._tasks import _HostTasks
 
 K = TypeVar("K", bound=Hashable)
 P = ParamSpec("P")
 T = TypeVar("T")
+_Manager = TypeVar("_Manager", bound="_HostEngine[Any]")
 
 _Item = tuple[Hashable, int]
 
@@ -50,22 +52,36 @@ def _same(key: Hashable) -> Hashable:
     return key
 
 
-class HostAsyncLockManager(Generic[K]):
+class _HostAsyncView(Generic[K, _Manager]):
+    """What both ``aio`` views share."""
+
+    __slots__ = ("_manager", "_tasks")
+
+    def __init__(self, manager: _Manager, tasks: _HostTasks) -> None:
+        self._manager = manager
+        self._tasks = tasks
+
+    @property
+    def manager(self) -> _Manager:
+        return self._manager
+
+    async def release_all(self) -> int:
+        """Release every key the current task holds through this manager, all levels; how
+        many (a coroutine, as ``lockmgr.postgres``'s, that never waits)."""
+        return self._tasks.release_all(self._manager._engine.aio.release_all)
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.{type(self).__name__} of {self._manager!r}>"
+
+
+class HostAsyncLockManager(_HostAsyncView[K, "HostLockManager[K]"]):
     """``HostLockManager.aio``: the manager with the current asyncio task as owner.
 
     Names, arguments and errors are those of ``HostLockManager``; acquiring is a coroutine,
     releasing is done at the call and answers an awaitable done already (see the module).
     Every method raises RuntimeError outside a running asyncio task."""
 
-    __slots__ = ("_manager", "_tasks")
-
-    def __init__(self, manager: HostLockManager[K], tasks: _HostTasks) -> None:
-        self._manager = manager
-        self._tasks = tasks
-
-    @property
-    def manager(self) -> HostLockManager[K]:
-        return self._manager
+    __slots__ = ()
 
     async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` for the current task across every process using this directory and
@@ -148,11 +164,6 @@ class HostAsyncLockManager(Generic[K]):
         that is not str, bytes, int or a tuple of them."""
         return self._manager.locked(key)
 
-    async def release_all(self) -> int:
-        """Release every key the current task holds through this manager, all levels; how
-        many (a coroutine, as ``lockmgr.postgres``'s, that never waits)."""
-        return self._tasks.release_all(self._manager._locks.aio.release_all)
-
     def synchronized(self, key_func: Callable[..., K]
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
@@ -161,24 +172,12 @@ class HostAsyncLockManager(Generic[K]):
         plain function, a ``key_func`` that is not callable, or written bare."""
         return async_synchronized(self.hold, key_func)
 
-    def __repr__(self) -> str:
-        return f"<lockmgr.{type(self).__name__} of {self._manager!r}>"
-
-
-class HostAsyncRWLockManager(Generic[K]):
+class HostAsyncRWLockManager(_HostAsyncView[K, "HostRWLockManager[K]"]):
     """``HostRWLockManager.aio``: shared (read) and exclusive (write) keys with the current
     task as owner (see ``HostAsyncLockManager``; names, arguments and errors of
     ``HostRWLockManager``). Every method raises RuntimeError outside a running task."""
 
-    __slots__ = ("_manager", "_tasks")
-
-    def __init__(self, manager: HostRWLockManager[K], tasks: _HostTasks) -> None:
-        self._manager = manager
-        self._tasks = tasks
-
-    @property
-    def manager(self) -> HostRWLockManager[K]:
-        return self._manager
+    __slots__ = ()
 
     async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Read-lock ``key`` for the current task (shared with other readers of every
@@ -274,19 +273,11 @@ class HostAsyncRWLockManager(Generic[K]):
         TypeError for a key that is not str, bytes, int or a tuple of them."""
         return self._manager.write_locked(key)
 
-    async def release_all(self) -> int:
-        """As ``HostAsyncLockManager.release_all``."""
-        return self._tasks.release_all(self._manager._rwlocks.aio.release_all)
-
     def synchronized(self, key_func: Callable[..., K]
                      ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                    Callable[P, Coroutine[Any, Any, T]]]:
         """As ``HostAsyncLockManager.synchronized``, holding the key for writing."""
         return async_synchronized(self.write, key_func)
-
-    def __repr__(self) -> str:
-        return f"<lockmgr.{type(self).__name__} of {self._manager!r}>"
-
 
 class HostAsyncKeyLock(LayeredAsyncKeyLock[K]):
     """``locks.aio[key]`` of a HostLockManager: one key as an asyncio lock of the current
