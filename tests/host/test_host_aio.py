@@ -215,6 +215,31 @@ def test_a_task_cancelled_as_its_kernel_wait_ends_gives_the_key_back(
     assert other.ask("locks.acquire('k', timeout=0)") is True
 
 
+def test_a_task_whose_loop_closed_while_it_waited_in_the_kernel_holds_nothing(
+        locks: Any, children: Any) -> None:
+    holder, other = children(), children()
+    assert holder.ask("locks.acquire('k')") is True
+    loop = asyncio.new_event_loop()
+
+    async def stranded() -> None:
+        assert await locks.aio.acquire("j")  # held, then a wait for "k" in the kernel
+        await locks.aio.acquire("k")
+
+    async def until_it_waits() -> None:
+        while len(locks) < 2:  # "j" and "k" in process: it waits in the kernel for "k"
+            await asyncio.sleep(0.001)
+
+    with abandoned_warnings() as warned:
+        task = loop.create_task(stranded())
+        loop.run_until_complete(until_it_waits())
+        loop.close()  # with the task pending: it never runs again
+        holder.ask("locks.release('k')")  # its wait ends, and finds the loop closed
+        wait_until(lambda: len(locks) == 0, "the stranded task's keys go in process")
+    assert warned
+    assert other.ask("locks.acquire_many(['j', 'k'], timeout=0)") is True
+    assert not task.done()
+
+
 def test_the_loop_runs_on_while_a_task_waits_for_another_process(
         locks: Any, children: Any) -> None:
     holder = children()

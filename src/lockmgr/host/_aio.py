@@ -82,6 +82,7 @@ class HostAsyncLockManager(_HostAsyncView[K, "HostLockManager[K]"]):
     Every method raises RuntimeError outside a running asyncio task."""
 
     __slots__ = ()
+    _manager: HostLockManager[K]
 
     async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` for the current task across every process using this directory and
@@ -178,6 +179,7 @@ class HostAsyncRWLockManager(_HostAsyncView[K, "HostRWLockManager[K]"]):
     ``HostRWLockManager``). Every method raises RuntimeError outside a running task."""
 
     __slots__ = ()
+    _manager: HostRWLockManager[K]
 
     async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Read-lock ``key`` for the current task (shared with other readers of every

@@ -14,11 +14,12 @@ AbandonedLockWarning).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .._errors import not_owned
 from .._layered import Lease
@@ -28,6 +29,7 @@ from ._engine import _count_down
 if TYPE_CHECKING:
     import asyncio
 
+    from .._contract import EngineModule
     from ._engine import _HostEngine
     from ._shared import ProcessDirectory
 
@@ -94,6 +96,16 @@ class _HostTasks:
         held, levels.held = levels.held, {}
         self.give_kernel([(self.manager.host_key(key), mode) for key, mode in held])
 
+    def end_stranded(self, task: asyncio.Task[Any]) -> None:
+        """A task whose event loop closed while it waited in the kernel can never run
+        again: what it holds goes, in process (AbandonedLockWarning) and in the kernel, as
+        its done-callback would have it."""
+        engine = cast("EngineModule", sys.modules[type(self.manager._engine).__module__])
+        try:
+            engine.end_stranded_task(task)
+        finally:
+            self.task_done(task)
+
     def give_kernel(self, taken: Sequence[_Want]) -> None:
         shared, manager = self.manager._shared, id(self.manager)
         for ident, mode in reversed(taken):
@@ -132,6 +144,7 @@ class _HostTasks:
         """Every kernel lock of ``wanted``, in order, by ``deadline``, or none: tries under
         the loop, and from the first taken by another process on, waits in a thread."""
         shared, manager = self.manager._shared, id(self.manager)
+        task = current_task_or_raise()
         taken: list[_Want] = []
         try:
             for index, (ident, mode) in enumerate(wanted):
@@ -141,7 +154,9 @@ class _HostTasks:
                 if deadline is not None and deadline <= time.monotonic():
                     return False
                 rest = wanted[index:]
-                if not await _KernelWait(shared, rest, deadline, manager).outcome():
+                waiting = _KernelWait(shared, rest, deadline, manager,
+                                      lambda: self.end_stranded(task))
+                if not await waiting.outcome():
                     return False
                 taken.extend(rest)
                 break
@@ -195,15 +210,17 @@ class _KernelWait:
     by ``deadline``, or none. The task awaits ``outcome()``; if it stops awaiting
     (cancelled, an ``asyncio.timeout``, its coroutine closed), ``abandon`` stops the thread
     within one ``SLICE``, and whichever of the two comes last gives back what the thread
-    took: nothing stays held. A loop closed before the answer is delivered abandons it."""
+    took: nothing stays held. A loop closed before the answer is delivered abandons it, and
+ends the task (``stranded``): it can never run again."""
 
     __slots__ = ("_deadline", "_future", "_loop", "_manager", "_shared", "_state", "_stop",
-                 "_wanted", "_guard")
+                 "_stranded", "_wanted", "_guard")
 
     def __init__(self, shared: ProcessDirectory, wanted: list[_Want], deadline: float | None,
-                 manager: int) -> None:
+                 manager: int, stranded: Callable[[], None]) -> None:
         import asyncio
 
+        self._stranded = stranded  # what ends the task if its loop closed meanwhile
         self._shared = shared
         self._wanted = wanted
         self._deadline = deadline
@@ -259,6 +276,7 @@ class _KernelWait:
             self._loop.call_soon_threadsafe(self._deliver, bool(taken), error)
         except RuntimeError:  # the loop is closed: the task never resumes
             self.abandon()
+            self._stranded()
 
     def _deliver(self, taken: bool, error: BaseException | None) -> None:
         if self._future.done():  # (cancelled: the task abandons, or has)
