@@ -144,12 +144,12 @@ def xfail_if_the_interpreter_aborted(returncode: int, stderr: str, pure: bool) -
 
 def block_records() -> int:
     """How many records of which task is inside an ``async with`` object are alive: the
-    pure twin's and the backends' (``_layered.AsyncBlockRecord``), and the compiled core's (its
+    pure twin's and the backends' (``_layered_aio.AsyncBlockRecord``), and the compiled core's (its
     ``aio[key]`` view is its own record)."""
     from lockmgr import _pure
 
     kinds: tuple[type, ...] = (_pure._BlockRecord,)
-    layered = sys.modules.get("lockmgr._layered")
+    layered = sys.modules.get("lockmgr._layered_aio")
     if layered is not None:
         kinds += (layered.AsyncBlockRecord,)
     core = sys.modules.get("lockmgr._core")

@@ -68,7 +68,7 @@ class HostLockManager(_HostEngine[K]):
         (``lockmgr.host._aio``)."""
         from ._aio import HostAsyncLockManager
 
-        return HostAsyncLockManager(self, self._tasks)
+        return HostAsyncLockManager(self, self._tasks, self._locks.aio)
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` across every process using this directory and namespace; as
@@ -181,7 +181,7 @@ class HostRWLockManager(_HostEngine[K]):
         ``HostLockManager.aio``)."""
         from ._aio import HostAsyncRWLockManager
 
-        return HostAsyncRWLockManager(self, self._tasks)
+        return HostAsyncRWLockManager(self, self._tasks, self._rwlocks.aio)
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Read-lock ``key`` across processes (shared with other readers); as

@@ -80,7 +80,7 @@ class _HostTasks:
         return levels
 
     def entered(self) -> tuple[asyncio.Task[Any], _TaskLevels]:
-        """For an ``async with`` object's record (``_layered.TaskOwners``)."""
+        """For an ``async with`` object's record (``_layered_aio.TaskOwners``)."""
         return current_task_or_raise(), self.current()
 
     def lease(self, items: Sequence[_Item]) -> Lease:
@@ -165,8 +165,8 @@ class _HostTasks:
                 self.give_kernel(taken)
         return True
 
-    def give(self, items: Sequence[_Item], local_release: Callable[[], Awaitable[None]],
-             rw: bool) -> Awaitable[None]:
+    def give(self, items: Sequence[_Item],
+             local_release: Callable[[], Awaitable[None]]) -> Awaitable[None]:
         """``_HostEngine._give`` for the current task, done at the call: the last level of
         each item gives its kernel lock back, then the keys go in process; answers the
         in-process release's awaitable (done already). NotOwnedError, nothing changed, if
@@ -175,7 +175,7 @@ class _HostTasks:
         levels = self.levels.get(task)
         for key, mode in items:
             if levels is None or not levels.held.get((key, mode)):
-                raise not_owned(key, task, mode if rw else None)
+                raise not_owned(key, task, mode if self.manager._rw else None)
         assert levels is not None
         try:
             last = [item for item in items if _count_down(levels.held, item) == 0]

@@ -87,7 +87,7 @@ class PgLockManager(_PgEngine[K]):
         released); tasks and threads of this process exclude each other per key."""
         from ._aio import PgAsyncLockManager
 
-        return PgAsyncLockManager(self, self._task_sessions())
+        return PgAsyncLockManager(self, self._task_sessions(), self._engine.aio)
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` across every process using this database and namespace; as
@@ -240,7 +240,7 @@ class PgRWLockManager(_PgEngine[K]):
         """This manager with the current asyncio task as owner (see ``PgLockManager.aio``)."""
         from ._aio import PgAsyncRWLockManager
 
-        return PgAsyncRWLockManager(self, self._task_sessions())
+        return PgAsyncRWLockManager(self, self._task_sessions(), self._engine.aio)
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` shared (read) across every process using this database and namespace:

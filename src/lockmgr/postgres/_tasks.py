@@ -1,5 +1,5 @@
 """The task sessions of one manager (``_Tasks``): asyncio tasks as owners and their clean-ups
-(which task is inside an ``async with`` block: ``_layered.AsyncBlockRecord``)."""
+(which task is inside an ``async with`` block: ``_layered_aio.AsyncBlockRecord``)."""
 
 from __future__ import annotations
 
@@ -518,7 +518,7 @@ class _Tasks:
 
     def entered(self) -> tuple[asyncio.Task[Any], _TaskSession]:
         """The current task, which has just acquired, and its session: an ``async with``
-        object's record (``_layered.TaskOwners``)."""
+        object's record (``_layered_aio.TaskOwners``)."""
         task = current_task_or_raise()
         return task, self.sessions[task]
 
