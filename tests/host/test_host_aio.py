@@ -221,6 +221,24 @@ def test_a_cancelled_task_waiting_in_the_kernel_leaves_nothing_held(
     assert not locks.locked("k")
 
 
+def test_ctrl_c_while_a_task_waits_in_the_kernel_leaves_nothing_held(children: Any) -> None:
+    holder, waiter = children(), children("import asyncio\n")
+    assert holder.ask("locks.acquire('k')") is True
+    # asyncio.run turns Ctrl-C into the main task's cancellation, then raises it.
+    waiter.send("threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+                "try:\n"
+                "    asyncio.run(locks.aio.acquire('k'))\n"
+                "except KeyboardInterrupt:\n"
+                "    interrupted = True\n")
+    assert waiter.answer() is None
+    assert waiter.ask("interrupted and len(locks) == 0") is True
+    wait_until(lambda: waiter.ask("threading.active_count()") == 1,
+               "the interrupted wait's thread ends")
+    holder.ask("locks.release('k')")
+    assert waiter.ask("locks.acquire('k', timeout=0)") is True
+    assert holder.ask("locks.acquire('k', timeout=0)") is False
+
+
 def test_a_task_cancelled_as_its_kernel_wait_ends_gives_the_key_back(
         locks: Any, children: Any) -> None:
     holder, other = children(), children()
