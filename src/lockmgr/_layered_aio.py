@@ -175,16 +175,19 @@ class AsyncHeld:
 
 _Manager = TypeVar("_Manager", bound=KeyChecking)
 _Tasks = TypeVar("_Tasks", bound=TaskHolding)
+_Local = TypeVar("_Local")
 
 
-class LayeredAsyncView(Generic[K, _Manager, _Tasks]):
-    """What both ``aio`` views share: the manager, its tasks' record."""
+class LayeredAsyncView(Generic[K, _Manager, _Tasks, _Local]):
+    """What both ``aio`` views share: the manager, its tasks' record, and the in-process
+    engine's ``aio`` view (the same table as its threads')."""
 
-    __slots__ = ("_manager", "_tasks")
+    __slots__ = ("_local", "_manager", "_tasks")
 
-    def __init__(self, manager: _Manager, tasks: _Tasks) -> None:
+    def __init__(self, manager: _Manager, tasks: _Tasks, local: _Local) -> None:
         self._manager = manager
         self._tasks = tasks
+        self._local = local
 
     @property
     def manager(self) -> _Manager:
@@ -200,17 +203,14 @@ def _same(key: Hashable) -> Hashable:
     return key
 
 
-class LayeredAsyncLockManager(LayeredAsyncView[K, _Manager, _Tasks]):
+class LayeredAsyncLockManager(
+        LayeredAsyncView[K, _Manager, _Tasks, "AsyncLockManager[Hashable]"]):
     """An exclusive manager's ``aio`` view: acquiring is a coroutine, releasing is done at
     the call and answers an awaitable (see the backend's module). Every method raises
     RuntimeError outside a running asyncio task."""
 
-    __slots__ = ("_local",)
-
-    def __init__(self, manager: _Manager, tasks: _Tasks,
-                 local: AsyncLockManager[Hashable]) -> None:
-        super().__init__(manager, tasks)
-        self._local = local  # the in-process engine's aio view
+    __slots__ = ()
+    _local: AsyncLockManager[Hashable]
 
     async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Lock ``key`` for the current task across every process the backend reaches: True
@@ -286,15 +286,12 @@ class LayeredAsyncLockManager(LayeredAsyncView[K, _Manager, _Tasks]):
         return async_synchronized(self.hold, key_func)
 
 
-class LayeredAsyncRWLockManager(LayeredAsyncView[K, _Manager, _Tasks]):
+class LayeredAsyncRWLockManager(
+        LayeredAsyncView[K, _Manager, _Tasks, "AsyncRWLockManager[Hashable]"]):
     """A shared/exclusive manager's ``aio`` view (as ``LayeredAsyncLockManager``)."""
 
-    __slots__ = ("_local",)
-
-    def __init__(self, manager: _Manager, tasks: _Tasks,
-                 local: AsyncRWLockManager[Hashable]) -> None:
-        super().__init__(manager, tasks)
-        self._local = local  # the in-process engine's aio view
+    __slots__ = ()
+    _local: AsyncRWLockManager[Hashable]
 
     async def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
         """Read-lock ``key`` for the current task (shared with other readers of every
