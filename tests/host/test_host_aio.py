@@ -122,7 +122,7 @@ def test_a_counter_in_a_file_loses_no_increment_to_tasks_of_three_processes(
     counter = os.path.join(os.path.dirname(lock_dir), "counter")
     with open(counter, "w") as file:
         file.write("0")
-    body = (f"import asyncio, random\n"
+    body = (f"import asyncio\n"
             f"async def bump(times):\n"
             f"    for _ in range(times):\n"
             f"        async with locks.aio['counter']:\n"

@@ -118,7 +118,10 @@ class _HostTasks:
                    local_release: Callable[[], object]) -> bool:
         """``_HostEngine._take`` for the current task: ``items`` in process, then in the
         kernel, within ``seconds`` (-1: no limit; 0: at once or not), all or none. A
-        cancellation (or ``GeneratorExit``) leaves nothing held, in process or the kernel."""
+        cancellation leaves nothing held, in process or the kernel; a coroutine closed
+        unrun (``GeneratorExit``, outside its task) gives back its kernel part only: its
+        in-process part cannot be released outside the task, and stays until the task is
+        ended (a wait in the kernel that finds its loop closed ends it: ``end_stranded``)."""
         started = time.monotonic()
         idents = [self.manager._check_key(key) for key, _ in items]  # a bad key: nothing
         if not await local_acquire(seconds):
