@@ -36,9 +36,13 @@ SHARDS = 64
 REGISTRY = "registry"
 SHARD_SLOT = 64
 HEADER = 64
+#: The table of published waits (``_waits``): where it starts, and its slots.
+WAITS = HEADER + SHARDS * SHARD_SLOT
+WAIT_SLOT = 512
+WAIT_SLOTS = 128
 
 _MAGIC = b"lockmgr-host-registry\0"
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2  # 2: the table of published waits
 # The magic padded to 24 bytes so that the integers after it are aligned; native byte order:
 # a registry is only ever read by processes of the kernel that wrote it.
 _HEADER_FIELDS = struct.Struct("=24sIIQ")
@@ -58,8 +62,9 @@ class UnsafeDirectoryError(LockError):
 
 
 def registry_size() -> int:
-    """The registry's length: its header and a slot per shard, in whole pages (it is mapped)."""
-    used = HEADER + SHARDS * SHARD_SLOT
+    """The registry's length: its header, a slot per shard and the table of published
+    waits, in whole pages (it is mapped)."""
+    used = WAITS + WAIT_SLOTS * WAIT_SLOT
     return -(-used // mmap.PAGESIZE) * mmap.PAGESIZE
 
 

@@ -32,6 +32,7 @@ from .._observe import LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._shared import let_go, process_directory
+from ._waits import Look
 
 if TYPE_CHECKING:
     from .._contract import Engine
@@ -56,10 +57,11 @@ if hasattr(os, "register_at_fork"):
 class _Levels:
     """One thread's levels with one manager, in its thread-local storage."""
 
-    __slots__ = ("manager", "pid", "held", "lost", "__weakref__")
+    __slots__ = ("manager", "idents", "pid", "held", "lost", "__weakref__")
 
     def __init__(self, manager: _HostEngine[Any]) -> None:
         self.manager = weakref.ref(manager)
+        self.idents = manager._idents  # (the thread's looks name what it holds)
         self.pid = os.getpid()
         self.held: dict[_Item, int] = {}  # (key, mode) -> levels held, the kernel's included
         self.lost: dict[_Item, int] = {}  # levels the forking thread held: the parent's
@@ -170,7 +172,27 @@ class _HostEngine(Generic[K]):
         levels: _Levels | None = getattr(self._local, "levels", None)
         if levels is None:
             levels = self._local.levels = _Levels(self)
+            # (references without callbacks: nothing but this thread touches its list)
+            mine: list[weakref.ref[_Levels]] = self._shared.thread_levels.__dict__.setdefault(
+                "all", [])
+            mine[:] = [ref for ref in mine if ref() is not None] + [weakref.ref(levels)]
         return levels
+
+    def _looking(self, key: Hashable, ident: int, mode: int,
+                 taken: list[tuple[int, int]]) -> Callable[[], Look]:
+        """What makes the ``Look`` of a wait in the kernel for ``key`` (if it waits)."""
+        return lambda: Look(self._shared.waits, key, ident, mode,
+                            lambda: self._held_idents(taken))
+
+    def _held_idents(self, taking: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The identities the calling thread holds through every manager of the directory,
+        with their modes, and ``taking`` (those this call took so far)."""
+        held = list(taking)
+        for ref in self._shared.thread_levels.__dict__.get("all", ()):
+            levels = ref()
+            if levels is not None:
+                held += [(levels.idents.of(key), mode) for key, mode in levels.held]
+        return held
 
     def _take(self, items: Sequence[_Item], seconds: float,
               local_acquire: Callable[[float], bool],
@@ -196,8 +218,9 @@ class _HostEngine(Generic[K]):
         deadline = None if seconds < 0 else started + seconds
         taken: list[tuple[int, int]] = []
         try:
-            for ident, (_key, mode) in fresh:
-                if not self._shared.take(ident, mode, deadline, id(self)):
+            for ident, (key, mode) in fresh:
+                if not self._shared.take(ident, mode, deadline, id(self),
+                                         self._looking(key, ident, mode, taken)):
                     break
                 taken.append((ident, mode))
         finally:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from .._args import READ, WRITE
 from ._directory import LockDirectory, open_lock_directory
 from ._kernel import KernelLocks
+from ._waits import Look, WaitBoard
 
 
 class _Ident:
@@ -56,14 +58,20 @@ class ProcessDirectory:
         self.directory = directory
         self.shared_with_group = shared_with_group
         self.kernel = KernelLocks(directory, mechanism)
+        self.waits = WaitBoard(directory, self.kernel.lock_byte, self.kernel.others_lock)
+        # Each thread's levels with each manager of the directory (``_engine._Levels``), for
+        # the identities it holds when it publishes a wait; written by that thread only.
+        self.thread_levels = threading.local()
         self.mechanism = mechanism
         self.users = 0  # managers using it (under _DIRECTORIES_GUARD)
         self._guard = threading.Condition(threading.Lock())
         self._idents: dict[int, _Ident] = {}  # identities held or being taken (guard)
 
-    def take(self, ident: int, mode: int, deadline: float | None, manager: int) -> bool:
+    def take(self, ident: int, mode: int, deadline: float | None, manager: int,
+             looking: Callable[[], Look] | None = None) -> bool:
         """Hold ``ident`` in ``mode`` in the kernel for ``manager`` by ``deadline``
-        (monotonic; None: no limit; 0: at once or not); False if not in time."""
+        (monotonic; None: no limit; 0: at once or not); False if not in time. A wait in
+        the kernel looks for cycles with the ``Look`` that ``looking`` makes."""
         with self._guard:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
@@ -87,12 +95,16 @@ class ProcessDirectory:
                     self._forget_if_empty(ident, state)
                     return False
         taken: bool | None = None
+        look = None
         try:
             if deadline is not None and deadline <= time.monotonic():
                 taken = self.kernel.try_take(ident, mode == READ)
             else:
-                taken = self.kernel.take(ident, mode == READ, deadline)
+                look = None if looking is None else looking()
+                taken = self.kernel.take(ident, mode == READ, deadline, look)
         finally:
+            if look is not None:
+                look.stop()
             with self._guard:
                 state.busy = False
                 if taken:
@@ -145,6 +157,7 @@ class ProcessDirectory:
         """In a forked child: it holds nothing (the kernel gave it none of its parent's
         locks); fresh descriptors of its own, and an empty table."""
         self.directory.reopen_after_fork()
+        self.waits.forget_after_fork()
         self._guard = threading.Condition(threading.Lock())
         self._idents = {}
 
