@@ -380,6 +380,14 @@ class LockDirectory:
         state = "closed" if self._directory_fd < 0 else "open"
         return f"<LockDirectory {self.path!r} {state}>"
 
+    def open_file(self, name: str) -> int:
+        """A descriptor of the directory's file ``name`` (made if missing), opened and checked
+        as the shard files are; the caller closes it. ValueError once closed."""
+        if self._directory_fd < 0:
+            raise ValueError(f"{self!r} is closed")
+        return _open_file(self._directory_fd, name, os.path.join(self.path, name),
+                          self._shared_with_group, create=True)
+
     def reopen_after_fork(self) -> None:
         """In a forked child: open each shard file again (new open file descriptions), then
         close the inherited descriptors. An inherited descriptor shares its open file

@@ -25,9 +25,10 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 
+from .._args import READ, WRITE
 from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
-from .._layered import Lease
+from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
@@ -57,7 +58,7 @@ if hasattr(os, "register_at_fork"):
 class _Levels:
     """One thread's levels with one manager, in its thread-local storage."""
 
-    __slots__ = ("manager", "idents", "pid", "held", "lost", "__weakref__")
+    __slots__ = ("manager", "idents", "pid", "held", "lost", "fences", "__weakref__")
 
     def __init__(self, manager: _HostEngine[Any]) -> None:
         self.manager = weakref.ref(manager)
@@ -65,6 +66,7 @@ class _Levels:
         self.pid = os.getpid()
         self.held: dict[_Item, int] = {}  # (key, mode) -> levels held, the kernel's included
         self.lost: dict[_Item, int] = {}  # levels the forking thread held: the parent's
+        self.fences: dict[Hashable, int] = {}  # written key -> the fence it was taken under
 
     def __del__(self) -> None:
         manager = self.manager()
@@ -78,11 +80,14 @@ class _HostEngine(Generic[K]):
     _engine: Engine  # the in-process manager (lockmgr._contract)
 
     def __init__(self, directory: str | os.PathLike[str], engine: Engine, *,
-                 namespace: str, mechanism: str | None, shared_with_group: bool) -> None:
+                 namespace: str, mechanism: str | None, shared_with_group: bool,
+                 fencing: bool) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
         if not isinstance(shared_with_group, bool):
             raise TypeError("shared_with_group must be a bool")
+        if not isinstance(fencing, bool):
+            raise TypeError("fencing must be a bool")
         if mechanism is not None and not isinstance(mechanism, str):
             raise TypeError(f"mechanism must be a str or None, not {type(mechanism).__name__}")
         self._shared = process_directory(
@@ -90,6 +95,7 @@ class _HostEngine(Generic[K]):
             shared_with_group)
         self._engine = engine
         self._namespace = namespace
+        self._fencing = fencing
         self._idents = KeyIdents(namespace)
         self._local = threading.local()
         self._closed = False
@@ -164,7 +170,29 @@ class _HostEngine(Generic[K]):
         return len(self._engine)
 
     def _lease(self, items: Sequence[_Item]) -> Lease:
-        return Lease(tuple(key for key, _ in items), None)
+        """The calling thread's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self._fencing:
+            return Lease(keys, None)
+        fences = self._levels().fences
+        return Lease(keys, {key: fences[key] for key, mode in items if mode == WRITE})
+
+    def fence(self, key: Hashable) -> int:
+        """The fence under which the calling thread holds ``key`` for writing: the one its
+        first acquisition took, kept by reentrant ones (``lease.fence`` of ``hold``).
+
+        Raises LockError without ``fencing=True`` or for a key only read, NotOwnedError if
+        the thread does not hold it, TypeError for a key that is not str, bytes, int or a
+        tuple of them."""
+        self._check_key(key)
+        if not self._fencing:
+            raise _no_fencing()
+        levels = self._levels()
+        if levels.held.get((key, WRITE)):
+            return levels.fences[key]
+        if levels.held.get((key, READ)):
+            raise _read_has_no_fence(key)
+        raise not_owned(key)
 
     # -- the two layers -----------------------------------------------------------------------
 
@@ -213,24 +241,30 @@ class _HostEngine(Generic[K]):
         if len(items) == 1:  # (the common call, without the sort)
             fresh = [] if items[0] in held else [(idents[0], items[0])]
         else:
-            fresh = sorted((ident, item) for ident, item in zip(idents, items)
-                           if item not in held)
+            fresh = sorted(((ident, item) for ident, item in zip(idents, items)
+                            if item not in held), key=lambda pair: pair[0])
         deadline = None if seconds < 0 else started + seconds
         taken: list[tuple[int, int]] = []
+        done = False
         try:
             for ident, (key, mode) in fresh:
                 if not self._shared.take(ident, mode, deadline, id(self),
                                          self._looking(key, ident, mode, taken)):
                     break
                 taken.append((ident, mode))
+            if self._fencing and len(taken) == len(fresh):
+                fences = {key: self._shared.fences.next(ident)
+                          for ident, (key, mode) in fresh if mode == WRITE}
+                levels.fences.update(fences)  # (one statement: all or none of them)
+            done = len(taken) == len(fresh)
         finally:
-            if len(taken) < len(fresh):  # not in time, failed or interrupted: nothing stays
+            if not done:  # not in time, failed or interrupted: nothing stays
                 try:
                     for ident, mode in reversed(taken):
                         self._shared.give(ident, mode, id(self))
                 finally:
                     local_release()
-        if len(taken) < len(fresh):
+        if not done:
             return False
         for item in items:
             held[item] = held.get(item, 0) + 1
@@ -249,6 +283,8 @@ class _HostEngine(Generic[K]):
                 if levels.lost.get((key, mode)):
                     _count_down(levels.lost, (key, mode))
                 elif _count_down(levels.held, (key, mode)) == 0:
+                    if mode == WRITE:
+                        levels.fences.pop(key, None)
                     self._shared.give(self._idents.of(key), mode, id(self))
         finally:
             local_release()
@@ -263,7 +299,7 @@ class _HostEngine(Generic[K]):
         returns how many keys. Raises nothing."""
         levels = self._levels()
         released = self._engine.release_all()
-        held, levels.held, levels.lost = levels.held, {}, {}
+        held, levels.held, levels.lost, levels.fences = levels.held, {}, {}, {}
         for (key, mode), _count in held.items():
             self._shared.give(self._idents.of(key), mode, id(self))
         return released
@@ -279,7 +315,7 @@ class _HostEngine(Generic[K]):
         if levels is not None:
             for item, count in levels.held.items():
                 levels.lost[item] = levels.lost.get(item, 0) + count
-            levels.held = {}
+            levels.held, levels.fences = {}, {}
             levels.pid = os.getpid()
 
 

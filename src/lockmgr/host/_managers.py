@@ -42,6 +42,9 @@ class HostLockManager(_HostEngine[K]):
       in one process uses one.
     - ``shared_with_group``: the directory may be the group's (group-writable, of a group
       of this process), for processes of several users of one group.
+    - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
+      ``fence()``), strictly increasing per key across every process and restart, made
+      durable before it is handed out (a ``fdatasync`` per acquisition).
 
     Making one raises TypeError or ValueError for bad arguments, and UnsafeDirectoryError
     for a directory that cannot hold locks safely.
@@ -49,10 +52,11 @@ class HostLockManager(_HostEngine[K]):
 
     def __init__(self, directory: str | os.PathLike[str], *, namespace: str = "",
                  fair: bool = True, log_waits_after: float | None = None,
-                 mechanism: str | None = None, shared_with_group: bool = False) -> None:
+                 mechanism: str | None = None, shared_with_group: bool = False,
+                 fencing: bool = False) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
-                         shared_with_group=shared_with_group)
+                         shared_with_group=shared_with_group, fencing=fencing)
         self._locks = engine
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
@@ -153,10 +157,10 @@ class HostRWLockManager(_HostEngine[K]):
 
     def __init__(self, directory: str | os.PathLike[str], *, namespace: str = "",
                  log_waits_after: float | None = None, mechanism: str | None = None,
-                 shared_with_group: bool = False) -> None:
+                 shared_with_group: bool = False, fencing: bool = False) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
-                         shared_with_group=shared_with_group)
+                         shared_with_group=shared_with_group, fencing=fencing)
         self._rwlocks = engine
 
     def acquire_read(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:

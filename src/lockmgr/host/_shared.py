@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from .._args import READ, WRITE
 from ._directory import LockDirectory, open_lock_directory
+from ._fences import Fences
 from ._kernel import KernelLocks
 from ._waits import Look, WaitBoard
 
@@ -59,6 +60,7 @@ class ProcessDirectory:
         self.shared_with_group = shared_with_group
         self.kernel = KernelLocks(directory, mechanism)
         self.waits = WaitBoard(directory, self.kernel.lock_byte, self.kernel.others_lock)
+        self.fences = Fences(directory, mechanism == "ofd")
         # Each thread's levels with each manager of the directory (``_engine._Levels``), for
         # the identities it holds when it publishes a wait; written by that thread only.
         self.thread_levels = threading.local()
@@ -158,6 +160,7 @@ class ProcessDirectory:
         locks); fresh descriptors of its own, and an empty table."""
         self.directory.reopen_after_fork()
         self.waits.forget_after_fork()
+        self.fences.after_fork()
         self._guard = threading.Condition(threading.Lock())
         self._idents = {}
 
