@@ -26,6 +26,9 @@ from lockmgr.host._directory import (
     REGISTRY,
     SHARD_SLOT,
     SHARDS,
+    HOLDER_SLOT,
+    HOLDER_SLOTS,
+    HOLDERS,
     WAIT_SLOT,
     WAIT_SLOTS,
     WAITS,
@@ -50,7 +53,7 @@ HEADER_FIELDS = struct.Struct("=24sIIQ")
 MAGIC = b"lockmgr-host-registry\0"
 
 
-def header(version: int = 2, shards: int = SHARDS, size: int | None = None,
+def header(version: int = 3, shards: int = SHARDS, size: int | None = None,
            magic: bytes = MAGIC) -> bytes:
     fields = HEADER_FIELDS.pack(magic.ljust(24, b"\0"), version, shards,
                                 registry_size() if size is None else size)
@@ -92,7 +95,8 @@ def test_the_interface_constants() -> None:
     assert (SHARDS, REGISTRY, SHARD_SLOT, HEADER) == (64, "registry", 64, 64)
     assert registry_size() % os.sysconf("SC_PAGESIZE") == 0
     assert WAITS == HEADER + SHARDS * SHARD_SLOT
-    assert registry_size() >= WAITS + WAIT_SLOTS * WAIT_SLOT > registry_size() - os.sysconf(
+    assert HOLDERS == WAITS + WAIT_SLOTS * WAIT_SLOT
+    assert registry_size() >= HOLDERS + HOLDER_SLOTS * HOLDER_SLOT > registry_size() - os.sysconf(
         "SC_PAGESIZE")
     assert issubclass(UnsafeDirectoryError, LockError)
 

@@ -40,9 +40,13 @@ HEADER = 64
 WAITS = HEADER + SHARDS * SHARD_SLOT
 WAIT_SLOT = 512
 WAIT_SLOTS = 128
+#: The table of writers (``_holders``): where it starts, and its slots.
+HOLDERS = WAITS + WAIT_SLOTS * WAIT_SLOT
+HOLDER_SLOT = 32
+HOLDER_SLOTS = 4096
 
 _MAGIC = b"lockmgr-host-registry\0"
-_LAYOUT_VERSION = 2  # 2: the table of published waits
+_LAYOUT_VERSION = 3  # 2: the table of published waits; 3: the table of writers
 # The magic padded to 24 bytes so that the integers after it are aligned; native byte order:
 # a registry is only ever read by processes of the kernel that wrote it.
 _HEADER_FIELDS = struct.Struct("=24sIIQ")
@@ -62,9 +66,9 @@ class UnsafeDirectoryError(LockError):
 
 
 def registry_size() -> int:
-    """The registry's length: its header, a slot per shard and the table of published
-    waits, in whole pages (it is mapped)."""
-    used = WAITS + WAIT_SLOTS * WAIT_SLOT
+    """The registry's length: its header, a slot per shard, the table of published waits
+    and the table of writers, in whole pages (it is mapped)."""
+    used = HOLDERS + HOLDER_SLOTS * HOLDER_SLOT
     return -(-used // mmap.PAGESIZE) * mmap.PAGESIZE
 
 

@@ -32,6 +32,7 @@ from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
+from ._holders import abandoned
 from ._shared import let_go, process_directory
 from ._waits import Look
 
@@ -245,11 +246,12 @@ class _HostEngine(Generic[K]):
                             if item not in held), key=lambda pair: pair[0])
         deadline = None if seconds < 0 else started + seconds
         taken: list[tuple[int, int]] = []
+        ended: list[tuple[int, int]] = []
         done = False
         try:
             for ident, (key, mode) in fresh:
                 if not self._shared.take(ident, mode, deadline, id(self),
-                                         self._looking(key, ident, mode, taken)):
+                                         self._looking(key, ident, mode, taken), ended):
                     break
                 taken.append((ident, mode))
             if self._fencing and len(taken) == len(fresh):
@@ -268,6 +270,12 @@ class _HostEngine(Generic[K]):
             return False
         for item in items:
             held[item] = held.get(item, 0) + 1
+        try:
+            for ident, pid in ended:
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
+        except BaseException:  # the warning made an error: the call fails, holding nothing
+            self._give(items, local_release)
+            raise
         return True
 
     def _give(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:

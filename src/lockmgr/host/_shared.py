@@ -23,6 +23,7 @@ from collections.abc import Callable
 from .._args import READ, WRITE
 from ._directory import LockDirectory, open_lock_directory
 from ._fences import Fences
+from ._holders import Holders
 from ._kernel import KernelLocks
 from ._waits import Look, WaitBoard
 
@@ -61,6 +62,7 @@ class ProcessDirectory:
         self.kernel = KernelLocks(directory, mechanism)
         self.waits = WaitBoard(directory, self.kernel.lock_byte, self.kernel.others_lock)
         self.fences = Fences(directory, mechanism == "ofd")
+        self.holders = Holders(directory, self.kernel.lock_byte)
         # Each thread's levels with each manager of the directory (``_engine._Levels``), for
         # the identities it holds when it publishes a wait; written by that thread only.
         self.thread_levels = threading.local()
@@ -70,10 +72,12 @@ class ProcessDirectory:
         self._idents: dict[int, _Ident] = {}  # identities held or being taken (guard)
 
     def take(self, ident: int, mode: int, deadline: float | None, manager: int,
-             looking: Callable[[], Look] | None = None) -> bool:
+             looking: Callable[[], Look] | None = None,
+             ended: list[tuple[int, int]] | None = None) -> bool:
         """Hold ``ident`` in ``mode`` in the kernel for ``manager`` by ``deadline``
         (monotonic; None: no limit; 0: at once or not); False if not in time. A wait in
-        the kernel looks for cycles with the ``Look`` that ``looking`` makes."""
+        the kernel looks for cycles with the ``Look`` that ``looking`` makes. A write whose
+        last writer ended holding it adds (ident, its pid) to ``ended`` (``_holders``)."""
         with self._guard:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
@@ -81,6 +85,8 @@ class ProcessDirectory:
                 if self.kernel.try_take(ident, mode == READ):
                     first = self._idents[ident] = _Ident()
                     _count(first, mode, manager, 1)
+                    if mode == WRITE:
+                        self._record(ident, ended)
                     return True
                 if deadline is not None and deadline <= time.monotonic():
                     return False
@@ -111,6 +117,8 @@ class ProcessDirectory:
                 state.busy = False
                 if taken:
                     _count(state, mode, manager, 1)
+                    if mode == WRITE:
+                        self._record(ident, ended)
                 elif taken is None:  # interrupted: the byte may be held, or written
                     self._settle_kernel(ident, state)
                 self._forget_if_empty(ident, state)
@@ -125,12 +133,19 @@ class ProcessDirectory:
             while state.busy:  # (only a colliding identity's take can be under way)
                 self._guard.wait()
             _count(state, mode, manager, -1)
+            if mode == WRITE and not state.writers:
+                self.holders.clear(ident)  # (first: a record outliving the lock warns)
             if state.empty():
                 self.kernel.give(ident)
             elif mode == WRITE and not state.writers:
                 self.kernel.to_shared(ident)
             self._forget_if_empty(ident, state)
             self._guard.notify_all()
+
+    def _record(self, ident: int, ended: list[tuple[int, int]] | None) -> None:
+        pid = self.holders.record(ident)
+        if pid is not None and ended is not None:
+            ended.append((ident, pid))
 
     def _settle_kernel(self, ident: int, state: _Ident) -> None:
         """Put the kernel lock back to what ``state`` records (under the guard)."""
@@ -161,6 +176,7 @@ class ProcessDirectory:
         self.directory.reopen_after_fork()
         self.waits.forget_after_fork()
         self.fences.after_fork()
+        self.holders.after_fork()
         self._guard = threading.Condition(threading.Lock())
         self._idents = {}
 
