@@ -432,7 +432,9 @@ class _PgEngine(_Inspecting, Generic[K]):
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = waiting.check
         try:
-            return local_acquire(seconds)
+            # (-1 as the int: the compiled engine takes it as "for ever" without checking
+            # the argument again, as it does a float)
+            return local_acquire(-1 if seconds < 0 else seconds)
         finally:
             WAIT_CHECK.call = previous
             if waiting.look is not None:

@@ -328,7 +328,8 @@ class _Link:
                         deadline = self._past_deadline()
                 while True:
                     if pgconn.is_busy():
-                        while not self._wait(_POLLIN, deadline):
+                        # (``_wait`` for reading, one call less: the usual round trip's wait)
+                        while not _ready_by(self.poller, deadline, True):
                             deadline = self._past_deadline()
                         pgconn.consume_input()
                         continue
