@@ -50,7 +50,14 @@ from ._link import (
     _call_deadline,
     _drive,
 )
-from ._protocol import _lock_steps, _unlock_steps
+from ._protocol import (
+    _lock_at_once,
+    _lock_steps,
+    _locked_at_once,
+    _unlock_at_once,
+    _unlock_steps,
+    _unlocked,
+)
 from ._server import _KEEPALIVES, _conninfo
 from ._session import (
     _ThreadEnd,
@@ -416,7 +423,9 @@ class _PgEngine(_Inspecting, Generic[K]):
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = waiting.check
         try:
-            return local_acquire(seconds)
+            # (-1 as the int: the compiled engine takes it as "for ever" without checking
+            # the argument again, as it does a float)
+            return local_acquire(-1 if seconds < 0 else seconds)
         finally:
             WAIT_CHECK.call = previous
             if waiting.look is not None:
@@ -494,15 +503,46 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
               seconds: float) -> dict[int, int] | None:
         """``_lock_steps`` in the calling thread, on its connection taken back if a step
-        before parked it (a question on it: ``_elsewhere``), or on another."""
+        before parked it (a question on it: ``_elsewhere``), or on another; the usual
+        call's one round trip made at once (``_lock_at_once``)."""
         if session.parked:
             self._unpark(session)
-        return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
+        started = time.monotonic() if seconds == 0 else None
+        need = _lock_at_once(self, session, items, seconds)
+        tried: BaseException | None = None
+        if need is not None:  # (the usual: one round trip, no step driver)
+            session.unsure = items  # as the steps set it
+            try:
+                results = need.link._round_trip(need.deadline, need.send, *need.args)
+            except BaseException as error:
+                tried = error  # answered by the steps, outside this handler (no chained context)
+            else:
+                return _locked_at_once(results, seconds)
+        try:
+            return _drive(_lock_steps(self, session, items, seconds, started), self._attach,
+                          self._lose, tried=tried)
+        finally:
+            tried = None  # no cycle through its traceback
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
-        """``_unlock_steps`` in the calling thread: a failed or interrupted release drops
-        what it may still hold at once (``_drop_or_lose``)."""
-        _drive(_unlock_steps(self, session, items), lose=self._lose, drop=self._drop_or_lose)
+        """``_unlock_steps`` in the calling thread (the usual call's one round trip made at
+        once: ``_unlock_at_once``): a failed or interrupted release drops what it may
+        still hold at once (``_drop_or_lose``)."""
+        need = _unlock_at_once(self, session, items)
+        tried: BaseException | None = None
+        if need is not None:  # (the usual: one round trip, no step driver)
+            try:
+                results = need.link._round_trip(need.deadline, need.send, *need.args)
+            except BaseException as error:
+                tried = error  # answered by the steps, outside this handler (no chained context)
+            else:
+                _unlocked(self, session, items, results[-1])
+                return
+        try:
+            _drive(_unlock_steps(self, session, items), lose=self._lose,
+                   drop=self._drop_or_lose, tried=tried)
+        finally:
+            tried = None  # no cycle through its traceback
 
     def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
                       deadline: float | None | bool = True) -> None:
