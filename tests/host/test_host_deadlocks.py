@@ -33,7 +33,7 @@ def board(host_engine: ModuleType, lock_dir: str, mechanism: str) -> Any:
 
 
 def published_by(board: Any, child: Any) -> bool:
-    return any(wait[1] == child.pid for wait in board._read().values())
+    return any(wait[1] == child.pid for wait in board.live().values())
 
 
 def test_a_cycle_through_two_processes_ends_with_deadlock_error_in_one(

@@ -21,18 +21,19 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 
 from .._args import READ, WRITE
 from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
-from .._observe import LockMetrics
+from .._observe import KeyState, LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._holders import abandoned
+from ._inspect import HostKeyState, host_states
 from ._shared import let_go, process_directory
 from ._waits import Look
 
@@ -161,10 +162,28 @@ class _HostEngine(Generic[K]):
         after: float | None = self._engine.log_waits_after
         return after
 
-    def snapshot(self) -> list[Any]:
-        """The in-process engine's snapshot: this process's keys, holders and waiters."""
-        states: list[Any] = self._engine.snapshot()
-        return states
+    @overload
+    def snapshot(self, host: Literal[False] = False) -> list[KeyState]: ...
+
+    @overload
+    def snapshot(self, host: Literal[True],
+                 keys: Iterable[Hashable] = ()) -> list[HostKeyState]: ...
+
+    def snapshot(self, host: bool = False,
+                 keys: Iterable[Hashable] = ()) -> list[KeyState] | list[HostKeyState]:
+        """The keys held or waited on by this process's threads, as
+        ``LockManager.snapshot``: the in-process engine's view. Raises nothing.
+
+        ``host=True``: the host's instead, across its processes: every identity of the
+        directory recorded written (its writer's pid) or waited for (the waiting pids), in
+        identity order, named when this process knows the key (its threads' keys, recent
+        str keys, and ``keys``). Raises TypeError for a key in ``keys`` that is not str,
+        bytes, int or a tuple of them."""
+        states: list[KeyState] = self._engine.snapshot()
+        if not host:
+            return states
+        return host_states(self._shared, self._idents,
+                           [*(state.key for state in states), *keys])
 
     def __len__(self) -> int:
         """Keys held by this process's threads through this manager."""

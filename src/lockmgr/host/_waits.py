@@ -103,7 +103,7 @@ class WaitBoard:
             self._mine.discard(slot)
             self._lock_byte(0, _LIVE_BASE + slot, fcntl.F_UNLCK)
 
-    def _read(self) -> dict[int, _Wait]:
+    def live(self) -> dict[int, _Wait]:
         """Every live wait of the table, by slot (a slot changing as it is read is left out)."""
         with self._guard:
             mine = set(self._mine)
@@ -127,7 +127,7 @@ class WaitBoard:
 
     def cycle(self, slot: int) -> list[tuple[int, _Wait]] | None:
         """The cycle of waits through ``slot``, in order from it, or None."""
-        waits = self._read()
+        waits = self.live()
         if slot not in waits:
             return None
         path = [slot]
