@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS
+from ._host import HOST_BASELINE
 from ._measure import gil_enabled, progress, run_for
 from ._servers import PAIRS_BASELINE
 from ._threads import BASELINE
@@ -123,6 +124,8 @@ def panels(results: Results, impls: list[str]) -> list[Panel]:
 def baseline_of(scenario: str) -> str:
     if scenario == "server-pairs":
         return PAIRS_BASELINE
+    if scenario == "host":
+        return HOST_BASELINE
     return ASYNC_BASELINE if scenario in ASYNC_SCENARIOS else BASELINE
 
 
