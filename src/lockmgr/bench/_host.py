@@ -76,8 +76,12 @@ class Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lockmgr.bench.host_worker", backend, directory, pg_dsn,
              namespace], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        if self.answer() != "ready":
-            raise RuntimeError(f"a {name} benchmark worker failed to start")
+        try:
+            if self.answer() != "ready":
+                raise RuntimeError(f"a {name} benchmark worker failed to start")
+        except BaseException:
+            self.kill()
+            raise
 
     def send(self, **command: Any) -> None:
         assert self.process.stdin is not None
@@ -97,13 +101,14 @@ class Worker:
 
     def stop(self) -> None:
         """Let it finish (end of its input), or kill it if it does not in time."""
-        assert self.process.stdin is not None
-        self.process.stdin.close()
         try:
-            self.process.wait(timeout=PATIENCE)
+            self.process.communicate(timeout=PATIENCE)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            self.kill()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.communicate()
 
 
 @contextmanager
@@ -116,8 +121,7 @@ def _workers(count: int, name: str, directory: str, pg_dsn: str) -> Iterator[lis
         yield started
     except BaseException:
         for worker in started:  # perhaps blocked in a wait: nothing to finish
-            worker.process.kill()
-            worker.process.wait()
+            worker.kill()
         raise
     for worker in started:
         worker.stop()
