@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -215,7 +216,9 @@ def _killed_holder(name: str, directory: str, pg_dsn: str, settings: Settings,
             waiter.send(do="wait", key=key)
             if waiter.answer() != "waiting":
                 raise RuntimeError("the waiting worker did not start waiting")
-            time.sleep(0.05)  # into its acquire (a kernel wait, or a poll's sleep)
+            # Into its acquire (a kernel wait, or a poll's sleep), and at a random moment of
+            # it: a fixed delay would fall at the same point of every poll interval or slice.
+            time.sleep(0.05 + random.uniform(0, 0.05))
             killed = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
             os.kill(holder, signal.SIGKILL)
             took.append((waiter.answer() - killed) / 1e6)
