@@ -52,3 +52,16 @@ def test_host_rows_that_cannot_run_here_say_why(monkeypatch: pytest.MonkeyPatch)
         "postgres: left out: give --pg-dsn (a local server) to measure PgLockManager")
     assert _host.host_refusal("postgres", "host=pg") is None
     assert _host.host_refusal("lockmgr.host-pure", None) is None
+
+
+@pytest.mark.parametrize("library", sorted(_host.FILE_LOCKS))
+def test_each_file_lock_library_locks_a_file_per_key(library: str, tmp_path: Path) -> None:
+    """The workers' way of using each library the scenario compares (from the [bench] extra):
+    a lock file per key, in the run's directory."""
+    pytest.importorskip(library)
+    from lockmgr.bench.host_worker import Backend
+
+    backend = Backend(library, str(tmp_path), "", "space")
+    backend.acquire("key")
+    assert (tmp_path / "space-key.lock").exists()
+    backend.release("key")
