@@ -14,7 +14,6 @@ import functools
 import importlib.util
 import json
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
