@@ -29,26 +29,21 @@ def host_locks(request: pytest.FixtureRequest, tmp_path: Path,
         yield locks
 
 
-@pytest.mark.benchmark(group="host acquire+release x1000")
-def test_host_pair(benchmark, host_locks) -> None:  # type: ignore[no-untyped-def]
-    acquire, release = host_locks.acquire, host_locks.release
-
+def _pairs(acquire, release):  # type: ignore[no-untyped-def]
     def run() -> None:
         for _ in range(1000):
             acquire(KEY)
             release(KEY)
 
-    benchmark(run)
+    return run
+
+
+@pytest.mark.benchmark(group="host acquire+release x1000")
+def test_host_pair(benchmark, host_locks) -> None:  # type: ignore[no-untyped-def]
+    benchmark(_pairs(host_locks.acquire, host_locks.release))
 
 
 @pytest.mark.benchmark(group="host acquire+release x1000")
 def test_in_process_pair(benchmark) -> None:  # type: ignore[no-untyped-def]
     locks = importlib.import_module("lockmgr._core").LockManager()
-    acquire, release = locks.acquire, locks.release
-
-    def run() -> None:
-        for _ in range(1000):
-            acquire(KEY)
-            release(KEY)
-
-    benchmark(run)
+    benchmark(_pairs(locks.acquire, locks.release))
