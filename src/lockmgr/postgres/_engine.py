@@ -39,37 +39,14 @@ from ._xact import (
     refuse_own_xact_lock,
     wait_in_transaction,
 )
-from ._fences import (
-    DEFAULT_FENCE_TABLE,
-    _FenceTable,
-)
-from ._link import (
-    _CANCEL_GRACE,
-    _CLIENT_TIMEOUTS,
-    _Link,
-    _call_deadline,
-    _drive,
-)
+from ._fences import DEFAULT_FENCE_TABLE, _FenceTable
+from ._link import _CANCEL_GRACE, _CLIENT_TIMEOUTS, _Link, _call_deadline, _drive
 from ._protocol import (
-    _lock_at_once,
-    _lock_steps,
-    _locked_at_once,
-    _unlock_at_once,
-    _unlock_steps,
-    _unlocked,
-)
+    _at_once, _lock_at_once, _lock_steps, _locked_at_once, _unlock_at_once, _unlock_steps,
+    _unlocked)
 from ._server import _KEEPALIVES, _conninfo
-from ._session import (
-    _ThreadEnd,
-    _XactLock,
-    _holding,
-    _lost_error,
-)
-from ._sql import (
-    _GRANTED_ADVISORY,
-    _OWN_TRANSACTION,
-    _drop_sql,
-)
+from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
+from ._sql import _GRANTED_ADVISORY, _OWN_TRANSACTION, _drop_sql
 
 if TYPE_CHECKING:
     from .._contract import Engine
@@ -509,40 +486,28 @@ class _PgEngine(_Inspecting, Generic[K]):
             self._unpark(session)
         started = time.monotonic() if seconds == 0 else None
         need = _lock_at_once(self, session, items, seconds)
-        tried: BaseException | None = None
+        results, tried = None, None
         if need is not None:  # (the usual: one round trip, no step driver)
             session.unsure = items  # as the steps set it
-            try:
-                results = need.link._round_trip(need.deadline, need.send, *need.args)
-            except BaseException as error:
-                tried = error  # answered by the steps, outside this handler (no chained context)
-            else:
+            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            if results is not None:
                 return _locked_at_once(results, seconds)
-        try:
-            return _drive(_lock_steps(self, session, items, seconds, started), self._attach,
-                          self._lose, tried=tried)
-        finally:
-            tried = None  # no cycle through its traceback
+        return _drive(_lock_steps(self, session, items, seconds, started), self._attach,
+                      self._lose, tried=tried)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
         """``_unlock_steps`` in the calling thread (the usual call's one round trip made at
         once: ``_unlock_at_once``): a failed or interrupted release drops what it may
         still hold at once (``_drop_or_lose``)."""
         need = _unlock_at_once(self, session, items)
-        tried: BaseException | None = None
+        results, tried = None, None
         if need is not None:  # (the usual: one round trip, no step driver)
-            try:
-                results = need.link._round_trip(need.deadline, need.send, *need.args)
-            except BaseException as error:
-                tried = error  # answered by the steps, outside this handler (no chained context)
-            else:
+            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            if results is not None:
                 _unlocked(self, session, items, results[-1])
                 return
-        try:
-            _drive(_unlock_steps(self, session, items), lose=self._lose,
-                   drop=self._drop_or_lose, tried=tried)
-        finally:
-            tried = None  # no cycle through its traceback
+        _drive(_unlock_steps(self, session, items), lose=self._lose, drop=self._drop_or_lose,
+               tried=tried)
 
     def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
                       deadline: float | None | bool = True) -> None:

@@ -62,6 +62,15 @@ def _lock_at_once(manager: _PgEngine[Any], session: _Session, items: list[tuple[
                           None if seconds < 0 else _round_trip_deadline("try", None))
 
 
+def _at_once(call: _RoundTrip) -> tuple[list[Any] | None, BaseException | None]:
+    """Make ``call`` (``_lock_at_once``'s, ``_unlock_at_once``'s) in the calling thread: its
+    results, or the exception that the steps then answer (``_drive``'s ``tried``)."""
+    try:
+        return call.link._round_trip(call.deadline, call.send, *call.args), None
+    except BaseException as error:
+        return None, error
+
+
 def _locked_at_once(results: list[Any], seconds: float) -> dict[int, int] | None:
     """What ``_lock_steps`` answer for the results of ``_lock_at_once``'s round trip."""
     return _fences_from(results, [], "wait" if seconds < 0 else "try", False)
