@@ -1,6 +1,7 @@
 """The host backend under load: four spawned processes, each with two threads, make a
-non-atomic read-modify-write of one counter file under the key, and of one counter file per
-key of random ``hold_many`` sets; no increment is lost, nothing stays held. The suite runs a
+non-atomic read-modify-write of one counter file under the key, and (every tenth round) of
+one counter file per key of a random ``hold_many`` set; no increment is lost, nothing stays
+held. The suite runs a
 short mix; ``.ci/run``'s stress steps run it at length (``LOCKMGR_HOST_STRESS=25000``: the
 issue's 4 processes x 25,000 increments), and with the GIL off on 3.13t."""
 
@@ -36,13 +37,14 @@ def bump(name):
         file.write(str(value + 1))
 
 def work(share, chooser):
-    for _ in range(share):
+    for round in range(share):
         with locks["counter"]:
             bump("counter")
-        keys = chooser.sample("abcdef", chooser.randint(1, 3))
-        with locks.hold_many(keys):
-            for key in keys:
-                bump(key)
+        if round % 10 == 0:
+            keys = chooser.sample("abcdef", chooser.randint(1, 3))
+            with locks.hold_many(keys):
+                for key in keys:
+                    bump(key)
 
 share = int(increments) // int(threads)
 workers = [threading.Thread(target=work, args=(share, random.Random(int(seed) * 10 + n)))
@@ -75,8 +77,7 @@ def test_no_increment_is_lost_across_processes_and_threads(
     assert [worker.returncode for worker in workers] == [0] * PROCESSES, done
     made = sum(int(output) for output in done)
     assert int((counters / "counter").read_text()) == made
-    # Each hold_many bumped each of its keys once: the per-key files add up to as many
-    # bumps as the workers' sets named (checked per key against a count of the sets is
-    # not possible from here; their sum is at least one per set and at most three).
+    # Each hold_many bumped each of its keys (one to three) once, every tenth round.
+    sets = PROCESSES * THREADS * -(-(INCREMENTS // THREADS) // 10)
     bumps = sum(int((counters / name).read_text()) for name in "abcdef")
-    assert made <= bumps <= 3 * made
+    assert sets <= bumps <= 3 * sets
