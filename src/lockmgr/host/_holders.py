@@ -8,32 +8,28 @@ another process's record still there knows that writer ended without giving the 
 (killed, crashed; the kernel freed its lock): it gets ``AbandonedLockWarning`` naming that
 pid — the data under the key may be half-written.
 
-A slot is claimed (only when free, or left by a process that no longer runs) and cleared under
-a record lock on the slot's own byte of shard 1, past every key's bytes, tried at once: a slot
-busy at that instant, or holding another live writer's record (two identities, one slot), is
-not recorded, and that writer's death then goes unreported. Nothing false is reported: a record
-whose writer clears it at its release (it tries for ``_CLEAR_WITHIN``, while another process
-holds the slot's byte for its few instructions) never warns. Readers are not recorded.
+Only the writer of an identity writes its record, but two identities share a slot: a slot is
+claimed only when empty, or left by a process that no longer runs, and a record carries a
+check word of its fields, so that one written by two writers at once, torn between them, reads
+as empty. A slot holding another live writer's record is not claimed, and a record may be
+overwritten or torn by another identity's writer: that writer's death then goes unreported.
+Nothing false is reported: a valid record of another process for the identity one has just
+taken can only have been left by a writer that did not clear it. Readers are not recorded.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import struct
 import sys
-import time
 import warnings
-from collections.abc import Callable
 
 from .._errors import AbandonedLockWarning
 from ._directory import HOLDER_SLOT, HOLDER_SLOTS, HOLDERS, LockDirectory
 
-_RECORD = struct.Struct("=qIIQ8x")  # identity, pid, 0, the process's start time (HOLDER_SLOT)
-_SLOT_LOCK_BASE = 1 << 61  # slot i's byte in shard 1, past every key's bytes
-# How long a release tries to clear its record while another process holds the slot's byte
-# (for a few instructions): a record left would warn the next writer falsely.
-_CLEAR_WITHIN = 0.01
+# Identity, pid, 0, the process's start time, a check word of the three (HOLDER_SLOT bytes).
+_RECORD = struct.Struct("=qIIQQ")
+_MASK = (1 << 64) - 1
 
 
 def abandoned(key: object, pid: int) -> None:
@@ -72,62 +68,62 @@ def runs(pid: int, started: int) -> bool:
 
 
 class Holders:
-    """The table of writers of one directory, as one process uses it (under the directory's
-    guard, ``ProcessDirectory``: the slot locks do not exclude the threads of one process)."""
+    """The table of writers of one directory, as one process uses it."""
 
-    def __init__(self, directory: LockDirectory,
-                 lock_byte: Callable[[int, int, int], bool]) -> None:
+    def __init__(self, directory: LockDirectory) -> None:
         self._registry = directory.registry
-        self._lock_byte = lock_byte
         self._me = (os.getpid(), start_time(os.getpid()))
 
     def after_fork(self) -> None:
         self._me = (os.getpid(), start_time(os.getpid()))
 
+    def _read(self, offset: int) -> tuple[int, int, int] | None:
+        """The record at ``offset`` (identity, pid, start time), or None: empty, or torn."""
+        ident, pid, _, started, check = _RECORD.unpack_from(self._registry, offset)
+        if not pid or check != _check(ident, pid, started):
+            return None
+        return ident, pid, started
+
     def record(self, ident: int) -> int | None:
         """The calling process has just taken ``ident`` for write: record it. Returns the pid
         of the last writer if its record says it ended holding ``ident`` (``abandoned``)."""
-        slot = ident % HOLDER_SLOTS
-        if not self._lock_byte(1, _SLOT_LOCK_BASE + slot, fcntl.F_WRLCK):
-            return None
+        offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
+        found = self._read(offset)
         ended = None
-        try:
-            offset = HOLDERS + slot * HOLDER_SLOT
-            found, pid, _, started = _RECORD.unpack_from(self._registry, offset)
-            if pid and found == ident and (pid, started) != self._me:
+        if found is not None:
+            other, pid, started = found
+            if other == ident and (pid, started) != self._me:
                 # A writer clears its record before its lock goes, and nobody else holds the
                 # lock now: that one ended (or is ending: the kernel frees a dying process's
                 # locks before it stops running) without giving the key back.
                 ended = pid
-            elif pid and ((pid, started) == self._me or runs(pid, started)):
+            elif (pid, started) == self._me or runs(pid, started):
                 return None  # another live writer's record (or this process's): left alone
-            _RECORD.pack_into(self._registry, offset, ident, self._me[0], 0, self._me[1])
-        finally:
-            self._lock_byte(1, _SLOT_LOCK_BASE + slot, fcntl.F_UNLCK)
+        pid, started = self._me
+        _RECORD.pack_into(self._registry, offset, ident, pid, 0, started,
+                          _check(ident, pid, started))
         return ended
 
     def clear(self, ident: int) -> None:
         """The calling process gives ``ident``'s write back: its record goes."""
-        slot = ident % HOLDER_SLOTS
-        offset = HOLDERS + slot * HOLDER_SLOT
-        found, pid, _, started = _RECORD.unpack_from(self._registry, offset)
-        if found != ident or (pid, started) != self._me:
-            return
-        deadline = time.monotonic() + _CLEAR_WITHIN
-        while not self._lock_byte(1, _SLOT_LOCK_BASE + slot, fcntl.F_WRLCK):
-            if time.monotonic() > deadline:
-                return  # (another process stopped in its few instructions there: left)
-        try:
-            _RECORD.pack_into(self._registry, offset, 0, 0, 0, 0)
-        finally:
-            self._lock_byte(1, _SLOT_LOCK_BASE + slot, fcntl.F_UNLCK)
+        offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
+        if self._read(offset) == (ident, *self._me):
+            _RECORD.pack_into(self._registry, offset, 0, 0, 0, 0, 0)
 
     def writers(self) -> dict[int, int]:
         """Identity -> pid of every recorded writer that still runs."""
         found: dict[int, int] = {}
         for slot in range(HOLDER_SLOTS):
-            ident, pid, _, started = _RECORD.unpack_from(self._registry,
-                                                         HOLDERS + slot * HOLDER_SLOT)
-            if pid and ((pid, started) == self._me or runs(pid, started)):
-                found[ident] = pid
+            record = self._read(HOLDERS + slot * HOLDER_SLOT)
+            if record is not None and (record[1:] == self._me or runs(*record[1:])):
+                found[record[0]] = record[1]
         return found
+
+
+def _check(ident: int, pid: int, started: int) -> int:
+    """A record's check word (a 64-bit mix of its fields, never 0): a record written by two
+    writers at once, torn between them, fails it."""
+    mixed = (ident * 0x9E3779B97F4A7C15 ^ pid * 0xC2B2AE3D27D4EB4F
+             ^ started * 0x165667B19E3779F9) & _MASK
+    mixed = ((mixed ^ mixed >> 31) * 0xBF58476D1CE4E5B9) & _MASK
+    return (mixed ^ mixed >> 29) | 1

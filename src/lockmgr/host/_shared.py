@@ -62,7 +62,7 @@ class ProcessDirectory:
         self.kernel = KernelLocks(directory, mechanism)
         self.waits = WaitBoard(directory, self.kernel.lock_byte, self.kernel.others_lock)
         self.fences = Fences(directory, mechanism == "ofd")
-        self.holders = Holders(directory, self.kernel.lock_byte)
+        self.holders = Holders(directory)
         # Each thread's levels with each manager of the directory (``_engine._Levels``), for
         # the identities it holds when it publishes a wait; written by that thread only.
         self.thread_levels = threading.local()
