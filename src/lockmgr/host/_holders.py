@@ -29,7 +29,10 @@ from ._directory import HOLDER_SLOT, HOLDER_SLOTS, HOLDERS, LockDirectory
 
 # Identity, pid, 0, the process's start time, a check word of the three (HOLDER_SLOT bytes).
 _RECORD = struct.Struct("=qIIQQ")
+_EMPTY = bytes(HOLDER_SLOT)
+_NO_PID = bytes(4)
 _MASK = (1 << 64) - 1
+_REMEMBERED = 4096  # own records remembered (the table is emptied when full)
 
 
 def abandoned(key: object, pid: int) -> None:
@@ -73,9 +76,23 @@ class Holders:
     def __init__(self, directory: LockDirectory) -> None:
         self._registry = directory.registry
         self._me = (os.getpid(), start_time(os.getpid()))
+        self._mine: dict[int, bytes] = {}  # identity -> this process's record of it (cache)
 
     def after_fork(self) -> None:
         self._me = (os.getpid(), start_time(os.getpid()))
+        self._mine = {}
+
+    def _own(self, ident: int) -> bytes:
+        """This process's record of ``ident``, as written (remembered: its check word costs
+        a few big-integer products)."""
+        record = self._mine.get(ident)
+        if record is None:
+            if len(self._mine) >= _REMEMBERED:
+                self._mine.clear()
+            pid, started = self._me
+            record = self._mine[ident] = _RECORD.pack(ident, pid, 0, started,
+                                                      _check(ident, pid, started))
+        return record
 
     def _read(self, offset: int) -> tuple[int, int, int] | None:
         """The record at ``offset`` (identity, pid, start time), or None: empty, or torn."""
@@ -88,7 +105,8 @@ class Holders:
         """The calling process has just taken ``ident`` for write: record it. Returns the pid
         of the last writer if its record says it ended holding ``ident`` (``abandoned``)."""
         offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
-        found = self._read(offset)
+        mine = self._own(ident)
+        found = None if self._registry[offset + 8:offset + 12] == _NO_PID else self._read(offset)
         ended = None
         if found is not None:
             other, pid, started = found
@@ -99,16 +117,14 @@ class Holders:
                 ended = pid
             elif (pid, started) == self._me or runs(pid, started):
                 return None  # another live writer's record (or this process's): left alone
-        pid, started = self._me
-        _RECORD.pack_into(self._registry, offset, ident, pid, 0, started,
-                          _check(ident, pid, started))
+        self._registry[offset:offset + HOLDER_SLOT] = mine
         return ended
 
     def clear(self, ident: int) -> None:
         """The calling process gives ``ident``'s write back: its record goes."""
         offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
-        if self._read(offset) == (ident, *self._me):
-            _RECORD.pack_into(self._registry, offset, 0, 0, 0, 0, 0)
+        if self._registry[offset:offset + HOLDER_SLOT] == self._own(ident):
+            self._registry[offset:offset + HOLDER_SLOT] = _EMPTY
 
     def writers(self) -> dict[int, int]:
         """Identity -> pid of every recorded writer that still runs."""

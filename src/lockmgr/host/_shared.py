@@ -68,7 +68,9 @@ class ProcessDirectory:
         self.thread_levels = threading.local()
         self.mechanism = mechanism
         self.users = 0  # managers using it (under _DIRECTORIES_GUARD)
-        self._guard = threading.Condition(threading.Lock())
+        self._guard = threading.Lock()
+        self._changed = threading.Condition(self._guard)  # an identity's holds or busy changed
+        self._waiting = 0  # threads waiting on _changed (guard)
         self._idents: dict[int, _Ident] = {}  # identities held or being taken (guard)
 
     def take(self, ident: int, mode: int, deadline: float | None, manager: int,
@@ -99,7 +101,7 @@ class ProcessDirectory:
                     state.busy = True
                     break
                 left = None if deadline is None else deadline - time.monotonic()
-                if (left is not None and left <= 0) or not self._guard.wait(left):
+                if (left is not None and left <= 0) or not self._wait(left):
                     self._forget_if_empty(ident, state)
                     return False
         taken: bool | None = None
@@ -122,7 +124,7 @@ class ProcessDirectory:
                 elif taken is None:  # interrupted: the byte may be held, or written
                     self._settle_kernel(ident, state)
                 self._forget_if_empty(ident, state)
-                self._guard.notify_all()
+                self._notify()
         return taken
 
     def give(self, ident: int, mode: int, manager: int) -> None:
@@ -131,7 +133,7 @@ class ProcessDirectory:
         with self._guard:
             state = self._idents[ident]
             while state.busy:  # (only a colliding identity's take can be under way)
-                self._guard.wait()
+                self._wait(None)
             _count(state, mode, manager, -1)
             if mode == WRITE and not state.writers:
                 self.holders.clear(ident)  # (first: a record outliving the lock warns)
@@ -140,7 +142,19 @@ class ProcessDirectory:
             elif mode == WRITE and not state.writers:
                 self.kernel.to_shared(ident)
             self._forget_if_empty(ident, state)
-            self._guard.notify_all()
+            self._notify()
+
+    def _wait(self, seconds: float | None) -> bool:
+        """Wait (the guard held) until an identity changes, ``seconds`` at most."""
+        self._waiting += 1
+        try:
+            return self._changed.wait(seconds)
+        finally:
+            self._waiting -= 1
+
+    def _notify(self) -> None:
+        if self._waiting:  # (the guard held)
+            self._changed.notify_all()
 
     def _record(self, ident: int, ended: list[tuple[int, int]] | None) -> None:
         pid = self.holders.record(ident)
@@ -174,10 +188,12 @@ class ProcessDirectory:
         """In a forked child: it holds nothing (the kernel gave it none of its parent's
         locks); fresh descriptors of its own, and an empty table."""
         self.directory.reopen_after_fork()
+        self._guard = threading.Lock()
+        self._changed = threading.Condition(self._guard)
+        self._waiting = 0
         self.waits.forget_after_fork()
         self.fences.after_fork()
         self.holders.after_fork()
-        self._guard = threading.Condition(threading.Lock())
         self._idents = {}
 
     def _forget_if_empty(self, ident: int, state: _Ident) -> None:
