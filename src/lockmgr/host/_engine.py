@@ -301,6 +301,9 @@ class _HostEngine(Generic[K]):
         """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
         back. NotOwnedError, with nothing changed, if the thread holds one of them not."""
         levels = self._levels()
+        if len(items) == 1 and not levels.lost:  # (the common call)
+            self._give_one(levels, items[0], local_release)
+            return
         for key, mode in items:
             if not levels.held.get((key, mode)) and not levels.lost.get((key, mode)):
                 raise not_owned(key, None, mode if self._rw else None)
@@ -318,6 +321,23 @@ class _HostEngine(Generic[K]):
         if lost:
             raise LockLost(f"the lock on {', '.join(map(repr, lost))} was the parent"
                            " process's: released in this process only")
+
+    def _give_one(self, levels: _Levels, item: _Item,
+                  local_release: Callable[[], None]) -> None:
+        """``_give`` of one item the thread holds (no level of it lost)."""
+        count = levels.held.get(item)
+        if not count:
+            raise not_owned(item[0], None, item[1] if self._rw else None)
+        try:
+            if count > 1:
+                levels.held[item] = count - 1
+            else:
+                del levels.held[item]
+                if item[1] == WRITE:
+                    levels.fences.pop(item[0], None)
+                self._shared.give(self._idents.of(item[0]), item[1], id(self))
+        finally:
+            local_release()
 
     _rw = False  # whether NotOwnedError names the mode (the RW manager's)
 

@@ -68,7 +68,7 @@ class HostLockManager(_HostEngine[K]):
         DeadlockError if waiting would close a cycle of this process's threads."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, WRITE)], seconds,
-                          lambda left: self._locks.acquire(key, timeout=left),
+                          lambda left: self._locks.acquire(key, timeout=-1 if left < 0 else left),
                           lambda: self._locks.release(key))
 
     def release(self, key: K) -> None:
@@ -117,7 +117,7 @@ class HostLockManager(_HostEngine[K]):
     def _acquire_items(self, items: list[_Item], seconds: float) -> bool:
         keys = [key for key, _ in items]
         return self._take(items, seconds,
-                          lambda left: self._locks.acquire_many(keys, timeout=left),
+                          lambda left: self._locks.acquire_many(keys, timeout=-1 if left < 0 else left),
                           lambda: self._locks.release_many(keys))
 
     def _release_items(self, items: list[_Item]) -> None:
@@ -168,7 +168,7 @@ class HostRWLockManager(_HostEngine[K]):
         ``RWLockManager.acquire_read``. Raises what ``HostLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, READ)], seconds,
-                          lambda left: self._rwlocks.acquire_read(key, timeout=left),
+                          lambda left: self._rwlocks.acquire_read(key, timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_read(key))
 
     def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
@@ -176,7 +176,7 @@ class HostRWLockManager(_HostEngine[K]):
         ``RWLockManager.acquire_write``. Raises what ``HostLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, WRITE)], seconds,
-                          lambda left: self._rwlocks.acquire_write(key, timeout=left),
+                          lambda left: self._rwlocks.acquire_write(key, timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_write(key))
 
     def release_read(self, key: K) -> None:
@@ -225,7 +225,7 @@ class HostRWLockManager(_HostEngine[K]):
         writing = [key for key, mode in items if mode == WRITE]
         return self._take(items, seconds,
                           lambda left: self._rwlocks.acquire_many(reading, writing,
-                                                                  timeout=left),
+                                                                  timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_many(reading, writing))
 
     def _release_items(self, items: list[_Item]) -> None:
