@@ -56,6 +56,13 @@ TABLE = "src/lockmgr/_c/table.pxi"
 OPERATIONS = "src/lockmgr/_c/operations.pxi"
 RUNTIME = "src/lockmgr/_c/runtime.pxi"
 ENGINE = "src/lockmgr/_c/engine.pxi"
+# the host backend (Python on both engines: its mutants run as the pure twin's)
+HOST_KERNEL = "src/lockmgr/host/_kernel.py"
+HOST_SHARED = "src/lockmgr/host/_shared.py"
+HOST_ENGINE = "src/lockmgr/host/_engine.py"
+HOST_WAITS = "src/lockmgr/host/_waits.py"
+HOST_HOLDERS = "src/lockmgr/host/_holders.py"
+HOST_FENCES = "src/lockmgr/host/_fences.py"
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,39 @@ def m(id: str, file: str, original: str, mutated: str, description: str) -> Muta
 
 
 MUTANTS: list[Mutant] = [
+    # -- the host backend -------------------------------------------------------------------
+    m("host-try-ignores-waiters", HOST_KERNEL,
+      "        if self.others_lock(shard, start + _QUEUE):\n            return False\n", "",
+      "a try takes a key other processes wait for (a new reader overtakes a waiting writer)"),
+    m("host-readers-ignore-waiting-writers", HOST_KERNEL,
+      "if not behind and not (shared and self.others_lock(shard, start + _WRITER)):",
+      "if not behind:",
+      "a waiting reader does not let a waiting writer of another process in first"),
+    m("host-fork-keeps-parent-levels", HOST_ENGINE,
+      "        manager._forget_parent_levels()", "        pass",
+      "a forked child thinks it holds its parent's keys"),
+    m("host-dead-publication-followed", HOST_WAITS,
+      "            if slot not in mine and not self._others_lock(0, _LIVE_BASE + slot):\n"
+      "                continue",
+      "            pass",
+      "a wait published by a process that died is still followed"),
+    m("host-no-writer-preference-edge", HOST_WAITS,
+      "        elif mode == READ and other_wants == wanted and other_mode == WRITE:\n"
+      "            found.append(slot)\n", "",
+      "the deadlock look misses a reader's wait for a waiting writer"),
+    m("host-fence-not-given-back", HOST_ENGINE,
+      "            if not done:  # not in time, failed or interrupted: nothing stays",
+      "            if not done and not self._fencing:",
+      "a fenced acquisition that failed keeps its kernel locks"),
+    m("host-fence-counter-only", HOST_FENCES,
+      "fence = max(current + 1, time.time_ns() // 1000)", "fence = current + 1",
+      "a lost counter file starts fences again from 1"),
+    m("host-torn-record-trusted", HOST_HOLDERS,
+      "        if not pid or check != _check(ident, pid, started):", "        if not pid:",
+      "a writer record torn between two writers is taken for a dead writer"),
+    m("host-second-manager-reopens", HOST_SHARED,
+      "        if existing is None:\n            opened", "        if True:\n            opened",
+      "a second manager of a directory opens (and closing, drops) descriptors of its own"),
     # -- the pure twin ----------------------------------------------------------------------
     m("pure-unfair-never-hands-off", PURE_OPERATIONS,
       "if head.mode == _READ or self._fair or time.monotonic() - head.since >= HANDOFF_AFTER:",

@@ -13,6 +13,13 @@ difference between two builds show, where wall-clock timings on a shared machine
 ``await aio.acquire(k)`` + ``aio.release(k)`` in one task), and ``asyncio-lock-block`` /
 ``asyncio-lock-pair``, the same on one ``asyncio.Lock``, to compare with.
 
+Through a PostgreSQL server, ``--pg-dsn DSN --loop postgres`` (``PgLockManager``, the
+server-pairs worker's pair) and ``--loop libpq`` (the bare libpq loop it is compared with):
+the client's own work per pair, which the machine's load does not move as it moves the
+benchmark's CPU times (the server's, and the system calls' kernel side, are not counted).
+
+    python3 scripts/pair-instructions.py --pg-dsn postgresql://postgres@127.0.0.1/postgres --loop postgres
+
 Needs valgrind; the core must be built (``pip install -e .`` or ``build_ext --inplace``).
 """
 
@@ -30,6 +37,17 @@ LOOP = """
 import sys
 if sys.argv[1]:
     sys.path.insert(0, sys.argv[1])
+if sys.argv[4] in ("postgres", "libpq"):  # the server-pairs worker's pair, its keys warm
+    from lockmgr.bench.server_worker import pair_calls
+    keys = [f"k{n}" for n in range(16)]
+    acquire, release = pair_calls(sys.argv[4], sys.argv[5], "pair-instructions", keys)
+    for _ in range(2):
+        for key in keys:
+            acquire(key); release(key)
+    for _ in range(int(sys.argv[3]) // len(keys)):
+        for key in keys:
+            acquire(key); release(key)
+    sys.exit()
 from lockmgr._core import LockManager
 after = float(sys.argv[2])
 locks = LockManager(log_waits_after=after) if after >= 0 else LockManager()
@@ -71,15 +89,17 @@ if after >= 0:
     locks.metrics()
 """
 LOOPS = ["sync", "aio-block", "aio-pair", "asyncio-lock-block", "asyncio-lock-pair"]
+PG_LOOPS = ["postgres", "libpq"]  # (through --pg-dsn's server)
 
 
-def instructions(src: str, after: float, iterations: int, loop: str = "sync") -> int:
+def instructions(src: str, after: float, iterations: int, loop: str = "sync",
+                 dsn: str = "") -> int:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "loop.py"
         script.write_text(LOOP)
         done = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/out",
-             sys.executable, str(script), src, str(after), str(iterations), loop],
+             sys.executable, str(script), src, str(after), str(iterations), loop, dsn],
             capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict probes every run
     return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
@@ -89,13 +109,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", default="", help="a checkout's src/ to import lockmgr from")
     parser.add_argument("--log-waits-after", type=float, default=-1.0)
-    parser.add_argument("--iterations", type=int, default=100_000)
-    parser.add_argument("--loop", choices=LOOPS, default="sync")
+    parser.add_argument("--iterations", type=int,
+                        help="pairs of the loop (default 100,000; through a server, 800)")
+    parser.add_argument("--loop", choices=LOOPS + PG_LOOPS, default="sync")
+    parser.add_argument("--pg-dsn", default="", help="the server of the postgres and libpq loops")
     args = parser.parse_args()
-    once = instructions(args.src, args.log_waits_after, args.iterations, args.loop)
-    twice = instructions(args.src, args.log_waits_after, 2 * args.iterations, args.loop)
-    what = "acquire + release" if args.loop.endswith(("sync", "pair")) else "block"
-    print(f"{(twice - once) / args.iterations:.1f} instructions per {what} "
+    if (args.loop in PG_LOOPS) != bool(args.pg_dsn):
+        parser.error("--pg-dsn goes with --loop postgres or libpq, and they with it")
+    iterations = args.iterations or (800 if args.loop in PG_LOOPS else 100_000)
+    once = instructions(args.src, args.log_waits_after, iterations, args.loop, args.pg_dsn)
+    twice = instructions(args.src, args.log_waits_after, 2 * iterations, args.loop,
+                         args.pg_dsn)
+    what = "block" if args.loop.endswith("block") else "acquire + release"
+    print(f"{(twice - once) / iterations:.1f} instructions per {what} "
           f"({args.loop}, the loop included)")
 
 

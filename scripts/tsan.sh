@@ -79,7 +79,8 @@ status=0
 (cd "$work" && cp -r "$root/tests" "$root/pyproject.toml" . &&
   env -u PYTHON_GIL LOCKMGR_REQUIRE_NO_GIL=1 TSAN_OPTIONS="$TSAN_OPTIONS log_path=$out/tsan exitcode=0 halt_on_error=0 second_deadlock_stack=1" \
     nice -n 10 "$venv_python" -m pytest -q -p no:cacheprovider --only-c-extensions \
-    tests/stress/test_stress.py tests/engine/test_concurrency.py tests/engine/test_many.py \
+    tests/stress/test_stress.py tests/stress/test_host_stress.py \
+    tests/engine/test_concurrency.py tests/engine/test_many.py \
     tests/engine/test_rwlock.py tests/engine/test_shards.py tests/aio/test_aio.py \
     tests/observe/test_observe.py) || status=$?
 

@@ -1309,3 +1309,44 @@ def test_engines_do_not_share_a_graph(workers) -> None:
     one.run(m1.release_all)
     one.run(m2.release_all)
 
+
+
+# -- an application's at-fork handler that runs before the engine's ----------------------------
+
+FIRST_AT_FORK_HANDLER = """
+made = {}
+
+def in_the_child():  # registered before the engine was imported: it runs first in the child
+    locks = made.get("locks")
+    if locks is not None:
+        try:
+            made["child"] = [locks.acquire("child-key", timeout=0), locks.acquire("k", timeout=0),
+                             locks.owned("k"), len(locks)]
+        except Exception as error:
+            made["child"] = [type(error).__name__, str(error)]
+
+os.register_at_fork(after_in_child=in_the_child)
+"""
+
+FORK_WITH_A_FIRST_HANDLER = """
+locks = made["locks"] = impl.LockManager()
+locks.acquire("k")
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(write, json.dumps(made.get("child")).encode())
+    os._exit(0)
+os.close(write)
+child = json.loads(os.read(read, 1000))
+os.waitpid(pid, 0)
+report(child=child)
+"""
+
+
+@POSIX_FORK
+def test_a_handler_run_in_a_forked_child_before_the_engines_own_finds_it_set_up(impl) -> None:
+    """An application's at-fork handler registered before the engine was imported runs first
+    in the child: a manager called there answers as the child's (it holds what the forking
+    thread held, and takes free keys), on both engines."""
+    report = outcome(run_child(impl, FORK_WITH_A_FIRST_HANDLER, early=FIRST_AT_FORK_HANDLER))
+    assert report == {"child": [True, True, True, 2]}

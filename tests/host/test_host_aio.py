@@ -397,7 +397,7 @@ def test_a_stopped_kernel_wait_ends_holding_nothing(locks: Any, children: Any) -
     stop = threading.Event()
     results: list[bool] = []
     waiting = threading.Thread(target=lambda: results.append(
-        locks._shared.take(locks.host_key("k"), WRITE, None, id(locks), stop)))
+        locks._shared.take(locks.host_key("k"), WRITE, None, id(locks), stop=stop)))
     waiting.start()
     stop.set()
     waiting.join(PATIENCE)

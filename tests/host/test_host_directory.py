@@ -26,6 +26,12 @@ from lockmgr.host._directory import (
     REGISTRY,
     SHARD_SLOT,
     SHARDS,
+    HOLDER_SLOT,
+    HOLDER_SLOTS,
+    HOLDERS,
+    WAIT_SLOT,
+    WAIT_SLOTS,
+    WAITS,
     LockDirectory,
     UnsafeDirectoryError,
     _filesystem_refusal,
@@ -47,7 +53,7 @@ HEADER_FIELDS = struct.Struct("=24sIIQ")
 MAGIC = b"lockmgr-host-registry\0"
 
 
-def header(version: int = 1, shards: int = SHARDS, size: int | None = None,
+def header(version: int = 3, shards: int = SHARDS, size: int | None = None,
            magic: bytes = MAGIC) -> bytes:
     fields = HEADER_FIELDS.pack(magic.ljust(24, b"\0"), version, shards,
                                 registry_size() if size is None else size)
@@ -88,7 +94,9 @@ def made(tmp_path: Path) -> Path:
 def test_the_interface_constants() -> None:
     assert (SHARDS, REGISTRY, SHARD_SLOT, HEADER) == (64, "registry", 64, 64)
     assert registry_size() % os.sysconf("SC_PAGESIZE") == 0
-    assert registry_size() >= HEADER + SHARDS * SHARD_SLOT > registry_size() - os.sysconf(
+    assert WAITS == HEADER + SHARDS * SHARD_SLOT
+    assert HOLDERS == WAITS + WAIT_SLOTS * WAIT_SLOT
+    assert registry_size() >= HOLDERS + HOLDER_SLOTS * HOLDER_SLOT > registry_size() - os.sysconf(
         "SC_PAGESIZE")
     assert issubclass(UnsafeDirectoryError, LockError)
 
@@ -385,7 +393,7 @@ def test_a_file_with_another_name_is_refused(made: Path, tmp_path: Path) -> None
     (header() + bytes(registry_size()), "bytes long"),
     (bytes(registry_size()), "another magic"),
     (header(magic=b"lockmgr-host-registrx\0") + bytes(registry_size() - HEADER), "another magic"),
-    (header(version=2) + bytes(registry_size() - HEADER), "layout version 2"),
+    (header(version=1) + bytes(registry_size() - HEADER), "layout version 1"),
     (header(shards=32) + bytes(registry_size() - HEADER), "32 shards"),
     (header(size=registry_size() * 2) + bytes(registry_size() - HEADER), "header"),
     (header()[:-1] + b"\1" + bytes(registry_size() - HEADER), "header"),

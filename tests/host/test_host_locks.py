@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from types import ModuleType
 from typing import Any
 
 import pytest
 
 from conftest import abandoned_warnings, wait_until
-from lockmgr import LockTimeout, NotOwnedError
+from lockmgr import AbandonedLockWarning, LockTimeout, NotOwnedError
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.posix_only]
@@ -143,21 +144,37 @@ def test_hold_many_of_overlapping_sets_in_random_orders_never_deadlocks(
     assert [worker.answer() for worker in workers] == [300] * 4
 
 
-def test_a_killed_holders_key_is_free_at_once(locks: Any, children: Any) -> None:
+def test_a_killed_holders_key_goes_to_a_waiter_warned_of_it(locks: Any, children: Any) -> None:
     child = children()
     assert child.ask("locks.acquire('k')") is True
-    results: list[bool] = []
 
-    def wait_for_the_key() -> None:
-        results.append(locks.acquire("k", timeout=30))
-        locks.release("k")
+    def kill_once_waited_for() -> None:
+        wait_until(lambda: bool(locks.snapshot()), "the waiter holds the key in process")
+        child.kill()
 
-    waiting = threading.Thread(target=wait_for_the_key)
-    waiting.start()
-    wait_until(lambda: bool(locks.snapshot()), "the waiter holds the key in process")
+    killing = threading.Thread(target=kill_once_waited_for)
+    killing.start()
+    with pytest.warns(AbandonedLockWarning, match=f"process {child.pid} ended holding key 'k'"):
+        assert locks.acquire("k", timeout=30)
+    killing.join(60)
+    locks.release("k")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # released as it should be: the next one is not warned
+        assert locks.acquire("k", timeout=0)
+    locks.release("k")
+
+
+def test_a_warning_made_an_error_fails_the_acquisition_holding_nothing(
+        locks: Any, children: Any) -> None:
+    child = children()
+    assert child.ask("locks.acquire('k')") is True
     child.kill()
-    waiting.join(60)
-    assert results == [True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AbandonedLockWarning)
+        with pytest.raises(AbandonedLockWarning):
+            locks.acquire("k")
+    assert not locks.owned("k") and len(locks) == 0
+    assert children().ask("locks.acquire('k', timeout=0)") is True
 
 
 def test_a_thread_that_ends_holding_a_key_frees_it_across_processes(
@@ -283,3 +300,19 @@ def test_a_forked_child_holds_none_of_its_parents_keys(locks: Any, children: Any
     assert other.ask("locks.acquire('k', timeout=0)") is False
     locks.release("k")
     assert other.ask("locks.acquire('k', timeout=0)") is True
+
+
+def test_a_torn_writer_record_warns_nobody(locks: Any, children: Any) -> None:
+    # Two writers of keys sharing a slot of the table may write their records at once: one
+    # torn between them fails its check word and reads as no record, never as a dead writer.
+    from lockmgr.host._directory import HOLDER_SLOT, HOLDER_SLOTS, HOLDERS
+    child = children()
+    assert child.ask("locks.acquire('k')") is True
+    child.kill()  # its record stays: the next writer would be warned
+    offset = HOLDERS + (locks.host_key("k") % HOLDER_SLOTS) * HOLDER_SLOT
+    registry = locks._shared.directory.registry
+    registry[offset + 8:offset + 12] = (child.pid + 1).to_bytes(4, "little")  # torn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert locks.acquire("k", timeout=30)
+    locks.release("k")

@@ -11,6 +11,9 @@ An HTML comment on the line before a block says what else it needs, in the docs'
 - ``<!-- example: needs postgres (dsn) -->``: it runs with ``dsn``, the URL of a PostgreSQL
   server this module starts (``tests/pgserver.py``, as the PostgreSQL tests do); after it,
   its managers are closed and no advisory lock may be left on that server;
+- ``<!-- example: needs host (directory) -->``: it runs with ``directory``, the path of a
+  lock directory of its own (not made yet) for ``lockmgr.host``; skipped on Windows, where
+  ``lockmgr.host`` is not available; after it, its managers are closed;
 - ``<!-- example: not runnable: REASON -->``: it is only compiled (so it stays Python), and
   the reason is there for a reader of the source to see.
 
@@ -24,6 +27,7 @@ import gc
 import importlib
 import pathlib
 import re
+import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*example:\s*(?P<what>.*?)\s*-->\s*$")
 NEEDS_POSTGRES = "needs postgres (dsn)"
+NEEDS_HOST = "needs host (directory)"
 NOT_RUNNABLE = re.compile(r"not runnable: (?P<reason>\S.*)")
 
 
@@ -96,7 +101,7 @@ def test_every_file_has_its_examples_found() -> None:
     """The pages with code still have it, as fences this module reads."""
     with_examples = {example.path.name for example in EXAMPLES}
     expected = {"README.md", "getting-started.md", "asyncio.md", "readers-writers.md",
-                "many-keys.md", "postgres.md", "contention.md", "recipes.md"}
+                "many-keys.md", "postgres.md", "contention.md", "recipes.md", "host.md"}
     assert expected <= with_examples, expected - with_examples
 
 
@@ -111,9 +116,14 @@ def pg_dsn() -> Iterator[str]:
 
 @pytest.fixture
 def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The public names, and lockmgr.postgres's in-process engine, are ``impl``'s."""
+    """The public names, and lockmgr.postgres's and lockmgr.host's in-process engine, are
+    ``impl``'s."""
     for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
+    if sys.platform != "win32":  # (lockmgr.host is not there: its examples are skipped)
+        host_managers = importlib.import_module("lockmgr.host._managers")
+        monkeypatch.setattr(host_managers, "LockManager", impl.LockManager)
+        monkeypatch.setattr(host_managers, "RWLockManager", impl.RWLockManager)
     try:
         managers = importlib.import_module("lockmgr.postgres._managers")
     except ImportError:
@@ -146,10 +156,15 @@ def test_example_runs(example: Example, public_engine: ModuleType,
         if refused:  # compiled above: it is still Python; the reason is in the docs source
             assert refused["reason"].strip()
             return
-        assert example.marker == NEEDS_POSTGRES, (
+        assert example.marker in (NEEDS_POSTGRES, NEEDS_HOST), (
             f"{example.name}: unknown marker {example.marker!r}; "
-            f"use {NEEDS_POSTGRES!r} or 'not runnable: REASON'")
-        namespace["dsn"] = dsn = request.getfixturevalue("pg_dsn")
+            f"use {NEEDS_POSTGRES!r}, {NEEDS_HOST!r} or 'not runnable: REASON'")
+        if example.marker == NEEDS_HOST:
+            if sys.platform == "win32":
+                pytest.skip("lockmgr.host needs POSIX record locks: not available on Windows")
+            namespace["directory"] = str(request.getfixturevalue("tmp_path") / "locks")
+        else:
+            namespace["dsn"] = dsn = request.getfixturevalue("pg_dsn")
     try:
         exec(code, namespace)
         managers = [value for value in namespace.values()
@@ -159,7 +174,8 @@ def test_example_runs(example: Example, public_engine: ModuleType,
     finally:
         for value in namespace.values():
             close = getattr(value, "close", None)
-            if type(value).__module__.startswith(("lockmgr.postgres", "psycopg")) and callable(close):
+            if type(value).__module__.startswith(("lockmgr.postgres", "lockmgr.host",
+                                                  "psycopg")) and callable(close):
                 close()
         namespace.clear()
         gc.collect()

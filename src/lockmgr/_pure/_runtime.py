@@ -12,7 +12,9 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from .._errors import warn_abandoned
-from ._state import _Token, _get_ident, _main_thread, _mutex, _section, _yield_gil
+from ._state import (
+    _Token, _catch_up_after_fork, _forked_from, _get_ident, _main_thread, _mutex, _section,
+    _yield_gil)
 
 if TYPE_CHECKING:
     from ._engine import _Engine
@@ -121,10 +123,12 @@ def _before_fork() -> None:
     ident = _get_ident()
     while _mutex.setdefault(0, ident) != ident:
         _yield_gil(0)
+    _forked_from[0] = os.getpid()
 
 
 def _after_fork_in_parent() -> None:
     ident = _get_ident()
+    _forked_from[0] = 0
     if 0 in _mutex and _mutex[0] == ident:
         del _mutex[0]
 
@@ -133,6 +137,9 @@ def _after_fork_in_child() -> None:
     """The child holds only what the forking thread held (and keeps its request, if it forked
     from inside a wait); the rest is free, the other queued requests are gone."""
     global _fork_parent_pid
+    if not _forked_from[0]:  # set up already: an earlier handler called a manager
+        return
+    _forked_from[0] = 0
     _mutex.clear()
     _fork_parent_pid = os.getpid()
     _main_thread[0] = _get_ident()  # the forking thread is the child's main thread
@@ -142,6 +149,8 @@ def _after_fork_in_child() -> None:
     for manager in list(_managers):
         _section(manager._keep_only, survivor)
 
+
+_catch_up_after_fork[0] = _after_fork_in_child
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,

@@ -8,6 +8,7 @@ See ``lockmgr._pure`` for the design: *Sections* and *Asynchronous exceptions* d
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -89,6 +90,12 @@ _main_thread = [threading.main_thread().ident]  # a forked child's is the forkin
 _main_thread_mask: list[Iterable[int]] = [()]  # the main thread's mask outside sections
 
 
+# The pid of the process whose thread holds the mutex across its fork() (0: none), and what
+# sets a forked child up (``_runtime._after_fork_in_child``): see ``_section``.
+_forked_from = [0]
+_catch_up_after_fork: list[Callable[[], None]] = [lambda: None]
+
+
 def _reentered() -> RuntimeError:
     return RuntimeError(
         "lockmgr: a finalizer or signal handler called a lock manager while its thread was "
@@ -101,7 +108,11 @@ def _section(run: Callable[..., R], *args: Any) -> R:
     the signals that may have Python handlers blocked: see the module docstring."""
     ident = _get_ident()
     if _mutex.get(0) == ident:
-        raise _reentered()
+        if not _forked_from[0] or _forked_from[0] == os.getpid():
+            raise _reentered()
+        # A forked child, in an at-fork handler registered before lockmgr's (it runs first):
+        # the child is set up now, as the compiled core's would be by then.
+        _catch_up_after_fork[0]()
     if ident != _main_thread[0] or _set_signal_mask is None:
         return _run_section(ident, run, args)
     mask = _main_thread_mask[0]  # the main thread's own mask, as last seen

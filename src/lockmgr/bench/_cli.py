@@ -14,11 +14,11 @@ import functools
 import importlib.util
 import json
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS, async_implementations
+from ._host import HOST_BASELINE, HOST_SUBJECTS, host
 from ._measure import Progress, Results, Settings, progress
 from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
 from ._servers import PAIRS_BASELINE, postgres_processes, redis_server, server_pairs
@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in about 2 minutes on a 2-core "
                              "machine (more when it is busy)")
     parser.add_argument("--scenario", action="append",
-                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "server-pairs", "distributed"],
+                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "host", "server-pairs",
+                                 "distributed"],
                         help="run only this scenario (repeatable; default: all but "
                              "distributed, which runs only when named: it needs --pg-dsn, "
                              "--redis and lockmgr[compare])")
@@ -62,7 +63,8 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
                         help="add PostgreSQL (lockmgr[postgres]) to hot-key and many-keys: "
                              "threads of one process, and one process per thread; and to "
                              "server-pairs, beside bare psycopg and libpq loops; distributed "
-                             "takes it as a postgresql:// URL (the form tooz reads)")
+                             "takes it as a postgresql:// URL (the form tooz reads); host "
+                             "puts PgLockManager on it beside lockmgr.host")
     parser.add_argument("--redis", metavar="URL|start",
                         help="server-pairs beside redis-py's Lock, and distributed beside the "
                              "Redis locks, on this Redis server ('start': a throwaway "
@@ -117,9 +119,13 @@ def _plan(args: argparse.Namespace, impls: list[str], available: dict[str, Any],
     found before anything is measured."""
     steps: list[Step] = []
     servers = args.pg_dsn or args.redis
-    for scenario in args.scenario or [*SCENARIOS, *(["server-pairs"] if servers else []),
-                                      *ASYNC_SCENARIOS]:
-        if scenario == "server-pairs":
+    for scenario in args.scenario or [*SCENARIOS, "host",
+                                      *(["server-pairs"] if servers else []), *ASYNC_SCENARIOS]:
+        if scenario == "host":
+            steps += [(f"host: {name}", functools.partial(host, name, args.pg_dsn, settings,
+                                                          results))
+                      for name in HOST_SUBJECTS if name in impls]
+        elif scenario == "server-pairs":
             if not servers:
                 return "server-pairs needs --pg-dsn or --redis (or both)"
             steps.append((scenario, functools.partial(_server_pairs, args, settings, results)))
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     pg_dsn = _option(argv if argv is not None else sys.argv[1:], "--pg-dsn")
     available = implementations(pg_dsn)
     async_available = async_implementations()
-    args = parse_args(argv, list(dict.fromkeys([*available, *async_available])))
+    args = parse_args(argv, list(dict.fromkeys([*available, *async_available,
+                                                *HOST_SUBJECTS])))
     drawing = args.plot or args.contention_report
     if drawing and importlib.util.find_spec("matplotlib") is None:
         option = "--plot" if args.plot else "--contention-report"
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print("lockmgr-bench: --redis needs redis-py: pip install 'lockmgr[bench]'",
               file=sys.stderr)
         return 2
-    impls = args.impl or [name for name in dict.fromkeys([*available, *async_available])
+    impls = args.impl or [name for name in dict.fromkeys([*available, *async_available,
+                                                          *HOST_SUBJECTS])
                            if name not in ASKED_FOR_ONLY]
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
     if args.contention_report:
@@ -225,12 +233,14 @@ def _measured_in_order(results: Results, impls: list[str]) -> list[str]:
 
 
 def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> None:
-    """The header, then up to four tables: the thread scenarios (ratios to threading.Lock),
-    server-pairs (ratios to the bare libpq loop), the asyncio ones (ratios to one
-    asyncio.Lock), and the distributed one (ratios to lockmgr over PostgreSQL), each with
-    the implementations it measured as columns."""
+    """The header, then up to five tables: the thread scenarios (ratios to threading.Lock),
+    host (ratios to lockmgr.host), server-pairs (ratios to the bare libpq loop), the asyncio
+    ones (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr over
+    PostgreSQL), each with the implementations it measured as columns; then what the
+    tables left out, and why."""
     print(header(about))
     for scenarios, baseline in ((set(SCENARIOS), BASELINE),
+                                ({"host"}, HOST_BASELINE),
                                 ({"server-pairs"}, PAIRS_BASELINE),
                                 (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
                                 ({"distributed"}, "lockmgr")):
@@ -238,8 +248,14 @@ def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> 
         if not rows:
             continue
         print()
-        print("\n".join(table(results, _measured_in_order(Results(rows), impls), baseline,
+        # The host table's columns in its own order: lockmgr.host first, its ratios' base.
+        order = [name for name in HOST_SUBJECTS if name in impls] if "host" in scenarios \
+            else impls
+        print("\n".join(table(results, _measured_in_order(Results(rows), order), baseline,
                               scenarios)))
+    if results.notes:
+        print()
+        print("\n".join(f"- {note}" for note in results.notes))
 
 
 def _draw_saved(path: str, impls: list[str] | None) -> int:

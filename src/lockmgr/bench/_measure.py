@@ -25,6 +25,8 @@ class Settings:
 @dataclass
 class Results:
     rows: list[dict[str, Any]] = field(default_factory=list)
+    #: What a table leaves out, and why (printed under the tables).
+    notes: list[str] = field(default_factory=list)
 
     def add(self, scenario: str, impl: str, metric: str, value: float, unit: str) -> None:
         self.rows.append({"scenario": scenario, "impl": impl, "metric": metric,

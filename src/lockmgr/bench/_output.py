@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS
+from ._host import HOST_BASELINE
 from ._measure import gil_enabled, progress, run_for
 from ._servers import PAIRS_BASELINE
 from ._threads import BASELINE
@@ -123,6 +124,8 @@ def panels(results: Results, impls: list[str]) -> list[Panel]:
 def baseline_of(scenario: str) -> str:
     if scenario == "server-pairs":
         return PAIRS_BASELINE
+    if scenario == "host":
+        return HOST_BASELINE
     return ASYNC_BASELINE if scenario in ASYNC_SCENARIOS else BASELINE
 
 
@@ -178,7 +181,8 @@ def _mark_zero(axis: Any, floor: float) -> None:
 
 def draw(results: Results, impls: list[str]) -> Any:
     """The results at a glance (a matplotlib Figure): first every metric as a ratio to
-    threading.Lock (asyncio ones to asyncio.Lock, server-pairs to libpq) on one log axis (lockmgr in red, a ratio
+    threading.Lock (asyncio ones to asyncio.Lock, server-pairs to libpq, host to
+    lockmgr.host) on one log axis (lockmgr in red, a ratio
     of 0 at the axis floor, marked 0), then one panel per metric, log-scaled where values
     span more than 10x (a 0 there, which has no bar, labelled); each title says whether
     higher or lower is better, and each implementation keeps its colour throughout."""
@@ -214,7 +218,8 @@ def draw(results: Results, impls: list[str]) -> Any:
             _mark_zero(axis, floor)
         axis.set_yticks(range(len(labels)), labels, fontsize=7)
         axis.invert_yaxis()
-        axis.set_xlabel(f"ratio to {BASELINE} (asyncio scenarios: to {ASYNC_BASELINE}); "
+        axis.set_xlabel(f"ratio to {BASELINE} (asyncio scenarios: to {ASYNC_BASELINE}; "
+                        f"server-pairs: to {PAIRS_BASELINE}; host: to {HOST_BASELINE}); "
                         "log scale", fontsize=8)
         axis.set_title("Every scenario against the standard library's lock: lockmgr in red",
                        fontsize=10)

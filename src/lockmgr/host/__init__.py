@@ -31,7 +31,8 @@ if sys.platform == "win32":  # pragma: no cover - the wheels workflow builds no 
 
 from .._layered import Lease
 from ._directory import UnsafeDirectoryError
+from ._inspect import HostKeyState
 from ._managers import HostKeyLock, HostLockManager, HostRWLockManager
 
-__all__ = ["HostKeyLock", "HostLockManager", "HostRWLockManager", "Lease",
+__all__ = ["HostKeyLock", "HostKeyState", "HostLockManager", "HostRWLockManager", "Lease",
            "UnsafeDirectoryError"]

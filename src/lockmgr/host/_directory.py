@@ -36,9 +36,17 @@ SHARDS = 64
 REGISTRY = "registry"
 SHARD_SLOT = 64
 HEADER = 64
+#: The table of published waits (``_waits``): where it starts, and its slots.
+WAITS = HEADER + SHARDS * SHARD_SLOT
+WAIT_SLOT = 512
+WAIT_SLOTS = 128
+#: The table of writers (``_holders``): where it starts, and its slots.
+HOLDERS = WAITS + WAIT_SLOTS * WAIT_SLOT
+HOLDER_SLOT = 32
+HOLDER_SLOTS = 4096
 
 _MAGIC = b"lockmgr-host-registry\0"
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 3  # 2: the table of published waits; 3: the table of writers
 # The magic padded to 24 bytes so that the integers after it are aligned; native byte order:
 # a registry is only ever read by processes of the kernel that wrote it.
 _HEADER_FIELDS = struct.Struct("=24sIIQ")
@@ -58,8 +66,9 @@ class UnsafeDirectoryError(LockError):
 
 
 def registry_size() -> int:
-    """The registry's length: its header and a slot per shard, in whole pages (it is mapped)."""
-    used = HEADER + SHARDS * SHARD_SLOT
+    """The registry's length: its header, a slot per shard, the table of published waits
+    and the table of writers, in whole pages (it is mapped)."""
+    used = HOLDERS + HOLDER_SLOTS * HOLDER_SLOT
     return -(-used // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
@@ -374,6 +383,14 @@ class LockDirectory:
     def __repr__(self) -> str:
         state = "closed" if self._directory_fd < 0 else "open"
         return f"<LockDirectory {self.path!r} {state}>"
+
+    def open_file(self, name: str) -> int:
+        """A descriptor of the directory's file ``name`` (made if missing), opened and checked
+        as the shard files are; the caller closes it. ValueError once closed."""
+        if self._directory_fd < 0:
+            raise ValueError(f"{self!r} is closed")
+        return _open_file(self._directory_fd, name, os.path.join(self.path, name),
+                          self._shared_with_group, create=True)
 
     def reopen_after_fork(self) -> None:
         """In a forked child: open each shard file again (new open file descriptions), then

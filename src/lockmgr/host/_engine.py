@@ -21,17 +21,21 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 
+from .._args import READ, WRITE
 from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
-from .._layered import Lease
-from .._observe import LockMetrics
+from .._layered import Lease, _no_fencing, _read_has_no_fence
+from .._observe import KeyState, LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
+from ._holders import abandoned
+from ._inspect import HostKeyState, host_states
 from ._shared import let_go, process_directory
+from ._waits import Look
 
 if TYPE_CHECKING:
     from .._contract import Engine
@@ -56,13 +60,15 @@ if hasattr(os, "register_at_fork"):
 class _Levels:
     """One thread's levels with one manager, in its thread-local storage."""
 
-    __slots__ = ("manager", "pid", "held", "lost", "__weakref__")
+    __slots__ = ("manager", "idents", "pid", "held", "lost", "fences", "__weakref__")
 
     def __init__(self, manager: _HostEngine[Any]) -> None:
         self.manager = weakref.ref(manager)
+        self.idents = manager._idents  # (the thread's looks name what it holds)
         self.pid = os.getpid()
         self.held: dict[_Item, int] = {}  # (key, mode) -> levels held, the kernel's included
         self.lost: dict[_Item, int] = {}  # levels the forking thread held: the parent's
+        self.fences: dict[Hashable, int] = {}  # written key -> the fence it was taken under
 
     def __del__(self) -> None:
         manager = self.manager()
@@ -76,11 +82,14 @@ class _HostEngine(Generic[K]):
     _engine: Engine  # the in-process manager (lockmgr._contract)
 
     def __init__(self, directory: str | os.PathLike[str], engine: Engine, *,
-                 namespace: str, mechanism: str | None, shared_with_group: bool) -> None:
+                 namespace: str, mechanism: str | None, shared_with_group: bool,
+                 fencing: bool) -> None:
         if not isinstance(namespace, str):
             raise TypeError(f"namespace must be a str, not {type(namespace).__name__}")
         if not isinstance(shared_with_group, bool):
             raise TypeError("shared_with_group must be a bool")
+        if not isinstance(fencing, bool):
+            raise TypeError("fencing must be a bool")
         if mechanism is not None and not isinstance(mechanism, str):
             raise TypeError(f"mechanism must be a str or None, not {type(mechanism).__name__}")
         self._shared = process_directory(
@@ -88,6 +97,7 @@ class _HostEngine(Generic[K]):
             shared_with_group)
         self._engine = engine
         self._namespace = namespace
+        self._fencing = fencing
         self._idents = KeyIdents(namespace)
         self._local = threading.local()
         self._closed = False
@@ -152,17 +162,57 @@ class _HostEngine(Generic[K]):
         after: float | None = self._engine.log_waits_after
         return after
 
-    def snapshot(self) -> list[Any]:
-        """The in-process engine's snapshot: this process's keys, holders and waiters."""
-        states: list[Any] = self._engine.snapshot()
-        return states
+    @overload
+    def snapshot(self, host: Literal[False] = False) -> list[KeyState]: ...
+
+    @overload
+    def snapshot(self, host: Literal[True],
+                 keys: Iterable[Hashable] = ()) -> list[HostKeyState]: ...
+
+    def snapshot(self, host: bool = False,
+                 keys: Iterable[Hashable] = ()) -> list[KeyState] | list[HostKeyState]:
+        """The keys held or waited on by this process's threads, as
+        ``LockManager.snapshot``: the in-process engine's view. Raises nothing.
+
+        ``host=True``: the host's instead, across its processes: every identity of the
+        directory recorded written (its writer's pid) or waited for (the waiting pids), in
+        identity order, named when this process knows the key (its threads' keys, recent
+        str keys, and ``keys``). Raises TypeError for a key in ``keys`` that is not str,
+        bytes, int or a tuple of them."""
+        states: list[KeyState] = self._engine.snapshot()
+        if not host:
+            return states
+        return host_states(self._shared, self._idents,
+                           [*(state.key for state in states), *keys])
 
     def __len__(self) -> int:
         """Keys held by this process's threads through this manager."""
         return len(self._engine)
 
     def _lease(self, items: Sequence[_Item]) -> Lease:
-        return Lease(tuple(key for key, _ in items), None)
+        """The calling thread's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self._fencing:
+            return Lease(keys, None)
+        fences = self._levels().fences
+        return Lease(keys, {key: fences[key] for key, mode in items if mode == WRITE})
+
+    def fence(self, key: Hashable) -> int:
+        """The fence under which the calling thread holds ``key`` for writing: the one its
+        first acquisition took, kept by reentrant ones (``lease.fence`` of ``hold``).
+
+        Raises LockError without ``fencing=True`` or for a key only read, NotOwnedError if
+        the thread does not hold it, TypeError for a key that is not str, bytes, int or a
+        tuple of them."""
+        self._check_key(key)
+        if not self._fencing:
+            raise _no_fencing()
+        levels = self._levels()
+        if levels.held.get((key, WRITE)):
+            return levels.fences[key]
+        if levels.held.get((key, READ)):
+            raise _read_has_no_fence(key)
+        raise not_owned(key)
 
     # -- the two layers -----------------------------------------------------------------------
 
@@ -170,7 +220,27 @@ class _HostEngine(Generic[K]):
         levels: _Levels | None = getattr(self._local, "levels", None)
         if levels is None:
             levels = self._local.levels = _Levels(self)
+            # (references without callbacks: nothing but this thread touches its list)
+            mine: list[weakref.ref[_Levels]] = self._shared.thread_levels.__dict__.setdefault(
+                "all", [])
+            mine[:] = [ref for ref in mine if ref() is not None] + [weakref.ref(levels)]
         return levels
+
+    def _looking(self, key: Hashable, ident: int, mode: int,
+                 taken: list[tuple[int, int]]) -> Callable[[], Look]:
+        """What makes the ``Look`` of a wait in the kernel for ``key`` (if it waits)."""
+        return lambda: Look(self._shared.waits, key, ident, mode,
+                            lambda: self._held_idents(taken))
+
+    def _held_idents(self, taking: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The identities the calling thread holds through every manager of the directory,
+        with their modes, and ``taking`` (those this call took so far)."""
+        held = list(taking)
+        for ref in self._shared.thread_levels.__dict__.get("all", ()):
+            levels = ref()
+            if levels is not None:
+                held += [(levels.idents.of(key), mode) for key, mode in levels.held]
+        return held
 
     def _take(self, items: Sequence[_Item], seconds: float,
               local_acquire: Callable[[float], bool],
@@ -191,32 +261,49 @@ class _HostEngine(Generic[K]):
         if len(items) == 1:  # (the common call, without the sort)
             fresh = [] if items[0] in held else [(idents[0], items[0])]
         else:
-            fresh = sorted((ident, item) for ident, item in zip(idents, items)
-                           if item not in held)
+            fresh = sorted(((ident, item) for ident, item in zip(idents, items)
+                            if item not in held), key=lambda pair: pair[0])
         deadline = None if seconds < 0 else started + seconds
         taken: list[tuple[int, int]] = []
+        ended: list[tuple[int, int]] = []
+        done = False
         try:
-            for ident, (_key, mode) in fresh:
-                if not self._shared.take(ident, mode, deadline, id(self)):
+            for ident, (key, mode) in fresh:
+                if not self._shared.take(ident, mode, deadline, id(self),
+                                         self._looking(key, ident, mode, taken), ended):
                     break
                 taken.append((ident, mode))
+            if self._fencing and len(taken) == len(fresh):
+                fences = {key: self._shared.fences.next(ident)
+                          for ident, (key, mode) in fresh if mode == WRITE}
+                levels.fences.update(fences)  # (one statement: all or none of them)
+            done = len(taken) == len(fresh)
         finally:
-            if len(taken) < len(fresh):  # not in time, failed or interrupted: nothing stays
+            if not done:  # not in time, failed or interrupted: nothing stays
                 try:
                     for ident, mode in reversed(taken):
                         self._shared.give(ident, mode, id(self))
                 finally:
                     local_release()
-        if len(taken) < len(fresh):
+        if not done:
             return False
         for item in items:
             held[item] = held.get(item, 0) + 1
+        try:
+            for ident, pid in ended:
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
+        except BaseException:  # the warning made an error: the call fails, holding nothing
+            self._give(items, local_release)
+            raise
         return True
 
     def _give(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
         back. NotOwnedError, with nothing changed, if the thread holds one of them not."""
         levels = self._levels()
+        if len(items) == 1 and not levels.lost:  # (the common call)
+            self._give_one(levels, items[0], local_release)
+            return
         for key, mode in items:
             if not levels.held.get((key, mode)) and not levels.lost.get((key, mode)):
                 raise not_owned(key, None, mode if self._rw else None)
@@ -226,12 +313,31 @@ class _HostEngine(Generic[K]):
                 if levels.lost.get((key, mode)):
                     _count_down(levels.lost, (key, mode))
                 elif _count_down(levels.held, (key, mode)) == 0:
+                    if mode == WRITE:
+                        levels.fences.pop(key, None)
                     self._shared.give(self._idents.of(key), mode, id(self))
         finally:
             local_release()
         if lost:
             raise LockLost(f"the lock on {', '.join(map(repr, lost))} was the parent"
                            " process's: released in this process only")
+
+    def _give_one(self, levels: _Levels, item: _Item,
+                  local_release: Callable[[], None]) -> None:
+        """``_give`` of one item the thread holds (no level of it lost)."""
+        count = levels.held.get(item)
+        if not count:
+            raise not_owned(item[0], None, item[1] if self._rw else None)
+        try:
+            if count > 1:
+                levels.held[item] = count - 1
+            else:
+                del levels.held[item]
+                if item[1] == WRITE:
+                    levels.fences.pop(item[0], None)
+                self._shared.give(self._idents.of(item[0]), item[1], id(self))
+        finally:
+            local_release()
 
     _rw = False  # whether NotOwnedError names the mode (the RW manager's)
 
@@ -240,7 +346,7 @@ class _HostEngine(Generic[K]):
         returns how many keys. Raises nothing."""
         levels = self._levels()
         released = self._engine.release_all()
-        held, levels.held, levels.lost = levels.held, {}, {}
+        held, levels.held, levels.lost, levels.fences = levels.held, {}, {}, {}
         for (key, mode), _count in held.items():
             self._shared.give(self._idents.of(key), mode, id(self))
         return released
@@ -256,7 +362,7 @@ class _HostEngine(Generic[K]):
         if levels is not None:
             for item, count in levels.held.items():
                 levels.lost[item] = levels.lost.get(item, 0) + count
-            levels.held = {}
+            levels.held, levels.fences = {}, {}
             levels.pid = os.getpid()
 
 

@@ -44,6 +44,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from .._errors import LockError
 from ._directory import HEADER, SHARD_SLOT, SHARDS, LockDirectory
@@ -104,7 +105,7 @@ class KernelLocks:
 
     # -- the record locks ------------------------------------------------------------------
 
-    def _fcntl(self, shard: int, start: int, kind: int) -> bool:
+    def lock_byte(self, shard: int, start: int, kind: int) -> bool:
         """Lock (or unlock) one byte; False if another holder's lock conflicts."""
         fd = self._directory.shard_fds[shard]
         try:
@@ -121,7 +122,7 @@ class KernelLocks:
                             f" {error}") from error
         return True
 
-    def _others_hold(self, shard: int, start: int, probe: int = _WRLCK) -> bool:
+    def others_lock(self, shard: int, start: int, probe: int = _WRLCK) -> bool:
         """Whether another process (POSIX) or description (OFD) locks byte ``start`` in a
         way that conflicts with ``probe`` (a write conflicts with any lock, a read with a
         write)."""
@@ -137,34 +138,37 @@ class KernelLocks:
         """Whether another process (another description: OFD) holds the key (for write,
         if ``writes_only``)."""
         shard, start = place(ident)
-        return self._others_hold(shard, start + _HOLD, _RDLCK if writes_only else _WRLCK)
+        return self.others_lock(shard, start + _HOLD, _RDLCK if writes_only else _WRLCK)
 
     def try_take(self, ident: int, shared: bool) -> bool:
         """The key's hold byte at once, or False; waiting writers of other processes keep a
         new reader out, and a ``try`` does not wait behind waiters (it finds the key taken)."""
         shard, start = place(ident)
-        if self._others_hold(shard, start + _QUEUE):
+        if self.others_lock(shard, start + _QUEUE):
             return False
-        return self._fcntl(shard, start + _HOLD, _RDLCK if shared else _WRLCK)
+        return self.lock_byte(shard, start + _HOLD, _RDLCK if shared else _WRLCK)
 
     def take(self, ident: int, shared: bool, deadline: float | None,
+             look: Callable[[], None] | None = None,
              stop: threading.Event | None = None) -> bool:
         """The key's hold byte by ``deadline`` (monotonic; None: no limit), waiting on the
         doorbell as the module says; False at the deadline, or within one ``SLICE`` of
-        ``stop`` being set (a task's wait, cancelled), holding nothing of it."""
+        ``stop`` being set (a task's wait, cancelled), holding nothing of it.
+        ``look`` is called before each sleep (``_waits.Look``: it may raise DeadlockError,
+        and the wait then ends holding nothing of it)."""
         shard, start = place(ident)
-        behind = self._others_hold(shard, start + _QUEUE)  # others already wait for it
+        behind = self.others_lock(shard, start + _QUEUE)  # others already wait for it
         queued = writer_queued = armed = False
         try:
             while True:
                 rung = self._bell(shard, armed)
-                if not behind and not (shared and self._others_hold(shard, start + _WRITER)):
-                    if self._fcntl(shard, start + _HOLD, _RDLCK if shared else _WRLCK):
+                if not behind and not (shared and self.others_lock(shard, start + _WRITER)):
+                    if self.lock_byte(shard, start + _HOLD, _RDLCK if shared else _WRLCK):
                         return True
                 if not queued:
-                    queued = self._fcntl(shard, start + _QUEUE, _RDLCK)
+                    queued = self.lock_byte(shard, start + _QUEUE, _RDLCK)
                     if not shared:
-                        writer_queued = self._fcntl(shard, start + _WRITER, _RDLCK)
+                        writer_queued = self.lock_byte(shard, start + _WRITER, _RDLCK)
                 if not armed:  # tried once: from now on a release rings; try again armed
                     armed = True
                     continue
@@ -172,24 +176,26 @@ class KernelLocks:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0 or stop is not None and stop.is_set():
                     return False
+                if look is not None:
+                    look()
                 self._sleep(shard, rung, SLICE if left is None else min(SLICE, left))
         finally:
             if writer_queued:
-                self._fcntl(shard, start + _WRITER, _UNLCK)
+                self.lock_byte(shard, start + _WRITER, _UNLCK)
             if queued:
-                self._fcntl(shard, start + _QUEUE, _UNLCK)
+                self.lock_byte(shard, start + _QUEUE, _UNLCK)
                 self._ring(shard)  # newcomers behind this waiter look again
 
     def to_shared(self, ident: int) -> None:
         """Downgrade the hold byte from write to read: the kernel converts it in place."""
         shard, start = place(ident)
-        self._fcntl(shard, start + _HOLD, _RDLCK)
+        self.lock_byte(shard, start + _HOLD, _RDLCK)
         self._ring(shard)
 
     def give(self, ident: int) -> None:
         """Unlock the hold byte (harmless if not held) and ring the shard's doorbell."""
         shard, start = place(ident)
-        self._fcntl(shard, start + _HOLD, _UNLCK)
+        self.lock_byte(shard, start + _HOLD, _UNLCK)
         self._ring(shard)
 
     # -- the doorbell ----------------------------------------------------------------------

@@ -46,6 +46,9 @@ class HostLockManager(_HostEngine[K]):
       in one process uses one.
     - ``shared_with_group``: the directory may be the group's (group-writable, of a group
       of this process), for processes of several users of one group.
+    - ``fencing``: each first write acquisition takes a fencing token (``Lease.fence``,
+      ``fence()``), strictly increasing per key across every process and restart, made
+      durable before it is handed out (a ``fdatasync`` per acquisition).
 
     Making one raises TypeError or ValueError for bad arguments, and UnsafeDirectoryError
     for a directory that cannot hold locks safely.
@@ -53,10 +56,11 @@ class HostLockManager(_HostEngine[K]):
 
     def __init__(self, directory: str | os.PathLike[str], *, namespace: str = "",
                  fair: bool = True, log_waits_after: float | None = None,
-                 mechanism: str | None = None, shared_with_group: bool = False) -> None:
+                 mechanism: str | None = None, shared_with_group: bool = False,
+                 fencing: bool = False) -> None:
         engine: LockManager[Hashable] = LockManager(fair=fair, log_waits_after=log_waits_after)
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
-                         shared_with_group=shared_with_group)
+                         shared_with_group=shared_with_group, fencing=fencing)
         self._locks = engine
         self._tasks = _HostTasks(self)
 
@@ -79,7 +83,7 @@ class HostLockManager(_HostEngine[K]):
         DeadlockError if waiting would close a cycle of this process's threads."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, WRITE)], seconds,
-                          lambda left: self._locks.acquire(key, timeout=left),
+                          lambda left: self._locks.acquire(key, timeout=-1 if left < 0 else left),
                           lambda: self._locks.release(key))
 
     def release(self, key: K) -> None:
@@ -128,7 +132,7 @@ class HostLockManager(_HostEngine[K]):
     def _acquire_items(self, items: list[_Item], seconds: float) -> bool:
         keys = [key for key, _ in items]
         return self._take(items, seconds,
-                          lambda left: self._locks.acquire_many(keys, timeout=left),
+                          lambda left: self._locks.acquire_many(keys, timeout=-1 if left < 0 else left),
                           lambda: self._locks.release_many(keys))
 
     def _release_items(self, items: list[_Item]) -> None:
@@ -168,10 +172,10 @@ class HostRWLockManager(_HostEngine[K]):
 
     def __init__(self, directory: str | os.PathLike[str], *, namespace: str = "",
                  log_waits_after: float | None = None, mechanism: str | None = None,
-                 shared_with_group: bool = False) -> None:
+                 shared_with_group: bool = False, fencing: bool = False) -> None:
         engine: RWLockManager[Hashable] = RWLockManager(log_waits_after=log_waits_after)
         super().__init__(directory, engine, namespace=namespace, mechanism=mechanism,
-                         shared_with_group=shared_with_group)
+                         shared_with_group=shared_with_group, fencing=fencing)
         self._rwlocks = engine
         self._tasks = _HostTasks(self)
 
@@ -188,7 +192,7 @@ class HostRWLockManager(_HostEngine[K]):
         ``RWLockManager.acquire_read``. Raises what ``HostLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, READ)], seconds,
-                          lambda left: self._rwlocks.acquire_read(key, timeout=left),
+                          lambda left: self._rwlocks.acquire_read(key, timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_read(key))
 
     def acquire_write(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
@@ -196,7 +200,7 @@ class HostRWLockManager(_HostEngine[K]):
         ``RWLockManager.acquire_write``. Raises what ``HostLockManager.acquire`` raises."""
         seconds = wait_seconds(blocking, timeout)
         return self._take([(key, WRITE)], seconds,
-                          lambda left: self._rwlocks.acquire_write(key, timeout=left),
+                          lambda left: self._rwlocks.acquire_write(key, timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_write(key))
 
     def release_read(self, key: K) -> None:
@@ -245,7 +249,7 @@ class HostRWLockManager(_HostEngine[K]):
         writing = [key for key, mode in items if mode == WRITE]
         return self._take(items, seconds,
                           lambda left: self._rwlocks.acquire_many(reading, writing,
-                                                                  timeout=left),
+                                                                  timeout=-1 if left < 0 else left),
                           lambda: self._rwlocks.release_many(reading, writing))
 
     def _release_items(self, items: list[_Item]) -> None:

@@ -18,10 +18,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from .._args import READ, WRITE
 from ._directory import LockDirectory, open_lock_directory
+from ._fences import Fences
+from ._holders import Holders
 from ._kernel import SLICE, KernelLocks
+from ._waits import Look, WaitBoard
 
 
 class _Ident:
@@ -56,16 +60,29 @@ class ProcessDirectory:
         self.directory = directory
         self.shared_with_group = shared_with_group
         self.kernel = KernelLocks(directory, mechanism)
+        self.waits = WaitBoard(directory, self.kernel.lock_byte, self.kernel.others_lock)
+        self.fences = Fences(directory, mechanism == "ofd")
+        self.holders = Holders(directory)
+        # Each thread's levels with each manager of the directory (``_engine._Levels``), for
+        # the identities it holds when it publishes a wait; written by that thread only.
+        self.thread_levels = threading.local()
         self.mechanism = mechanism
         self.users = 0  # managers using it (under _DIRECTORIES_GUARD)
-        self._guard = threading.Condition(threading.Lock())
+        self._guard = threading.Lock()
+        self._changed = threading.Condition(self._guard)  # an identity's holds or busy changed
+        self._waiting = 0  # threads waiting on _changed (guard)
         self._idents: dict[int, _Ident] = {}  # identities held or being taken (guard)
 
     def take(self, ident: int, mode: int, deadline: float | None, manager: int,
+             looking: Callable[[], Look] | None = None,
+             ended: list[tuple[int, int]] | None = None,
              stop: threading.Event | None = None) -> bool:
         """Hold ``ident`` in ``mode`` in the kernel for ``manager`` by ``deadline``
-        (monotonic; None: no limit; 0: at once or not); False if not in time, or within
-        one ``SLICE`` of ``stop`` being set (a task's wait in a thread, cancelled)."""
+        (monotonic; None: no limit; 0: at once or not); False if not in time. A wait in
+        the kernel looks for cycles with the ``Look`` that ``looking`` makes. A write whose
+        last writer ended holding it adds (ident, its pid) to ``ended`` (``_holders``).
+        A wait ends, False, within one ``SLICE`` of ``stop`` being set (a task's wait in a
+        thread, cancelled)."""
         with self._guard:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
@@ -73,6 +90,8 @@ class ProcessDirectory:
                 if self.kernel.try_take(ident, mode == READ):
                     first = self._idents[ident] = _Ident()
                     _count(first, mode, manager, 1)
+                    if mode == WRITE:
+                        self._record(ident, ended)
                     return True
                 if deadline is not None and deadline <= time.monotonic():
                     return False
@@ -89,26 +108,32 @@ class ProcessDirectory:
                     if stop.is_set():
                         left = 0
                     elif left is None or left > SLICE:
-                        self._guard.wait(SLICE)
+                        self._wait(SLICE)
                         continue
-                if (left is not None and left <= 0) or not self._guard.wait(left):
+                if (left is not None and left <= 0) or not self._wait(left):
                     self._forget_if_empty(ident, state)
                     return False
         taken: bool | None = None
+        look = None
         try:
             if deadline is not None and deadline <= time.monotonic():
                 taken = self.kernel.try_take(ident, mode == READ)
             else:
-                taken = self.kernel.take(ident, mode == READ, deadline, stop)
+                look = None if looking is None else looking()
+                taken = self.kernel.take(ident, mode == READ, deadline, look, stop)
         finally:
+            if look is not None:
+                look.stop()
             with self._guard:
                 state.busy = False
                 if taken:
                     _count(state, mode, manager, 1)
+                    if mode == WRITE:
+                        self._record(ident, ended)
                 elif taken is None:  # interrupted: the byte may be held, or written
                     self._settle_kernel(ident, state)
                 self._forget_if_empty(ident, state)
-                self._guard.notify_all()
+                self._notify()
         return taken
 
     def give(self, ident: int, mode: int, manager: int) -> None:
@@ -117,14 +142,33 @@ class ProcessDirectory:
         with self._guard:
             state = self._idents[ident]
             while state.busy:  # (only a colliding identity's take can be under way)
-                self._guard.wait()
+                self._wait(None)
             _count(state, mode, manager, -1)
+            if mode == WRITE and not state.writers:
+                self.holders.clear(ident)  # (first: a record outliving the lock warns)
             if state.empty():
                 self.kernel.give(ident)
             elif mode == WRITE and not state.writers:
                 self.kernel.to_shared(ident)
             self._forget_if_empty(ident, state)
-            self._guard.notify_all()
+            self._notify()
+
+    def _wait(self, seconds: float | None) -> bool:
+        """Wait (the guard held) until an identity changes, ``seconds`` at most."""
+        self._waiting += 1
+        try:
+            return self._changed.wait(seconds)
+        finally:
+            self._waiting -= 1
+
+    def _notify(self) -> None:
+        if self._waiting:  # (the guard held)
+            self._changed.notify_all()
+
+    def _record(self, ident: int, ended: list[tuple[int, int]] | None) -> None:
+        pid = self.holders.record(ident)
+        if pid is not None and ended is not None:
+            ended.append((ident, pid))
 
     def _settle_kernel(self, ident: int, state: _Ident) -> None:
         """Put the kernel lock back to what ``state`` records (under the guard)."""
@@ -153,7 +197,12 @@ class ProcessDirectory:
         """In a forked child: it holds nothing (the kernel gave it none of its parent's
         locks); fresh descriptors of its own, and an empty table."""
         self.directory.reopen_after_fork()
-        self._guard = threading.Condition(threading.Lock())
+        self._guard = threading.Lock()
+        self._changed = threading.Condition(self._guard)
+        self._waiting = 0
+        self.waits.forget_after_fork()
+        self.fences.after_fork()
+        self.holders.after_fork()
         self._idents = {}
 
     def _forget_if_empty(self, ident: int, state: _Ident) -> None:

@@ -260,7 +260,7 @@ ends the task (``stranded``): it can never run again."""
         try:
             for ident, mode in self._wanted:
                 if not self._shared.take(ident, mode, self._deadline, self._manager,
-                                         self._stop):
+                                         stop=self._stop):
                     break
                 taken.append((ident, mode))
         except BaseException as raised:  # told to the task

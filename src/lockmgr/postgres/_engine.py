@@ -39,30 +39,14 @@ from ._xact import (
     refuse_own_xact_lock,
     wait_in_transaction,
 )
-from ._fences import (
-    DEFAULT_FENCE_TABLE,
-    _FenceTable,
-)
-from ._link import (
-    _CANCEL_GRACE,
-    _CLIENT_TIMEOUTS,
-    _Link,
-    _call_deadline,
-    _drive,
-)
-from ._protocol import _lock_steps, _unlock_steps
+from ._fences import DEFAULT_FENCE_TABLE, _FenceTable
+from ._link import _CANCEL_GRACE, _CLIENT_TIMEOUTS, _Link, _call_deadline, _drive
+from ._protocol import (
+    _at_once, _lock_at_once, _lock_steps, _locked_at_once, _unlock_at_once, _unlock_steps,
+    _unlocked)
 from ._server import _KEEPALIVES, _conninfo
-from ._session import (
-    _ThreadEnd,
-    _XactLock,
-    _holding,
-    _lost_error,
-)
-from ._sql import (
-    _GRANTED_ADVISORY,
-    _OWN_TRANSACTION,
-    _drop_sql,
-)
+from ._session import _ThreadEnd, _XactLock, _holding, _lost_error
+from ._sql import _GRANTED_ADVISORY, _OWN_TRANSACTION, _drop_sql
 
 if TYPE_CHECKING:
     from .._contract import Engine
@@ -416,7 +400,9 @@ class _PgEngine(_Inspecting, Generic[K]):
         previous = WAIT_CHECK.call  # a handler's call inside another wait: that wait's
         WAIT_CHECK.call = waiting.check
         try:
-            return local_acquire(seconds)
+            # (-1 as the int: the compiled engine takes it as "for ever" without checking
+            # the argument again, as it does a float)
+            return local_acquire(-1 if seconds < 0 else seconds)
         finally:
             WAIT_CHECK.call = previous
             if waiting.look is not None:
@@ -494,15 +480,34 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _lock(self, session: _Session, items: list[tuple[Hashable, int]],
               seconds: float) -> dict[int, int] | None:
         """``_lock_steps`` in the calling thread, on its connection taken back if a step
-        before parked it (a question on it: ``_elsewhere``), or on another."""
+        before parked it (a question on it: ``_elsewhere``), or on another; the usual
+        call's one round trip made at once (``_lock_at_once``)."""
         if session.parked:
             self._unpark(session)
-        return _drive(_lock_steps(self, session, items, seconds), self._attach, self._lose)
+        started = time.monotonic() if seconds == 0 else None
+        need = _lock_at_once(self, session, items, seconds)
+        results, tried = None, None
+        if need is not None:  # (the usual: one round trip, no step driver)
+            session.unsure = items  # as the steps set it
+            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            if results is not None:
+                return _locked_at_once(results, seconds)
+        return _drive(_lock_steps(self, session, items, seconds, started), self._attach,
+                      self._lose, tried=tried)
 
     def _unlock(self, session: _Session, items: list[tuple[Hashable, int]]) -> None:
-        """``_unlock_steps`` in the calling thread: a failed or interrupted release drops
-        what it may still hold at once (``_drop_or_lose``)."""
-        _drive(_unlock_steps(self, session, items), lose=self._lose, drop=self._drop_or_lose)
+        """``_unlock_steps`` in the calling thread (the usual call's one round trip made at
+        once: ``_unlock_at_once``): a failed or interrupted release drops what it may
+        still hold at once (``_drop_or_lose``)."""
+        need = _unlock_at_once(self, session, items)
+        results, tried = None, None
+        if need is not None:  # (the usual: one round trip, no step driver)
+            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            if results is not None:
+                _unlocked(self, session, items, results[-1])
+                return
+        _drive(_unlock_steps(self, session, items), lose=self._lose, drop=self._drop_or_lose,
+               tried=tried)
 
     def _drop_or_lose(self, session: _Session, items: Sequence[tuple[Hashable, int]],
                       deadline: float | None | bool = True) -> None:

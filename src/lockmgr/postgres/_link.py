@@ -130,12 +130,19 @@ _Steps = Generator[_Need, Any, _T]
 def _drive(steps: _Steps[_T],
            attach: Callable[[Any, float | None, float | None], Any] | None = None,
            lose: Callable[[Any], None] | None = None,
-           drop: Callable[[Any, list[Any]], None] | None = None) -> _T:
+           drop: Callable[[Any, list[Any]], None] | None = None,
+           tried: BaseException | None = None) -> _T:
     """Run ``steps`` in the calling thread: each need answered by a blocking round trip (or
-    ``attach``, ``lose``, ``drop``), its exception thrown back into the steps."""
+    ``attach``, ``lose``, ``drop``), its exception thrown back into the steps. ``tried``:
+    the exception of the steps' first need, a round trip the caller made itself (a call
+    made at once, ``_protocol``), thrown in where they ask for it."""
     answer: Any = None
     error: BaseException | None = None
     try:
+        if tried is not None:
+            need = steps.send(None)
+            assert isinstance(need, _RoundTrip)
+            error, tried = tried, None
         while True:
             try:
                 need = steps.send(answer) if error is None else steps.throw(error)
@@ -158,7 +165,7 @@ def _drive(steps: _Steps[_T],
             except BaseException as failure:
                 answer, error = None, failure
     finally:
-        answer = error = None  # no cycle through a traceback keeps a link alive
+        answer = error = tried = None  # no cycle through a traceback keeps a link alive
 
 
 def _run_all_steps(link: _Link, sql: str, deadline: float | None | bool) -> _Steps[list[Any]]:
@@ -321,7 +328,8 @@ class _Link:
                         deadline = self._past_deadline()
                 while True:
                     if pgconn.is_busy():
-                        while not self._wait(_POLLIN, deadline):
+                        # (``_wait`` for reading, one call less: the usual round trip's wait)
+                        while not _ready_by(self.poller, deadline, True):
                             deadline = self._past_deadline()
                         pgconn.consume_input()
                         continue

@@ -2,7 +2,12 @@
 give back a set of keys on the server, and what each failure means (``_lock_steps``,
 ``_unlock_steps``). The steps do no I/O: a thread's ``_PgEngine._lock`` and ``_unlock``
 drive them with ``_drive``, a task's ``_Tasks.lock`` and ``unlock`` with ``_drive_async``
-(see ``_link``: "the protocol's steps")."""
+(see ``_link``: "the protocol's steps").
+
+The usual call is one prepared statement on the caller's connection: ``_lock_at_once`` and
+``_unlock_at_once`` give that round trip, which a thread makes without the step driver;
+if it fails, the steps run with its exception as their first round trip's (``_drive``'s
+``tried``), so that every failure is still answered here, once."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from .._errors import DeadlockError
 from ._fences import _fence_table_steps, _fences_from, _not_durable
 from ._link import (
     _Attach,
+    _RoundTrip,
     _Drop,
     _Lose,
     _Overdue,
@@ -37,20 +43,55 @@ if TYPE_CHECKING:
     from ._session import _Session
 
 
+def _lock_at_once(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
+                  seconds: float) -> _RoundTrip | None:
+    """The round trip of ``_lock_steps`` when it is all they would do: one key, no fence,
+    a try or a wait (no timeout), on the session's connection, its statement prepared;
+    else None. Its caller sets ``session.unsure`` to ``items`` first, as the steps do,
+    and ``_locked_at_once`` reads its answer."""
+    if len(items) != 1 or seconds > 0 or manager._fencing:
+        return None
+    link = session.link
+    if link is None:
+        return None
+    key, mode = items[0]
+    statement = _LOCK[mode] if seconds < 0 else _TRY_LOCK[mode]
+    if statement not in link.prepared:
+        return None
+    return _prepared_call(link, statement, manager.advisory_key(key),
+                          None if seconds < 0 else _round_trip_deadline("try", None))
+
+
+def _at_once(call: _RoundTrip) -> tuple[list[Any] | None, BaseException | None]:
+    """Make ``call`` (``_lock_at_once``'s, ``_unlock_at_once``'s) in the calling thread: its
+    results, or the exception that the steps then answer (``_drive``'s ``tried``)."""
+    try:
+        return call.link._round_trip(call.deadline, call.send, *call.args), None
+    except BaseException as error:
+        return None, error
+
+
+def _locked_at_once(results: list[Any], seconds: float) -> dict[int, int] | None:
+    """What ``_lock_steps`` answer for the results of ``_lock_at_once``'s round trip."""
+    return _fences_from(results, [], "wait" if seconds < 0 else "try", False)
+
+
 def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
-                seconds: float) -> _Steps[dict[int, int] | None]:
+                seconds: float, started: float | None = None) -> _Steps[dict[int, int] | None]:
     """Take PostgreSQL locks for ``items`` in ascending advisory-key order (so that two
     processes taking overlapping sets never deadlock), all within ``seconds``, and with
     fencing the written keys' next fences: one message, one round trip. None if not
     granted in time, else the fences by advisory key. ``session.unsure`` is ``items`` from
-    before the round trip: the caller clears it once it has counted them."""
+    before the round trip: the caller clears it once it has counted them. ``started``: when
+    a try started, if before these steps (its round trip made at once, and failed)."""
     ordered = sorted([(manager.advisory_key(key), mode) for key, mode in items])
     fencing = manager._fencing and any(mode == WRITE for _, mode in ordered)
     deadline = None if seconds <= 0 else time.monotonic() + seconds
     # A timed call's connect ends when its round trips would, a try's _TRY_CONNECTS_WITHIN
     # after its start; a wait's has a bound of its own (``_link._connect_by``).
     connect_by = (None if seconds < 0
-                  else time.monotonic() + _TRY_CONNECTS_WITHIN if seconds == 0
+                  else (time.monotonic() if started is None else started) + _TRY_CONNECTS_WITHIN
+                  if seconds == 0
                   else _round_trip_deadline("timed", deadline))
     retried = False
     while True:
@@ -122,6 +163,31 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
         return fences
 
 
+def _unlock_at_once(manager: _PgEngine[Any], session: _Session,
+                    items: list[tuple[Hashable, int]]) -> _RoundTrip | None:
+    """The round trip of ``_unlock_steps`` when it is all they would do: one key, its
+    statement prepared on the session's connection; else None. ``_unlocked`` reads its
+    answer."""
+    link = session.link
+    if len(items) != 1 or link is None:
+        return None
+    key, mode = items[0]
+    statement = _UNLOCK[mode]
+    if statement not in link.prepared:
+        return None
+    return _prepared_call(link, statement, manager.advisory_key(key), _answer_by())
+
+
+def _unlocked(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
+              result: Any) -> None:
+    """The server answered the release of ``items`` with ``result``: none is unsure any
+    more, and one it no longer had is lost, though the connection lives."""
+    session.unsure = []
+    gone = _not_released(result, items)
+    if gone:
+        manager._report(session, items=gone)
+
+
 def _unlock_steps(manager: _PgEngine[Any], session: _Session,
                   items: list[tuple[Hashable, int]]) -> _Steps[None]:
     """Release the PostgreSQL locks of ``items`` (the caller made them ``session.unsure``:
@@ -155,7 +221,4 @@ def _unlock_steps(manager: _PgEngine[Any], session: _Session,
     except BaseException:
         yield _Drop(session, items)
         raise
-    session.unsure = []
-    gone = _not_released(result, items)
-    if gone:  # the server no longer had it: lost, though the connection lives
-        manager._report(session, items=gone)
+    _unlocked(manager, session, items, result)
