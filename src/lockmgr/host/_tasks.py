@@ -101,10 +101,10 @@ class _HostTasks:
         again: what it holds goes, in process (AbandonedLockWarning) and in the kernel, as
         its done-callback would have it."""
         engine = cast("EngineModule", sys.modules[type(self.manager._engine).__module__])
-        try:
-            engine.end_stranded_task(task)
-        finally:
+        try:  # the kernel first: a thread the engine then lets in finds the key free
             self.task_done(task)
+        finally:
+            engine.end_stranded_task(task)
 
     def give_kernel(self, taken: Sequence[_Want]) -> None:
         shared, manager = self.manager._shared, id(self.manager)
