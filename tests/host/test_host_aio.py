@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import warnings
 from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import abandoned_warnings, wait_until
 from host_fixtures import PATIENCE
-from lockmgr import LockTimeout, NotOwnedError
+from lockmgr import AbandonedLockWarning, LockTimeout, NotOwnedError
 from lockmgr._args import WRITE
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
 
@@ -389,6 +390,53 @@ def test_the_aio_surface_of_a_host_manager(locks: Any, children: Any) -> None:
     run(main)
     with pytest.raises(RuntimeError):
         locks.aio.owned("a")
+
+
+def test_tasks_take_fences_that_increase_across_processes(
+        host_engine: ModuleType, lock_dir: str, mechanism: str, children: Any) -> None:
+    child = children(f"fenced = HostLockManager({lock_dir!r}, mechanism={mechanism!r},"
+                     " fencing=True)\n"
+                     "def fence_once(key):\n"
+                     "    with fenced.hold(key) as lease:\n"
+                     "        return lease.fence\n")
+    fenced: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism,
+                                                   fencing=True)
+
+    async def main() -> list[int]:
+        seen = []
+        for _ in range(2):
+            async with fenced.aio.hold("k") as lease:
+                assert await fenced.aio.acquire("k")  # re-entry keeps the fence
+                assert fenced.aio.fence("k") == lease.fence
+                await fenced.aio.release("k")
+                seen.append(lease.fence)
+            with pytest.raises(NotOwnedError):
+                fenced.aio.fence("k")
+            seen.append(child.ask("fence_once('k')"))
+        return seen
+
+    try:
+        seen = run(main)
+    finally:
+        fenced.close()
+    assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+
+
+def test_a_task_taking_a_key_whose_holder_died_is_warned(locks: Any, children: Any) -> None:
+    child = children()
+    assert child.ask("locks.acquire('k')") is True
+    child.kill()
+
+    async def main() -> None:
+        with pytest.warns(AbandonedLockWarning, match=f"process {child.pid} ended holding"):
+            assert await locks.aio.acquire("k")
+        await locks.aio.release("k")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AbandonedLockWarning)
+            assert await locks.aio.acquire("k", timeout=0)  # released: no warning
+            await locks.aio.release("k")
+
+    run(main)
 
 
 def test_a_stopped_kernel_wait_ends_holding_nothing(locks: Any, children: Any) -> None:

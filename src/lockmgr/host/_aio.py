@@ -41,7 +41,28 @@ K = TypeVar("K", bound=Hashable)
 __all__ = ["HostAsyncKeyLock", "HostAsyncLockManager", "HostAsyncRWLockManager"]
 
 
-class HostAsyncLockManager(LayeredAsyncLockManager[K, "HostLockManager[K]", "_HostTasks"]):
+class _HostAsyncView:
+    """What both host ``aio`` views add to the shared ones."""
+
+    __slots__ = ()
+    _tasks: _HostTasks
+
+    async def release_all(self) -> int:
+        """Release every key the current task holds through this manager, all levels; how
+        many (a coroutine, as ``lockmgr.postgres``'s, that never waits). Raises
+        RuntimeError outside a running asyncio task."""
+        return self._tasks.release_all(self._tasks.manager._engine.aio.release_all)
+
+    def fence(self, key: Hashable) -> int:
+        """The fence under which the current task holds ``key`` for writing (``lease.fence``
+        of its ``hold``), as ``HostLockManager.fence``: LockError without ``fencing=True``
+        or for a key only read, NotOwnedError if the task does not hold it, TypeError for
+        a key that is not str, bytes, int or a tuple of them."""
+        return self._tasks.fence(key)
+
+
+class HostAsyncLockManager(LayeredAsyncLockManager[K, "HostLockManager[K]", "_HostTasks"],
+                           _HostAsyncView):
     """``HostLockManager.aio``: the manager with the current asyncio task as owner.
 
     Names, arguments and errors are those of ``HostLockManager``; acquiring is a coroutine
@@ -72,14 +93,9 @@ class HostAsyncLockManager(LayeredAsyncLockManager[K, "HostLockManager[K]", "_Ho
         that is not str, bytes, int or a tuple of them."""
         return self._manager.locked(key)
 
-    async def release_all(self) -> int:
-        """Release every key the current task holds through this manager, all levels; how
-        many (a coroutine, as ``lockmgr.postgres``'s, that never waits)."""
-        return self._tasks.release_all(self._local.release_all)
-
 
 class HostAsyncRWLockManager(LayeredAsyncRWLockManager[K, "HostRWLockManager[K]",
-                                                       "_HostTasks"]):
+                                                       "_HostTasks"], _HostAsyncView):
     """``HostRWLockManager.aio``: shared (read) and exclusive (write) keys with the current
     task as owner (see ``HostAsyncLockManager``; names, arguments and errors of
     ``HostRWLockManager``). Every method raises RuntimeError outside a running task."""
@@ -100,10 +116,6 @@ class HostAsyncRWLockManager(LayeredAsyncRWLockManager[K, "HostRWLockManager[K]"
         """Whether any process writes ``key`` (a coroutine that never waits). Raises
         TypeError for a key that is not str, bytes, int or a tuple of them."""
         return self._manager.write_locked(key)
-
-    async def release_all(self) -> int:
-        """As ``HostAsyncLockManager.release_all``."""
-        return self._tasks.release_all(self._local.release_all)
 
 
 class HostAsyncKeyLock(LayeredAsyncKeyLock[K]):

@@ -21,10 +21,12 @@ import weakref
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from .._args import READ, WRITE
 from .._errors import not_owned
-from .._layered import Lease
+from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import current_task_or_raise
 from ._engine import _count_down
+from ._holders import abandoned
 
 if TYPE_CHECKING:
     import asyncio
@@ -52,10 +54,11 @@ if hasattr(os, "register_at_fork"):
 class _TaskLevels:
     """One task's levels with one manager (the kernel's included), until it ends."""
 
-    __slots__ = ("held", "ended")
+    __slots__ = ("held", "fences", "ended")
 
     def __init__(self) -> None:
         self.held: dict[_Item, int] = {}
+        self.fences: dict[Hashable, int] = {}  # written key -> the fence it was taken under
         self.ended = False  # its done-callback gave its kernel locks back
 
 
@@ -84,7 +87,25 @@ class _HostTasks:
         return current_task_or_raise(), self.current()
 
     def lease(self, items: Sequence[_Item]) -> Lease:
-        return Lease(tuple(key for key, _ in items), None)
+        """The current task's lease on ``items``, which it has just acquired."""
+        keys = tuple(key for key, _ in items)
+        if not self.manager._fencing:
+            return Lease(keys, None)
+        fences = self.current().fences
+        return Lease(keys, {key: fences[key] for key, mode in items if mode == WRITE})
+
+    def fence(self, key: Hashable) -> int:
+        """``HostLockManager.fence`` for the current task (raises what it raises)."""
+        self.manager._check_key(key)
+        if not self.manager._fencing:
+            raise _no_fencing()
+        task = current_task_or_raise()
+        levels = self.levels.get(task)
+        if levels is not None and levels.held.get((key, WRITE)):
+            return levels.fences[key]
+        if levels is not None and levels.held.get((key, READ)):
+            raise _read_has_no_fence(key)
+        raise not_owned(key, task)
 
     def task_done(self, task: asyncio.Task[Any]) -> None:
         """A task ended: its kernel locks go back (the in-process engine releases its keys
@@ -93,7 +114,7 @@ class _HostTasks:
         if levels is None:
             return
         levels.ended = True
-        held, levels.held = levels.held, {}
+        held, levels.held, levels.fences = levels.held, {}, {}
         self.give_kernel([(self.manager.host_key(key), mode) for key, mode in held])
 
     def end_stranded(self, task: asyncio.Task[Any]) -> None:
@@ -126,11 +147,16 @@ class _HostTasks:
         idents = [self.manager._check_key(key) for key, _ in items]  # a bad key: nothing
         if not await local_acquire(seconds):
             return False
-        held = self.current().held
-        fresh = sorted(((ident, item[1]) for ident, item in zip(idents, items)
-                        if item not in held), key=lambda want: want[0])
+        levels = self.current()
+        fresh = sorted(((ident, item) for ident, item in zip(idents, items)
+                        if item not in levels.held), key=lambda pair: pair[0])
+        wanted = [(ident, mode) for ident, (_, mode) in fresh]
+        ended: list[tuple[int, int]] = []  # (identity, pid) of holders that died holding it
         try:
-            taken = await self.take_kernel(fresh, None if seconds < 0 else started + seconds)
+            taken = await self.take_kernel(wanted, None if seconds < 0 else started + seconds,
+                                           ended)
+            if taken:
+                self.take_fences(levels, fresh, wanted)
         except GeneratorExit:  # closed unrun, outside its task: the kernel's part went back
             raise
         except BaseException:
@@ -140,24 +166,46 @@ class _HostTasks:
             local_release()
             return False
         for item in items:
-            held[item] = held.get(item, 0) + 1
+            levels.held[item] = levels.held.get(item, 0) + 1
+        try:
+            for ident, pid in ended:
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
+        except BaseException:  # the warning made an error: the call fails, holding nothing
+            self.give(items, cast("Callable[[], Awaitable[None]]", local_release))
+            raise
         return True
 
-    async def take_kernel(self, wanted: list[_Want], deadline: float | None) -> bool:
+    def take_fences(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]],
+                    wanted: list[_Want]) -> None:
+        """A fencing manager's fences for the keys just written (their kernel locks go back
+        if one cannot be made durable)."""
+        if not self.manager._fencing:
+            return
+        try:
+            fences = {key: self.manager._shared.fences.next(ident)
+                      for ident, (key, mode) in fresh if mode == WRITE}
+        except BaseException:
+            self.give_kernel(wanted)
+            raise
+        levels.fences.update(fences)
+
+    async def take_kernel(self, wanted: list[_Want], deadline: float | None,
+                          ended: list[tuple[int, int]]) -> bool:
         """Every kernel lock of ``wanted``, in order, by ``deadline``, or none: tries under
-        the loop, and from the first taken by another process on, waits in a thread."""
+        the loop, and from the first taken by another process on, waits in a thread
+        (``ended``: as ``ProcessDirectory.take``'s)."""
         shared, manager = self.manager._shared, id(self.manager)
         task = current_task_or_raise()
         taken: list[_Want] = []
         try:
             for index, (ident, mode) in enumerate(wanted):
-                if shared.take(ident, mode, 0.0, manager):  # a try: it never blocks
+                if shared.take(ident, mode, 0.0, manager, None, ended):  # a try: never blocks
                     taken.append((ident, mode))
                     continue
                 if deadline is not None and deadline <= time.monotonic():
                     return False
                 rest = wanted[index:]
-                waiting = _KernelWait(shared, rest, deadline, manager,
+                waiting = _KernelWait(shared, rest, deadline, manager, ended,
                                       lambda: self.end_stranded(task))
                 if not await waiting.outcome():
                     return False
@@ -182,6 +230,9 @@ class _HostTasks:
         assert levels is not None
         try:
             last = [item for item in items if _count_down(levels.held, item) == 0]
+            for key, mode in last:
+                if mode == WRITE:
+                    levels.fences.pop(key, None)
             self.give_kernel([(self.manager.host_key(key), mode) for key, mode in last])
         finally:
             done = local_release()
@@ -193,7 +244,7 @@ class _HostTasks:
         levels = self.levels.get(current_task_or_raise())
         try:
             if levels is not None:
-                held, levels.held = levels.held, {}
+                held, levels.held, levels.fences = levels.held, {}, {}
                 self.give_kernel([(self.manager.host_key(key), mode) for key, mode in held])
         finally:
             released = local_release_all()
@@ -216,13 +267,15 @@ class _KernelWait:
     took: nothing stays held. A loop closed before the answer is delivered abandons it, and
 ends the task (``stranded``): it can never run again."""
 
-    __slots__ = ("_deadline", "_future", "_loop", "_manager", "_shared", "_state", "_stop",
-                 "_stranded", "_wanted", "_guard")
+    __slots__ = ("_deadline", "_ended", "_future", "_loop", "_manager", "_shared", "_state",
+                 "_stop", "_stranded", "_wanted", "_guard")
 
     def __init__(self, shared: ProcessDirectory, wanted: list[_Want], deadline: float | None,
-                 manager: int, stranded: Callable[[], None]) -> None:
+                 manager: int, ended: list[tuple[int, int]],
+                 stranded: Callable[[], None]) -> None:
         import asyncio
 
+        self._ended = ended  # (read by the task once it has them)
         self._stranded = stranded  # what ends the task if its loop closed meanwhile
         self._shared = shared
         self._wanted = wanted
@@ -260,7 +313,7 @@ ends the task (``stranded``): it can never run again."""
         try:
             for ident, mode in self._wanted:
                 if not self._shared.take(ident, mode, self._deadline, self._manager,
-                                         stop=self._stop):
+                                         None, self._ended, self._stop):
                     break
                 taken.append((ident, mode))
         except BaseException as raised:  # told to the task
