@@ -17,7 +17,7 @@ import pytest
 
 from conftest import abandoned_warnings, wait_until
 from host_fixtures import PATIENCE
-from lockmgr import AbandonedLockWarning, LockTimeout, NotOwnedError
+from lockmgr import AbandonedLockWarning, DeadlockError, LockTimeout, NotOwnedError
 from lockmgr._args import WRITE
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
 
@@ -437,6 +437,34 @@ def test_a_task_taking_a_key_whose_holder_died_is_warned(locks: Any, children: A
             await locks.aio.release("k")
 
     run(main)
+
+
+def test_a_cycle_through_a_task_and_another_process_ends_with_deadlock_error_in_one(
+        locks: Any, children: Any) -> None:
+    child = children()
+    assert child.ask("locks.acquire('b')") is True
+
+    async def watch_the_child() -> str:
+        try:
+            return repr(await in_thread(child.answer))
+        except AssertionError as error:  # it gave up: it lets go of "b" for the task
+            await in_thread(child.ask, "locks.release('b')")
+            return str(error).split(":")[0]
+
+    async def main() -> tuple[str, str]:
+        assert await locks.aio.acquire("a")
+        child.send("locks.acquire('a')")  # the child waits for the task, the task for it
+        watcher = asyncio.ensure_future(watch_the_child())
+        try:
+            assert await locks.aio.acquire("b")
+            await locks.aio.release("b")
+            victim = "the child"
+        except DeadlockError:
+            victim = "the task"
+        await locks.aio.release("a")
+        return victim, await watcher
+
+    assert run(main) in {("the task", "True"), ("the child", "DeadlockError")}
 
 
 def test_a_stopped_kernel_wait_ends_holding_nothing(locks: Any, children: Any) -> None:

@@ -27,6 +27,7 @@ from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import current_task_or_raise
 from ._engine import _count_down
 from ._holders import abandoned
+from ._waits import Look
 
 if TYPE_CHECKING:
     import asyncio
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 _Item = tuple[Hashable, int]
 _Want = tuple[int, int]  # (identity, mode) of a kernel lock
+# Makes the Look of a wait for (identity, mode), given the kernel locks the call took so far.
+_Looking = Callable[[int, int, list[_Want]], Callable[[], "Look"]]
 
 # The task records alive, for the fork handler: a forked child runs none of its parent's tasks.
 _RECORDS: weakref.WeakSet[_HostTasks] = weakref.WeakSet()
@@ -117,6 +120,19 @@ class _HostTasks:
         held, levels.held, levels.fences = levels.held, {}, {}
         self.give_kernel([(self.manager.host_key(key), mode) for key, mode in held])
 
+    def looking(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]]) -> _Looking:
+        """What makes the ``Look`` of the task's wait in the kernel for an identity of
+        ``fresh`` (as ``_HostEngine._looking``): published by the waiting thread, with the
+        identities the task holds and ``taken`` (what this call took so far)."""
+        waits, idents = self.manager._shared.waits, self.manager._idents
+        keys = {ident: key for ident, (key, _) in fresh}
+
+        def held(taken: list[_Want]) -> list[_Want]:
+            return taken + [(idents.of(key), mode) for key, mode in levels.held]
+
+        return lambda ident, mode, taken: lambda: Look(waits, keys[ident], ident, mode,
+                                                       lambda: held(taken))
+
     def end_stranded(self, task: asyncio.Task[Any]) -> None:
         """A task whose event loop closed while it waited in the kernel can never run
         again: what it holds goes, in process (AbandonedLockWarning) and in the kernel, as
@@ -154,7 +170,7 @@ class _HostTasks:
         ended: list[tuple[int, int]] = []  # (identity, pid) of holders that died holding it
         try:
             taken = await self.take_kernel(wanted, None if seconds < 0 else started + seconds,
-                                           ended)
+                                           ended, self.looking(levels, fresh))
             if taken:
                 self.take_fences(levels, fresh, wanted)
         except GeneratorExit:  # closed unrun, outside its task: the kernel's part went back
@@ -190,10 +206,10 @@ class _HostTasks:
         levels.fences.update(fences)
 
     async def take_kernel(self, wanted: list[_Want], deadline: float | None,
-                          ended: list[tuple[int, int]]) -> bool:
+                          ended: list[tuple[int, int]], looking: _Looking) -> bool:
         """Every kernel lock of ``wanted``, in order, by ``deadline``, or none: tries under
         the loop, and from the first taken by another process on, waits in a thread
-        (``ended``: as ``ProcessDirectory.take``'s)."""
+        (``ended``: as ``ProcessDirectory.take``'s; ``looking``: each wait's ``Look``)."""
         shared, manager = self.manager._shared, id(self.manager)
         task = current_task_or_raise()
         taken: list[_Want] = []
@@ -206,7 +222,9 @@ class _HostTasks:
                     return False
                 rest = wanted[index:]
                 waiting = _KernelWait(shared, rest, deadline, manager, ended,
-                                      lambda: self.end_stranded(task))
+                                      lambda: self.end_stranded(task),
+                                      lambda ident, mode, more: looking(ident, mode,
+                                                                        taken + more))
                 if not await waiting.outcome():
                     return False
                 taken.extend(rest)
@@ -267,14 +285,15 @@ class _KernelWait:
     took: nothing stays held. A loop closed before the answer is delivered abandons it, and
 ends the task (``stranded``): it can never run again."""
 
-    __slots__ = ("_deadline", "_ended", "_future", "_loop", "_manager", "_shared", "_state",
-                 "_stop", "_stranded", "_wanted", "_guard")
+    __slots__ = ("_deadline", "_ended", "_future", "_looking", "_loop", "_manager", "_shared",
+                 "_state", "_stop", "_stranded", "_wanted", "_guard")
 
     def __init__(self, shared: ProcessDirectory, wanted: list[_Want], deadline: float | None,
                  manager: int, ended: list[tuple[int, int]],
-                 stranded: Callable[[], None]) -> None:
+                 stranded: Callable[[], None], looking: _Looking) -> None:
         import asyncio
 
+        self._looking = looking  # each wait's deadlock look (DeadlockError: told to the task)
         self._ended = ended  # (read by the task once it has them)
         self._stranded = stranded  # what ends the task if its loop closed meanwhile
         self._shared = shared
@@ -313,7 +332,8 @@ ends the task (``stranded``): it can never run again."""
         try:
             for ident, mode in self._wanted:
                 if not self._shared.take(ident, mode, self._deadline, self._manager,
-                                         None, self._ended, self._stop):
+                                         self._looking(ident, mode, list(taken)),
+                                         self._ended, self._stop):
                     break
                 taken.append((ident, mode))
         except BaseException as raised:  # told to the task
