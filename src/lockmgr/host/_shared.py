@@ -84,7 +84,8 @@ class ProcessDirectory:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
                 # never blocks), the whole of an uncontended call.
-                if self.kernel.try_take(ident, mode == READ):
+                waits_after = deadline is None or deadline > time.monotonic()
+                if self.kernel.try_take(ident, mode == READ, waits_after):
                     first = self._idents[ident] = _Ident()
                     _count(first, mode, manager, 1)
                     if mode == WRITE:
@@ -262,6 +263,8 @@ def let_go(shared: ProcessDirectory) -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _DIRECTORIES_GUARD
+    _DIRECTORIES_GUARD = threading.Lock()  # another thread of the parent may have held it
     for shared in _DIRECTORIES.values():
         shared.forget_all_after_fork()
 
