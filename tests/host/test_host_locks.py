@@ -373,3 +373,14 @@ def test_a_fork_while_another_thread_opens_a_directory_leaves_the_child_working(
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": SRC})
     assert done.returncode == 0, done.stderr
+
+
+def test_closing_the_last_manager_leaves_its_keys_held_until_released(
+        host_engine: ModuleType, lock_dir: str, mechanism: str, children: Any) -> None:
+    child = children()
+    locks: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+    assert locks.acquire("k")
+    locks.close()
+    assert child.ask("locks.acquire('k', timeout=0)") is False
+    locks.release("k")
+    assert child.ask("locks.acquire('k', timeout=0)") is True

@@ -120,8 +120,9 @@ class _HostEngine(Generic[K]):
 
     def close(self) -> None:
         """Let go of the directory (the last manager of it in this process closes its
-        files). Keys still held stay held until released or until the process ends; a
-        manager is closed once. Raises nothing."""
+        files, once the process holds none of its keys). Keys still held stay held until
+        released (through this manager) or until the process ends; a manager is closed
+        once. Raises nothing."""
         if not self._closed:
             self._closed = True
             let_go(self._shared)

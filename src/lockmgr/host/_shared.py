@@ -114,18 +114,20 @@ class ProcessDirectory:
                 look = None if looking is None else looking()
                 taken = self.kernel.take(ident, mode == READ, deadline, look)
         finally:
-            if look is not None:
-                look.stop()
-            with self._guard:
-                state.busy = False
-                if taken:
-                    _count(state, mode, manager, 1)
-                    if mode == WRITE:
-                        self._record(ident, ended)
-                elif taken is None:  # interrupted: the byte may be held, or written
-                    self._settle_kernel(ident, state)
-                self._forget_if_empty(ident, state)
-                self._notify()
+            try:
+                with self._guard:
+                    state.busy = False
+                    if taken:
+                        _count(state, mode, manager, 1)
+                        if mode == WRITE:
+                            self._record(ident, ended)
+                    elif taken is None:  # interrupted: the byte may be held, or written
+                        self._settle_kernel(ident, state)
+                    self._forget_if_empty(ident, state)
+                    self._notify()
+            finally:
+                if look is not None:
+                    look.stop()
         return taken
 
     def give(self, ident: int, mode: int, manager: int) -> None:
@@ -168,6 +170,11 @@ class ProcessDirectory:
             self.kernel.give(ident)
         elif not state.writers:
             self.kernel.to_shared(ident)
+
+    def holding(self) -> bool:
+        """Whether the process holds, or is taking, any identity of the directory."""
+        with self._guard:
+            return bool(self._idents)
 
     def locked(self, ident: int) -> bool:
         """Whether any process holds ``ident`` (this one through any manager)."""
@@ -250,10 +257,12 @@ def process_directory(path: str | os.PathLike[str], mechanism: str,
 
 
 def let_go(shared: ProcessDirectory) -> None:
-    """A manager is done with ``shared``: the last closes the directory."""
+    """A manager is done with ``shared``: the last closes the directory, unless the process
+    still holds keys of it (closing a shard's descriptor would drop their kernel locks):
+    then it stays open for the process's life, and a later manager of it uses it."""
     with _DIRECTORIES_GUARD:
         shared.users -= 1
-        if shared.users:
+        if shared.users or shared.holding():
             return
         for place, known in list(_DIRECTORIES.items()):
             if known is shared:
