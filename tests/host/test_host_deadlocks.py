@@ -5,6 +5,8 @@ kernel mechanisms, spawned processes."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from types import ModuleType
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 
 from conftest import wait_until
 from lockmgr.host import HostLockManager
+from lockmgr.host import _waits
 from lockmgr.host._waits import LOOK_EVERY
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.posix_only]
@@ -123,3 +126,46 @@ def test_a_wait_published_by_a_process_that_died_is_not_followed(
     assert holder_of_a.ask("locks.acquire('a', timeout=30)") is True
     holder_of_b.send("locks.acquire('a', timeout=6 * %r)" % LOOK_EVERY)
     assert outcome(holder_of_b) == "False"  # timed out: no DeadlockError
+
+
+def interrupting_on_return(function: Any) -> Any:
+    """A trace function that raises KeyboardInterrupt once, as ``function`` returns: where a
+    signal handler raises if the signal lands after its last line."""
+    fired: list[bool] = []
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not function.__code__:
+            return None
+
+        def at_return(frame: Any, event: str, arg: Any) -> Any:
+            if event == "return" and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return at_return
+        return at_return
+    return trace, fired
+
+
+def test_an_interrupt_while_a_wait_is_published_leaves_no_publication(
+        host_engine: ModuleType, lock_dir: str, mechanism: str, children: Any) -> None:
+    # Left behind, the publication (this thread holds x, waits for y) would close a false
+    # cycle for the other process, which holds y and waits for x.
+    other = children()
+    locks: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+    try:
+        assert other.ask("locks.acquire('y')") is True
+        assert locks.acquire("x")
+        trace, fired = interrupting_on_return(_waits.WaitBoard.publish)
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                locks.acquire("y", timeout=10)
+        finally:
+            sys.settrace(None)
+        assert fired
+        assert not any(wait[1] == os.getpid() for wait in locks._shared.waits.live().values())
+        other.send(f"locks.acquire('x', timeout={8 * LOOK_EVERY})")
+        assert outcome(other) == "False"  # timed out: no false DeadlockError
+    finally:
+        locks.release_all()
+        locks.close()

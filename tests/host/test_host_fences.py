@@ -87,3 +87,22 @@ def test_a_fence_that_cannot_be_taken_fails_the_acquisition_holding_nothing(
     assert not fenced.owned("k") and len(fenced) == 0
     assert child.ask("locks.acquire('k', timeout=0)") is True
     assert target.read_bytes() == b""
+
+
+def test_a_counter_kept_locked_by_a_stopped_process_times_a_timed_call_out(
+        fenced: Any, children: Any, lock_dir: str) -> None:
+    # A process stopped (SIGSTOP) in the few instructions of its fence keeps the counter
+    # locked: a timed call times out holding nothing, rather than wait for it for ever.
+    child = children()
+    offset = (fenced.host_key("k") % 65536) * 8
+    child.ask("import fcntl, struct\n"
+              f"fences = os.open(os.path.join({lock_dir!r}, 'fences'), os.O_RDWR | os.O_CREAT)\n"
+              "fcntl.fcntl(fences, fcntl.F_OFD_SETLK,"
+              f" struct.pack('@hhqqi4x', fcntl.F_WRLCK, 0, {offset}, 8, 0))")
+    assert fenced.acquire("k", timeout=0.3) is False
+    assert not fenced.owned("k") and len(fenced) == 0
+    assert child.ask("locks.acquire('k', timeout=0)") is True  # the key itself was free
+    child.ask("locks.release('k')")
+    child.ask("os.close(fences)")
+    assert fenced.acquire("k", timeout=5)
+    fenced.release("k")

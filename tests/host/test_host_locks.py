@@ -6,6 +6,9 @@ directory in one process. Each test on both engines (``impl``) and both kernel m
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import signal
 import threading
 import time
 import warnings
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import abandoned_warnings, wait_until
+from host_fixtures import SRC
 from lockmgr import AbandonedLockWarning, LockTimeout, NotOwnedError
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
 
@@ -316,3 +320,67 @@ def test_a_torn_writer_record_warns_nobody(locks: Any, children: Any) -> None:
         warnings.simplefilter("error")
         assert locks.acquire("k", timeout=30)
     locks.release("k")
+
+
+def test_a_stopped_waiter_keeps_no_try_from_a_free_key(locks: Any, children: Any) -> None:
+    holder, waiter = children(), children()
+    assert holder.ask("locks.acquire('k')") is True
+    waiter.send("locks.acquire('k', timeout=60)")
+    wait_until(lambda: any(waiter.pid in state.waiting for state in locks.snapshot(host=True)),
+               "the waiter waits in the kernel")
+    os.kill(waiter.pid, signal.SIGSTOP)
+    try:
+        holder.ask("locks.release('k')")
+        assert locks.acquire("k", blocking=False)  # free: a stopped waiter does not keep it
+        locks.release("k")
+        assert locks.acquire("k", timeout=1)  # a wait stands back one slice, then takes it
+        locks.release("k")
+    finally:
+        os.kill(waiter.pid, signal.SIGCONT)
+
+
+FORK_WHILE_A_THREAD_OPENS = r"""
+import os, signal, sys, tempfile, threading
+from lockmgr.host import HostLockManager, _shared
+base = tempfile.mkdtemp()
+inside, finish = threading.Event(), threading.Event()
+real_open = _shared.open_lock_directory
+
+def slow_open(*args, **kwargs):  # the state a fork during a real open leaves
+    inside.set()
+    finish.wait(60)
+    return real_open(*args, **kwargs)
+
+_shared.open_lock_directory = slow_open
+opener = threading.Thread(target=lambda: HostLockManager(os.path.join(base, "one")).close())
+opener.start()
+inside.wait(60)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(30)  # a hang bound
+    _shared.open_lock_directory = real_open
+    HostLockManager(os.path.join(base, "two")).close()
+    os._exit(0)
+finish.set()
+opener.join()
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_while_another_thread_opens_a_directory_leaves_the_child_working() -> None:
+    done = subprocess.run([sys.executable, "-c", FORK_WHILE_A_THREAD_OPENS],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert done.returncode == 0, done.stderr
+
+
+def test_closing_the_last_manager_leaves_its_keys_held_until_released(
+        host_engine: ModuleType, lock_dir: str, mechanism: str, children: Any) -> None:
+    child = children()
+    locks: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+    assert locks.acquire("k")
+    locks.close()
+    assert child.ask("locks.acquire('k', timeout=0)") is False
+    locks.release("k")
+    assert child.ask("locks.acquire('k', timeout=0)") is True

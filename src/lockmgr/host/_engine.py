@@ -32,6 +32,7 @@ from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
 from .._views import LockStats
 from ._kernel import default_mechanism
+from ._fences import FENCE_PATIENCE
 from ._holders import abandoned
 from ._inspect import HostKeyState, host_states
 from ._shared import let_go, process_directory
@@ -119,8 +120,9 @@ class _HostEngine(Generic[K]):
 
     def close(self) -> None:
         """Let go of the directory (the last manager of it in this process closes its
-        files). Keys still held stay held until released or until the process ends; a
-        manager is closed once. Raises nothing."""
+        files, once the process holds none of its keys). Keys still held stay held until
+        released (through this manager) or until the process ends; a manager is closed
+        once. Raises nothing."""
         if not self._closed:
             self._closed = True
             let_go(self._shared)
@@ -226,6 +228,23 @@ class _HostEngine(Generic[K]):
             mine[:] = [ref for ref in mine if ref() is not None] + [weakref.ref(levels)]
         return levels
 
+    def _take_fences(self, levels: _Levels, fresh: list[tuple[int, _Item]],
+                     deadline: float | None) -> bool:
+        """The fences of the written keys of ``fresh``, all or none; False if another
+        process keeps a counter locked past the call's deadline (a try and a short timeout
+        get ``FENCE_PATIENCE`` for it all the same)."""
+        if deadline is not None:
+            deadline = max(deadline, time.monotonic() + FENCE_PATIENCE)
+        fences = {}
+        for ident, (key, mode) in fresh:
+            if mode == WRITE:
+                fence = self._shared.fences.next(ident, deadline)
+                if fence is None:
+                    return False
+                fences[key] = fence
+        levels.fences.update(fences)  # (one statement: all or none of them)
+        return True
+
     def _looking(self, key: Hashable, ident: int, mode: int,
                  taken: list[tuple[int, int]]) -> Callable[[], Look]:
         """What makes the ``Look`` of a wait in the kernel for ``key`` (if it waits)."""
@@ -273,11 +292,10 @@ class _HostEngine(Generic[K]):
                                          self._looking(key, ident, mode, taken), ended):
                     break
                 taken.append((ident, mode))
+            fenced = True
             if self._fencing and len(taken) == len(fresh):
-                fences = {key: self._shared.fences.next(ident)
-                          for ident, (key, mode) in fresh if mode == WRITE}
-                levels.fences.update(fences)  # (one statement: all or none of them)
-            done = len(taken) == len(fresh)
+                fenced = self._take_fences(levels, fresh, deadline)
+            done = fenced and len(taken) == len(fresh)
         finally:
             if not done:  # not in time, failed or interrupted: nothing stays
                 try:

@@ -17,6 +17,7 @@ nothing else, the counter's lock being the only one ever taken on that file.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -28,6 +29,9 @@ from ._directory import LockDirectory
 
 FENCES = "fences"
 FENCE_SLOTS = 1 << 16
+#: How long a try, or a call whose deadline is near, waits for another process's fence on
+#: the same counter (microseconds, unless that process was stopped there).
+FENCE_PATIENCE = 0.05
 _FLOCK = struct.Struct("@hhqqi4x")  # Linux's struct flock (as _kernel's)
 
 
@@ -48,17 +52,23 @@ class Fences:
     def after_fork(self) -> None:
         self._in_process = threading.Lock()
 
-    def next(self, ident: int) -> int:
-        """The next fence of ``ident``, durable before it is returned; FenceError if the file
-        system refused (nothing is handed out then)."""
+    def next(self, ident: int, deadline: float | None) -> int | None:
+        """The next fence of ``ident``, durable before it is returned; None if another
+        process keeps its counter locked past ``deadline`` (monotonic; None: no limit: a
+        process stopped in its few instructions there); FenceError if the file system
+        refused (nothing is handed out then)."""
         offset = (ident % FENCE_SLOTS) * 8
-        with self._in_process:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._in_process.acquire(timeout=-1 if left is None else left):
+            return None
+        try:
             try:
                 fd = self._directory.open_file(FENCES)
             except OSError as error:
                 raise FenceError(f"cannot open {FENCES} in {self._directory.path}: {error}") from error
             try:
-                self._lock(fd, offset, fcntl.F_WRLCK)
+                if not self._lock_by(fd, offset, deadline):
+                    return None
                 try:
                     stored = os.pread(fd, 8, offset)
                     current = int.from_bytes(stored, "little") if len(stored) == 8 else 0
@@ -72,12 +82,28 @@ class Fences:
                 raise FenceError(f"cannot take a fence in {self._directory.path}: {error}") from error
             finally:
                 os.close(fd)
+        finally:
+            self._in_process.release()
         return fence
 
+    def _lock_by(self, fd: int, offset: int, deadline: float | None) -> bool:
+        """Lock the counter's 8 bytes by ``deadline``, trying every millisecond (another
+        process holds it for a few instructions, unless it was stopped there)."""
+        while True:
+            try:
+                self._lock(fd, offset, fcntl.F_WRLCK)
+                return True
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
     def _lock(self, fd: int, offset: int, kind: int) -> None:
-        """Lock (waiting: a few microseconds of another process's fence) or unlock the
-        counter's 8 bytes."""
+        """Lock (at once, or OSError) or unlock the counter's 8 bytes."""
         if self._ofd:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(kind, os.SEEK_SET, offset, 8, 0))
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, offset, 8, 0))
         else:
-            fcntl.lockf(fd, fcntl.LOCK_UN if kind == fcntl.F_UNLCK else fcntl.LOCK_EX, 8, offset)
+            flags = fcntl.LOCK_UN if kind == fcntl.F_UNLCK else fcntl.LOCK_EX | fcntl.LOCK_NB
+            fcntl.lockf(fd, flags, 8, offset)

@@ -140,11 +140,16 @@ class KernelLocks:
         shard, start = place(ident)
         return self.others_lock(shard, start + _HOLD, _RDLCK if writes_only else _WRLCK)
 
-    def try_take(self, ident: int, shared: bool) -> bool:
+    def try_take(self, ident: int, shared: bool, waits_after: bool = False) -> bool:
         """The key's hold byte at once, or False; waiting writers of other processes keep a
-        new reader out, and a ``try`` does not wait behind waiters (it finds the key taken)."""
+        new reader out. ``waits_after``: the first try of a call that waits if it fails,
+        which also stands back while other processes wait for the key (``take`` then
+        queues it behind them). A call that does not wait takes a free key whoever waits:
+        a waiter stopped in its wait (SIGSTOP) must not make every try fail."""
         shard, start = place(ident)
-        if self.others_lock(shard, start + _QUEUE):
+        if waits_after and self.others_lock(shard, start + _QUEUE):
+            return False
+        if shared and self.others_lock(shard, start + _WRITER):
             return False
         return self.lock_byte(shard, start + _HOLD, _RDLCK if shared else _WRLCK)
 

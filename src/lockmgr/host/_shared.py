@@ -87,7 +87,8 @@ class ProcessDirectory:
             if ident not in self._idents:
                 # Nobody of this process holds or takes it: one try under the guard (a try
                 # never blocks), the whole of an uncontended call.
-                if self.kernel.try_take(ident, mode == READ):
+                waits_after = deadline is None or deadline > time.monotonic()
+                if self.kernel.try_take(ident, mode == READ, waits_after):
                     first = self._idents[ident] = _Ident()
                     _count(first, mode, manager, 1)
                     if mode == WRITE:
@@ -122,18 +123,20 @@ class ProcessDirectory:
                 look = None if looking is None else looking()
                 taken = self.kernel.take(ident, mode == READ, deadline, look, stop)
         finally:
-            if look is not None:
-                look.stop()
-            with self._guard:
-                state.busy = False
-                if taken:
-                    _count(state, mode, manager, 1)
-                    if mode == WRITE:
-                        self._record(ident, ended)
-                elif taken is None:  # interrupted: the byte may be held, or written
-                    self._settle_kernel(ident, state)
-                self._forget_if_empty(ident, state)
-                self._notify()
+            try:
+                with self._guard:
+                    state.busy = False
+                    if taken:
+                        _count(state, mode, manager, 1)
+                        if mode == WRITE:
+                            self._record(ident, ended)
+                    elif taken is None:  # interrupted: the byte may be held, or written
+                        self._settle_kernel(ident, state)
+                    self._forget_if_empty(ident, state)
+                    self._notify()
+            finally:
+                if look is not None:
+                    look.stop()
         return taken
 
     def give(self, ident: int, mode: int, manager: int) -> None:
@@ -176,6 +179,11 @@ class ProcessDirectory:
             self.kernel.give(ident)
         elif not state.writers:
             self.kernel.to_shared(ident)
+
+    def holding(self) -> bool:
+        """Whether the process holds, or is taking, any identity of the directory."""
+        with self._guard:
+            return bool(self._idents)
 
     def locked(self, ident: int) -> bool:
         """Whether any process holds ``ident`` (this one through any manager)."""
@@ -258,10 +266,12 @@ def process_directory(path: str | os.PathLike[str], mechanism: str,
 
 
 def let_go(shared: ProcessDirectory) -> None:
-    """A manager is done with ``shared``: the last closes the directory."""
+    """A manager is done with ``shared``: the last closes the directory, unless the process
+    still holds keys of it (closing a shard's descriptor would drop their kernel locks):
+    then it stays open for the process's life, and a later manager of it uses it."""
     with _DIRECTORIES_GUARD:
         shared.users -= 1
-        if shared.users:
+        if shared.users or shared.holding():
             return
         for place, known in list(_DIRECTORIES.items()):
             if known is shared:
@@ -271,6 +281,8 @@ def let_go(shared: ProcessDirectory) -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _DIRECTORIES_GUARD
+    _DIRECTORIES_GUARD = threading.Lock()  # another thread of the parent may have held it
     for shared in _DIRECTORIES.values():
         shared.forget_all_after_fork()
 

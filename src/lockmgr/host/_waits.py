@@ -70,17 +70,21 @@ class WaitBoard:
         self._guard = threading.Lock()
         self._mine = set()
 
-    def publish(self, owner: int, started: float, waits_for: int, mode: int,
-                held: Sequence[tuple[int, int]]) -> int | None:
-        """Claim a free slot and write this wait in it; None if every slot is taken."""
+    def claim(self) -> int | None:
+        """A free slot, made this process's and emptied (``publish`` writes a wait in it,
+        ``withdraw`` frees it); None if every slot is taken."""
         with self._guard:
             for slot in range(WAIT_SLOTS):
                 if slot in self._mine or not self._lock_byte(0, _LIVE_BASE + slot, fcntl.F_WRLCK):
                     continue
                 self._mine.add(slot)
-                break
-            else:
-                return None
+                struct.pack_into("=I", self._registry, _slot_offset(slot) + 4, 0)  # no pid yet
+                return slot
+        return None
+
+    def publish(self, slot: int, owner: int, started: float, waits_for: int, mode: int,
+                held: Sequence[tuple[int, int]]) -> None:
+        """Write a wait in ``slot`` (``claim``'s)."""
         listed = list(held)[:HELD_MAX]
         modes = sum(1 << index for index, (_, held_mode) in enumerate(listed)
                     if held_mode == WRITE)
@@ -91,7 +95,6 @@ class WaitBoard:
         _HEAD.pack_into(self._registry, offset, writing, os.getpid(), owner, started,
                         waits_for, mode, len(listed), modes)
         struct.pack_into("=I", self._registry, offset, (writing + 1) & 0xFFFFFFFF)
-        return slot
 
     def withdraw(self, slot: int) -> None:
         """The wait in ``slot`` ended: the slot is free again."""
@@ -197,8 +200,12 @@ class Look:
             return
         try:
             if self._slot is None:
-                self._slot = self._board.publish(self._owner, self._started, self._ident,
-                                                 self._mode, self._held())
+                # (the slot is the look's as soon as it is claimed: an interrupt while the
+                # wait is written leaves it to ``stop``, which withdraws it)
+                self._slot = self._board.claim()
+                if self._slot is not None:
+                    self._board.publish(self._slot, self._owner, self._started, self._ident,
+                                        self._mode, self._held())
             else:
                 self._confirm(self._board.cycle(self._slot))
         finally:
