@@ -26,6 +26,7 @@ from .._errors import not_owned
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import current_task_or_raise
 from ._engine import _count_down
+from ._fences import FENCE_PATIENCE
 from ._holders import abandoned
 from ._waits import Look
 
@@ -169,10 +170,9 @@ class _HostTasks:
         wanted = [(ident, mode) for ident, (_, mode) in fresh]
         ended: list[tuple[int, int]] = []  # (identity, pid) of holders that died holding it
         try:
-            taken = await self.take_kernel(wanted, None if seconds < 0 else started + seconds,
-                                           ended, self.looking(levels, fresh))
-            if taken:
-                self.take_fences(levels, fresh, wanted)
+            deadline = None if seconds < 0 else started + seconds
+            taken = (await self.take_kernel(wanted, deadline, ended, self.looking(levels, fresh))
+                     and await self.take_fences(levels, fresh, wanted, deadline))
         except GeneratorExit:  # closed unrun, outside its task: the kernel's part went back
             raise
         except BaseException:
@@ -191,19 +191,32 @@ class _HostTasks:
             raise
         return True
 
-    def take_fences(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]],
-                    wanted: list[_Want]) -> None:
-        """A fencing manager's fences for the keys just written (their kernel locks go back
-        if one cannot be made durable)."""
+    async def take_fences(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]],
+                          wanted: list[_Want], deadline: float | None) -> bool:
+        """A fencing manager's fences for the keys just written, all or none, taken in a
+        thread (each is made durable on disk first: never on the loop); False if another
+        process keeps a counter locked past the deadline (``FENCE_PATIENCE`` at least, as
+        a thread's call). The kernel locks of ``wanted`` go back if it fails or raises."""
         if not self.manager._fencing:
-            return
+            return True
+        import asyncio
+
+        if deadline is not None:
+            deadline = max(deadline, time.monotonic() + FENCE_PATIENCE)
+        counters = self.manager._shared.fences
+        written = [(ident, key) for ident, (key, mode) in fresh if mode == WRITE]
+        fences: dict[Hashable, int] = {}
         try:
-            fences = {key: self.manager._shared.fences.next(ident)
-                      for ident, (key, mode) in fresh if mode == WRITE}
-        except BaseException:
-            self.give_kernel(wanted)
-            raise
-        levels.fences.update(fences)
+            for ident, key in written:
+                fence = await asyncio.to_thread(counters.next, ident, deadline)
+                if fence is None:
+                    break
+                fences[key] = fence
+        finally:
+            if len(fences) < len(written):
+                self.give_kernel(wanted)
+        levels.fences.update(fences)  # (one statement: all or none of them)
+        return len(fences) == len(written)
 
     async def take_kernel(self, wanted: list[_Want], deadline: float | None,
                           ended: list[tuple[int, int]], looking: _Looking) -> bool:
