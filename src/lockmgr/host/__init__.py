@@ -15,6 +15,9 @@ The map:
 - ``_shared``: what the managers of one directory share in a process (its descriptors,
   which identities the process holds for which manager);
 - ``_engine``: the two layers (in process, then the kernel) and each thread's levels;
+- ``_tasks``: asyncio tasks as owners (``locks.aio``): each task's levels, and its waits
+  for kernel locks in threads of their own, so that the event loop never blocks;
+- ``_aio``: the ``aio`` views (``lockmgr._layered_aio``'s, shared with ``lockmgr.postgres``);
 - ``_managers``: the public managers.
 
 Keys (str, bytes, int and tuples of them) map to 64-bit identities as in

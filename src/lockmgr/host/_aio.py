@@ -18,6 +18,12 @@ and across processes by the kernel's record locks (``_tasks``). For the event lo
   (they never wait here).
 - **A task that ends holding keys** has their kernel locks given back when it ends (its
   done-callback); the in-process engine releases them in process with AbandonedLockWarning.
+  A task whose loop closed while it waited in the kernel is ended so when its wait ends.
+- **As threads do**, a task takes fences (``fencing=True``: ``Lease.fence``,
+  ``aio.fence(key)``; taken in a thread, as they are made durable on disk), is warned
+  (AbandonedLockWarning) when the last writer of a key it takes died holding it, and its
+  wait in the kernel publishes itself for the deadlock looks across processes
+  (DeadlockError, nothing held, if it closes a cycle and is the one chosen).
 - **An ``async with`` object** (``aio[key]``, ``hold``, ``read``, ``write``, ``hold_many``)
   gives back, at its exit, the hold of the task that entered it: nothing if that task
   ended (its end gave it back); run by another task, NotOwnedError, and the key stays
