@@ -132,6 +132,22 @@ class HostProcess:
             self.process.stdout.close()
 
 
+def counted(children: Any, lock_dir: str, bump: str, command: str, processes: int) -> int:
+    """The value of a counter file (next to ``lock_dir``, from 0) once ``processes`` children
+    defining ``bump(counter)`` (a non-atomic read-modify-write of it under a lock) have each
+    run ``command``."""
+    counter = os.path.join(os.path.dirname(lock_dir), "counter")
+    with open(counter, "w") as file:
+        file.write("0")
+    workers = [children(f"counter = {counter!r}\n" + bump) for _ in range(processes)]
+    for worker in workers:
+        worker.send(command)
+    for worker in workers:
+        assert worker.answer() is None
+    with open(counter) as file:
+        return int(file.read())
+
+
 @pytest.fixture
 def host_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """Run the host managers over the in-process engine under test."""

@@ -6,7 +6,6 @@ that ends holding keys. Each test on both engines (``impl``) and both kernel mec
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import warnings
 from collections.abc import Callable, Coroutine
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import abandoned_warnings, wait_until
-from host_fixtures import PATIENCE
+from host_fixtures import PATIENCE, counted
 from lockmgr import AbandonedLockWarning, DeadlockError, LockTimeout, NotOwnedError
 from lockmgr._args import WRITE
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
@@ -120,27 +119,18 @@ def test_tasks_of_two_processes_exclude_each_other(locks: Any, children: Any) ->
 
 def test_a_counter_in_a_file_loses_no_increment_to_tasks_of_three_processes(
         locks: Any, children: Any, lock_dir: str) -> None:
-    counter = os.path.join(os.path.dirname(lock_dir), "counter")
-    with open(counter, "w") as file:
-        file.write("0")
-    body = (f"import asyncio\n"
-            f"async def bump(times):\n"
-            f"    for _ in range(times):\n"
-            f"        async with locks.aio['counter']:\n"
-            f"            with open({counter!r}) as file:\n"
-            f"                value = int(file.read())\n"
-            f"            await asyncio.sleep(0)  # the other tasks run here\n"
-            f"            with open({counter!r}, 'w') as file:\n"
-            f"                file.write(str(value + 1))\n"
-            f"async def bump_in_tasks(tasks, times):\n"
-            f"    await asyncio.gather(*(bump(times) for _ in range(tasks)))\n")
-    workers = [children(body) for _ in range(3)]
-    for worker in workers:
-        worker.send("asyncio.run(bump_in_tasks(3, 100))")
-    for worker in workers:
-        assert worker.answer() is None
-    with open(counter) as file:
-        assert int(file.read()) == 900
+    bump = ("import asyncio\n"
+            "async def bump(times):\n"
+            "    for _ in range(times):\n"
+            "        async with locks.aio['counter']:\n"
+            "            with open(counter) as file:\n"
+            "                value = int(file.read())\n"
+            "            await asyncio.sleep(0)  # the other tasks run here\n"
+            "            with open(counter, 'w') as file:\n"
+            "                file.write(str(value + 1))\n"
+            "async def bump_in_tasks(tasks, times):\n"
+            "    await asyncio.gather(*(bump(times) for _ in range(tasks)))\n")
+    assert counted(children, lock_dir, bump, "asyncio.run(bump_in_tasks(3, 100))", 3) == 900
 
 
 def test_a_task_and_a_thread_of_one_process_exclude_each_other(

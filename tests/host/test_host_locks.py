@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import abandoned_warnings, wait_until
-from host_fixtures import SRC
+from host_fixtures import SRC, counted
 from lockmgr import AbandonedLockWarning, LockTimeout, NotOwnedError
 from lockmgr.host import HostLockManager, HostRWLockManager, Lease
 
@@ -61,23 +61,14 @@ def test_a_key_held_in_one_process_is_taken_in_another_only_once_released(
 
 def test_a_counter_in_a_file_loses_no_increment_across_four_processes(
         locks: Any, children: Any, lock_dir: str) -> None:
-    counter = os.path.join(os.path.dirname(lock_dir), "counter")
-    with open(counter, "w") as file:
-        file.write("0")
-    body = (f"def bump(times):\n"
-            f"    for _ in range(times):\n"
-            f"        with locks['counter']:\n"
-            f"            with open({counter!r}) as file:\n"
-            f"                value = int(file.read())\n"
-            f"            with open({counter!r}, 'w') as file:\n"
-            f"                file.write(str(value + 1))\n")
-    workers = [children(body) for _ in range(4)]
-    for worker in workers:
-        worker.send("bump(500)")
-    for worker in workers:
-        assert worker.answer() is None
-    with open(counter) as file:
-        assert int(file.read()) == 2000
+    bump = ("def bump(times):\n"
+            "    for _ in range(times):\n"
+            "        with locks['counter']:\n"
+            "            with open(counter) as file:\n"
+            "                value = int(file.read())\n"
+            "            with open(counter, 'w') as file:\n"
+            "                file.write(str(value + 1))\n")
+    assert counted(children, lock_dir, bump, "bump(500)", 4) == 2000
 
 
 def test_reentry_takes_the_kernel_lock_once_and_the_last_release_frees_it(
