@@ -26,6 +26,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 _CHILD = r"""
 import json, os, signal, sys, threading, time, warnings
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
 from lockmgr.host import HostLockManager, HostRWLockManager
 import lockmgr
 space = {"os": os, "signal": signal, "sys": sys, "threading": threading, "time": time,
