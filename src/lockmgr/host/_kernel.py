@@ -234,13 +234,16 @@ class _Futex:
     _WAIT, _WAKE = 0, 1  # shared (not FUTEX_PRIVATE_FLAG): the word is in a file mapping
     _EVERYONE = 0x7FFFFFFF
 
-    __slots__ = ("_syscall", "_number")
+    __slots__ = ("_syscall", "_number", "_timeouts")
 
     _instance: _Futex | None = None
 
     def __init__(self) -> None:
         self._number = self._NUMBERS.get(platform.machine()) if sys.platform == "linux" else None
         self._syscall = None
+        # One timespec per thread, made once: CPython 3.13t's ctypes races on making
+        # instances of one Structure type in several threads at once (ThreadSanitizer).
+        self._timeouts = threading.local()
         if self._number is not None:
             libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
             self._syscall = libc.syscall
@@ -258,8 +261,11 @@ class _Futex:
         if self._syscall is None:
             time.sleep(seconds)
             return
+        timeout: _Timespec | None = getattr(self._timeouts, "timespec", None)
+        if timeout is None:
+            timeout = self._timeouts.timespec = _Timespec()
         whole = int(seconds)
-        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        timeout.tv_sec, timeout.tv_nsec = whole, int((seconds - whole) * 1e9)
         self._syscall(self._number, ctypes.c_void_p(address), self._WAIT,
                       ctypes.c_uint32(expected), ctypes.byref(timeout), None, 0)
 
