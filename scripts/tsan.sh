@@ -34,7 +34,7 @@ log "virtual environment and pytest for $python"
 venv_python=$work/venv/bin/python
 # psycopg too: the tests' conftest needs it importable (a missing one fails every run, so
 # that no run can skip the PostgreSQL tests unnoticed); the tests below use no server.
-nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout psycopg
+nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout pytest-xdist psycopg
 
 # The core built from a copy of the sources, so that no object file or extension module of
 # another build (the work tree's build/ or src/lockmgr/*.so) can be reused or imported. The
@@ -78,7 +78,7 @@ log "the stress mix and the concurrency tests under ThreadSanitizer; reports in 
 status=0
 (cd "$work" && cp -r "$root/tests" "$root/pyproject.toml" . &&
   env -u PYTHON_GIL LOCKMGR_REQUIRE_NO_GIL=1 TSAN_OPTIONS="$TSAN_OPTIONS log_path=$out/tsan exitcode=0 halt_on_error=0 second_deadlock_stack=1" \
-    nice -n 10 "$venv_python" -m pytest -q -p no:cacheprovider --only-c-extensions \
+    nice -n 10 "$venv_python" -m pytest -q -p no:cacheprovider -n 2 --only-c-extensions \
     tests/stress/test_stress.py tests/stress/test_host_stress.py \
     tests/engine/test_concurrency.py tests/engine/test_many.py \
     tests/engine/test_rwlock.py tests/engine/test_shards.py tests/aio/test_aio.py \

@@ -748,7 +748,14 @@ def looking_while_a_wait_is_forged(manager: postgres.PgLockManager[Any], dsn: st
     try:
         c.run(lambda: manager.acquire("c"))
         c_waits = c_waits_on_the_server(manager, other, c, hold_a=False)
-        a_waits = a.submit(lambda: take_c_holding_a(manager, as_task, holds_a, go))
+
+        def a_takes_c() -> object:
+            try:
+                return take_c_holding_a(manager, as_task, holds_a, go)
+            finally:
+                looked.release()  # A's wait ended: the count below stops waiting for looks
+
+        a_waits = a.submit(a_takes_c)
         assert holds_a.wait(PATIENCE)
         with Forger(forging_login, other.pid, holders_backend(manager, "a")):
             go.set()
