@@ -25,7 +25,9 @@ V = TypeVar("V")
 
 def checked_coroutine_function(fn: object) -> None:
     checked_callable(fn)
-    if not inspect.iscoroutinefunction(fn):
+    # a coroutine function, a partial of one, or an object whose __call__ is one
+    if not (inspect.iscoroutinefunction(fn)
+            or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
         raise TypeError(
             f"flight.aio.call runs a coroutine function (async def), not {fn!r}; for a "
             "plain function, call flight.call (in a thread: asyncio.to_thread)")
