@@ -97,6 +97,31 @@ def test_the_first_caller_s_cancellation_leaves_the_call_to_the_others(
     run(main)
 
 
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_a_caller_cancelled_before_its_call_started_leaves_it_to_the_rule(
+        flight: Singleflight[str, Any], opt_in: bool) -> None:
+    """The starter is cancelled while its runner task has not run yet: the call still
+    starts, and then runs for the others (or is cancelled, if its one caller opted in)."""
+    async def main() -> None:
+        gate = Gate()
+        first = asyncio.create_task(flight.aio.call("k", gate, cancel_when_abandoned=opt_in))
+        await asyncio.sleep(0)  # ``first`` runs up to its wait for the runner, which has not run
+        assert "k" not in flight and not gate.running.is_set()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await gate.running.wait()
+        if opt_in:
+            await until(lambda: gate.cancelled, "the call nobody waits for is cancelled")
+            return
+        second = asyncio.create_task(flight.aio.call("k", gate))
+        await until(lambda: waiting(flight) == 1, "a second caller joins the call")
+        gate.open.set()
+        assert await second == "value" and gate.runs == 1 and not gate.cancelled
+
+    run(main)
+
+
 def test_a_call_nobody_waits_for_runs_to_its_end_unless_every_caller_opted_in(
         flight: Singleflight[str, Any]) -> None:
     async def abandon(gate: Gate, *opt_ins: bool) -> None:
