@@ -143,7 +143,7 @@ class AsyncSingleflight(Generic[K, V]):
                     flight.task is None and flight.thread == threading.get_ident()):
                 raise recursion(flight.key, flight.owner)
             locks = self._table.locks.aio
-            if not await locks.acquire_read(flight, timeout=seconds):
+            if not await locks.acquire_read(flight, True, seconds):
                 raise flight_timed_out(flight.key, seconds)
             await locks.release_read(flight)
         finally:

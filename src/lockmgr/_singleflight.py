@@ -74,8 +74,9 @@ class Singleflight(Generic[K, V]):
         a BaseException that is not an Exception (KeyboardInterrupt, SystemExit: raised
         in the caller that ran it, which had it raised there).
         """
-        checked_callable(fn)
-        return self._call(key, fn, args, {}, hold_seconds(timeout))
+        if not callable(fn):
+            checked_callable(fn)
+        return self._call(key, fn, args, {}, -1.0 if timeout is None else hold_seconds(timeout))
 
     def _call(self, key: K, fn: Callable[..., V], args: tuple[Any, ...], kwargs: dict[str, Any],
               seconds: float) -> V:
@@ -101,21 +102,23 @@ class Singleflight(Generic[K, V]):
                 finally:
                     table.retire(mine)
                     locks.release_write(mine)
-            if flight.task is None or flight.join(False):
+            if flight.task is None:  # a thread's call: no waiter count to keep
                 return self._wait(flight, seconds)
+            if flight.join(False):
+                try:
+                    return self._wait(flight, seconds)
+                finally:
+                    self._aio._leave(flight)
 
     def _wait(self, flight: Flight[V], seconds: float) -> V:
-        """Waits (counted in, for a task's flight) for ``flight``'s outcome."""
-        try:
-            if flight.thread == threading.get_ident():
-                raise recursion(flight.key, flight.owner)
-            locks = self._table.locks
-            if not locks.acquire_read(flight, timeout=seconds):
-                raise flight_timed_out(flight.key, seconds)
-            locks.release_read(flight)
-        finally:
-            if flight.task is not None:
-                self._aio._leave(flight)
+        """Waits for ``flight``'s outcome (the hot path of a hit: positional arguments,
+        which the compiled core takes faster than keywords)."""
+        if flight.thread == threading.get_ident():
+            raise recursion(flight.key, flight.owner)
+        locks = self._table.locks
+        if not locks.acquire_read(flight, True, seconds):
+            raise flight_timed_out(flight.key, seconds)
+        locks.release_read(flight)
         return flight.outcome()
 
     def shared(self, key: Callable[..., K]) -> Callable[[Callable[P, T]], Callable[P, T]]:
