@@ -158,7 +158,7 @@ class AsyncSingleflight(Generic[K, V]):
             with contextlib.suppress(RuntimeError):  # its loop has closed: it is done
                 task.get_loop().call_soon_threadsafe(task.cancel)
 
-    def shared_coroutine(self, key: K, fn: Callable[..., Awaitable[V]], args: tuple[Any, ...],
+    def _shared_call(self, key: K, fn: Callable[..., Awaitable[V]], args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> Awaitable[V]:
         """A decorated coroutine function's call (``Singleflight.shared``)."""
         return self._call(key, lambda: fn(*args, **kwargs), (), -1.0, False)

@@ -15,6 +15,7 @@ identity), so a new flight of the same key never queues behind the waiters of th
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Hashable
 from types import ModuleType, TracebackType
@@ -134,9 +135,11 @@ def engine_locks(engine: ModuleType | None) -> RWLockManager[Any]:
     """A private reader/writer manager of ``engine`` (``lockmgr._core`` or ``lockmgr._pure``),
     or, for None, of the engine ``lockmgr`` chose (read when the flight group is made)."""
     if engine is None:
-        import lockmgr  # the package has chosen its engine by the time a group is made
-
-        return lockmgr.RWLockManager()
+        # The package's own RWLockManager, the engine it chose (the package, which imports
+        # this module, has done so by the time a group is made): looked up, not imported.
+        package: Any = sys.modules[__name__.rpartition(".")[0]]
+        chosen: RWLockManager[Any] = package.RWLockManager()
+        return chosen
     manager: RWLockManager[Any] = engine.RWLockManager()
     return manager
 

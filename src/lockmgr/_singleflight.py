@@ -140,7 +140,7 @@ class Singleflight(Generic[K, V]):
 
                 @functools.wraps(func)
                 async def shared_coroutine(*args: P.args, **kwargs: P.kwargs) -> Any:
-                    return await aio.shared_coroutine(key_func(*args, **kwargs), func, args,
+                    return await aio._shared_call(key_func(*args, **kwargs), func, args,
                                                       kwargs)
 
                 return shared_coroutine  # type: ignore[return-value]  # T: a coroutine of
