@@ -194,6 +194,42 @@ def test_waiters_of_a_cancelled_call_get_a_clear_error(flight: Singleflight[str,
     run(main)
 
 
+def test_a_keyboard_interrupt_in_a_task_s_call_ends_its_loop_and_fails_its_waiters(
+        flight: Singleflight[str, Any]) -> None:
+    """KeyboardInterrupt raised by the coroutine goes where asyncio sends it (out of the
+    loop, in the thread that ran the call); a thread waiting for the call gets
+    FlightAbortedError."""
+    release = threading.Event()
+
+    async def interrupted() -> None:
+        await asyncio.to_thread(release.wait, PATIENCE)
+        raise KeyboardInterrupt
+
+    waiter: list[BaseException] = []
+
+    def wait_for_the_call() -> None:
+        try:
+            flight.call("k", str)
+        except BaseException as error:  # handed to the test
+            waiter.append(error)
+
+    async def main() -> None:
+        call = asyncio.create_task(flight.aio.call("k", interrupted))
+        await until(lambda: "k" in flight, "the call runs")
+        thread = threading.Thread(target=wait_for_the_call, daemon=True)
+        thread.start()
+        await until(lambda: waiting(flight) == 2, "the thread waits for the call")
+        release.set()
+        await call
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(main())
+    wait_until(lambda: bool(waiter), "the thread has its answer")
+    assert isinstance(waiter[0], FlightAbortedError)
+    assert isinstance(waiter[0].__cause__, KeyboardInterrupt)
+    assert len(flight) == 0
+
+
 def test_a_thread_joins_a_task_s_call_and_a_task_joins_a_thread_s(
         flight: Singleflight[str, Any]) -> None:
     async def main() -> None:

@@ -162,13 +162,14 @@ def test_a_waiter_s_timeout_abandons_its_wait_only(flight: Singleflight[str, Any
     assert results == ["value", "value"] and gate.runs == 1
 
 
+@pytest.mark.parametrize("ending", [KeyboardInterrupt, SystemExit])
 def test_a_base_exception_is_raised_where_the_call_ran_and_the_others_get_a_clear_error(
-        flight: Singleflight[str, Any]) -> None:
+        flight: Singleflight[str, Any], ending: type[BaseException]) -> None:
     gate = Gate()
 
     def interrupted() -> None:
         gate()
-        raise KeyboardInterrupt
+        raise ending
 
     results: list[object] = []
     runner = start(lambda: flight.call("k", interrupted), results)
@@ -178,10 +179,10 @@ def test_a_base_exception_is_raised_where_the_call_ran_and_the_others_get_a_clea
     gate.open.set()
     join(runner, waiter)
     interrupt, aborted = results
-    assert type(interrupt) is KeyboardInterrupt
+    assert type(interrupt) is ending
     assert isinstance(aborted, FlightAbortedError) and isinstance(aborted, RuntimeError)
     assert aborted.__cause__ is interrupt
-    assert "the call for key 'k' ended with KeyboardInterrupt" in str(aborted)
+    assert f"the call for key 'k' ended with {ending.__name__}" in str(aborted)
     assert len(flight) == 0
     assert flight.call("k", lambda: "again") == "again"  # the next caller starts anew
 
