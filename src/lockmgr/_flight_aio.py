@@ -33,6 +33,13 @@ def checked_coroutine_function(fn: object) -> None:
             "plain function, call flight.call (in a thread: asyncio.to_thread)")
 
 
+def _never_ran(published: asyncio.Future[Any]) -> bool:
+    """Whether a wait for ``published`` ended because its runner was cancelled before its
+    first step (not the waiting task: its own cancellation goes on)."""
+    task = asyncio.current_task()
+    return published.cancelled() and task is not None and not task.cancelling()
+
+
 class AsyncSingleflight(Generic[K, V]):
     """A ``Singleflight``'s flights for asyncio tasks: ``await flight.aio.call(key, coro_fn,
     *args)``. Tasks and threads share one flight per key: a task may wait for a call a
@@ -87,22 +94,46 @@ class AsyncSingleflight(Generic[K, V]):
         """Starts a runner for ``key``: the flight the caller now waits for (counted in),
         its own or one that was published first; None if that one was abandoned."""
         loop = asyncio.get_running_loop()
+        table = self._table
+        published: asyncio.Future[Flight[V]] = loop.create_future()
+        pending = table.starting.setdefault(key, published)
+        if pending is not published and pending.get_loop() is loop:
+            return await self._await_start(pending, cancel_when_abandoned)
         mine: Flight[V] = Flight(key, None, threading.get_ident())
         mine.waiters = 1  # the starter
         mine.cancel_when_abandoned = cancel_when_abandoned
-        published: asyncio.Future[Flight[V]] = loop.create_future()
         mine.task = loop.create_task(self._run(mine, coro_fn, args, published))
         # A runner cancelled before its first step (its loop shutting down) publishes nothing.
-        mine.task.add_done_callback(lambda _: published.cancel())
+        mine.task.add_done_callback(lambda _: self._runner_done(key, published))
         try:
             flight = await asyncio.shield(published)
         except BaseException:
+            if _never_ran(published):
+                return None
             # Abandoned before the runner published: it leaves once it has (see _run).
             published.add_done_callback(lambda done: self._leave_started(mine, done))
             raise
         if flight is mine or flight.task is None or flight.join(cancel_when_abandoned):
             return flight
         return None
+
+    async def _await_start(self, pending: asyncio.Future[Flight[V]],
+                           cancel_when_abandoned: bool) -> Flight[V] | None:
+        """Waits for the flight another task's runner is about to publish, and joins it;
+        None if that runner never ran, or its flight was abandoned: the caller starts anew."""
+        try:
+            flight = await asyncio.shield(pending)
+        except asyncio.CancelledError:
+            if _never_ran(pending):
+                return None
+            raise
+        if flight.task is None or flight.join(cancel_when_abandoned):
+            return flight
+        return None
+
+    def _runner_done(self, key: K, published: asyncio.Future[Flight[V]]) -> None:
+        self._table.started(key, published)
+        published.cancel()  # (a no-op once answered)
 
     def _leave_started(self, mine: Flight[V], published: asyncio.Future[Flight[V]]) -> None:
         if not published.cancelled() and published.exception() is None and (
@@ -120,6 +151,8 @@ class AsyncSingleflight(Generic[K, V]):
         await locks.acquire_write(mine)  # its own key: granted at once
         try:
             flight = table.publish(mine)
+            # callers now find the flight published (mine.key is the K this group was given)
+            table.started(mine.key, published)  # type: ignore[arg-type]
             published.set_result(flight)
             if flight is mine:
                 mine.finish(await coro_fn(*args))

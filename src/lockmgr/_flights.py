@@ -151,10 +151,14 @@ class FlightTable(Generic[K, V]):
     running flight takes no lock of this module; a flight leaves the table under ``_retire``,
     which only ``retire`` and ``forget`` take."""
 
-    __slots__ = ("flights", "locks", "_retire", "__weakref__")
+    __slots__ = ("flights", "locks", "starting", "_retire", "__weakref__")
 
     def __init__(self, engine: ModuleType | None) -> None:
         self.flights: dict[K, Flight[V]] = {}
+        #: The keys whose runner task is made and has not yet published its flight: what
+        #: it will answer (tasks of its loop asking meanwhile wait for that, rather than
+        #: each making a runner of its own).
+        self.starting: dict[K, asyncio.Future[Flight[V]]] = {}
         self.locks = engine_locks(engine)
         self._retire = threading.Lock()
 
@@ -167,6 +171,12 @@ class FlightTable(Generic[K, V]):
         with self._retire:
             if self.flights.get(flight.key) is flight:  # type: ignore[arg-type]
                 del self.flights[flight.key]  # type: ignore[arg-type]
+
+    def started(self, key: K, published: asyncio.Future[Flight[V]]) -> None:
+        """The runner answering ``published`` has published (or ended): only its owner
+        takes an entry out, and nothing replaces one, so the check and the delete agree."""
+        if self.starting.get(key) is published:
+            del self.starting[key]
 
     def forget(self, key: K) -> bool:
         with self._retire:

@@ -79,6 +79,44 @@ def test_concurrent_tasks_share_one_call(flight: Singleflight[str, Any]) -> None
     run(main)
 
 
+def test_tasks_asking_before_the_call_started_make_one_runner(
+        flight: Singleflight[str, Any]) -> None:
+    """Tasks of one loop that all ask before the first one's runner has run wait for that
+    runner rather than each making one (the loop's task factory counts them)."""
+    async def main() -> None:
+        runners: list[str] = []
+        loop = asyncio.get_running_loop()
+
+        def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+            runners.extend([coro.__qualname__] if coro.__qualname__.endswith("._run") else [])
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        loop.set_task_factory(counting)
+        gate = Gate()
+        gate.open.set()
+        assert await asyncio.gather(*(flight.aio.call("k", gate) for _ in range(20))) == (
+            ["value"] * 20)
+        assert runners == ["AsyncSingleflight._run"] and gate.runs == 1
+        assert not flight._table.starting
+
+    run(main)
+
+
+def test_callers_of_a_runner_cancelled_before_it_ran_start_anew(
+        flight: Singleflight[str, Any]) -> None:
+    async def main() -> None:
+        gate = Gate()
+        gate.open.set()
+        callers = [asyncio.create_task(flight.aio.call("k", gate)) for _ in range(2)]
+        await asyncio.sleep(0)  # both run up to their wait for the first one's runner
+        runner, = (task for task in asyncio.all_tasks()
+                   if task.get_coro().__qualname__ == "AsyncSingleflight._run")
+        runner.cancel()  # before its first step, as its loop's shutdown would
+        assert await asyncio.gather(*callers) == ["value", "value"] and gate.runs == 1
+
+    run(main)
+
+
 def test_the_first_caller_s_cancellation_leaves_the_call_to_the_others(
         flight: Singleflight[str, Any]) -> None:
     async def main() -> None:
