@@ -425,6 +425,6 @@ def test_the_singleflight_scenario_makes_one_call_per_stampede(name: str) -> Non
                                callers=20)
     values = {row["metric"]: row["value"] for row in results.rows}
     assert set(values) == {"miss", "hit", "calls for 20 callers", "hand-off per caller",
-                           "stampede per caller"}
+                           "stampede per caller", "task stampede per caller"}
     assert values["calls for 20 callers"] == 1
     assert all(value > 0 for value in values.values())

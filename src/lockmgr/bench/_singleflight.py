@@ -11,16 +11,20 @@ row on the pure twin) beside the hand-written version people write, a dict of
   engine's queue, the future's waiters). ``calls`` counts the calls made (1 is right);
   ``hand-off`` is from the call's return to the last caller's, per caller: what a hit on
   an in-flight call costs once its result is there; ``stampede`` is the whole episode,
-  from the release to the last caller's return, per caller (thread wake-ups included).
+  from the release to the last caller's return, per caller (thread wake-ups included);
+- a *task stampede*: ``CALLERS`` asyncio tasks made at once ask for one key, whose call
+  returns once every caller has asked; the episode per caller (the hand-written version:
+  a dict of ``asyncio.Future`` in the tasks' loop).
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import threading
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,6 +49,7 @@ class DictOfFutures:
     def __init__(self) -> None:
         self._guard = threading.Lock()
         self.futures: dict[Any, Future[Any]] = {}
+        self.task_futures: dict[Any, asyncio.Future[Any]] = {}
 
     def call(self, key: Any, fn: Callable[[], Any]) -> Any:
         with self._guard:
@@ -61,6 +66,23 @@ class DictOfFutures:
             future.set_exception(error)
             raise
         self._retire(key)
+        future.set_result(result)
+        return result
+
+    async def call_in_task(self, key: Any, coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+        """The same for tasks, with ``asyncio.Future`` (one loop's: no lock needed)."""
+        future = self.task_futures.get(key)
+        if future is not None:
+            return await future
+        future = self.task_futures[key] = asyncio.get_running_loop().create_future()
+        try:
+            result = await coro_fn()
+        except BaseException as error:
+            del self.task_futures[key]
+            future.set_exception(error)
+            future.exception()  # retrieved: a caller-less failure is no warning
+            raise
+        del self.task_futures[key]
         future.set_result(result)
         return result
 
@@ -84,6 +106,7 @@ class FlightSubject:
     call: Callable[[Any, Callable[[], Any]], Any]
     waiting: Callable[[Any], int]  # how many callers wait for the key's call
     ready: Callable[[Any, Any], None]  # key, result: the key's call in flight, its result set
+    call_in_task: Callable[[Any, Callable[[], Awaitable[Any]]], Awaitable[Any]]
 
 
 def _lockmgr(flight_class: type[Singleflight[Any, Any]]) -> Callable[[], FlightSubject]:
@@ -95,14 +118,15 @@ def _lockmgr(flight_class: type[Singleflight[Any, Any]]) -> Callable[[], FlightS
             done.finish(result)
             flight._table.flights[key] = done
 
-        return FlightSubject(flight.call, lambda key: locks.stats().waiting, ready)
+        return FlightSubject(flight.call, lambda key: locks.stats().waiting, ready,
+                             flight.aio.call)
 
     return make
 
 
 def _futures() -> FlightSubject:
     flights = DictOfFutures()
-    return FlightSubject(flights.call, flights.waiting, flights.ready)
+    return FlightSubject(flights.call, flights.waiting, flights.ready, flights.call_in_task)
 
 
 #: The rows of the singleflight table: name -> how to make the subject.
@@ -158,6 +182,27 @@ def stampede(subject: FlightSubject, callers: int) -> tuple[int, float, float]:
     return len(calls), (last - call_returned[0]) / (callers - 1), (last - began) / callers
 
 
+def task_stampede(subject: FlightSubject, callers: int) -> float:
+    """One stampede of ``callers`` tasks: the episode's seconds per caller."""
+    asked = [0]
+
+    async def backend() -> str:
+        while asked[0] < callers:  # every caller has asked (each waits once it has)
+            await asyncio.sleep(0)
+        return "payload"
+
+    async def caller() -> Any:
+        asked[0] += 1
+        return await subject.call_in_task("hot", backend)
+
+    async def episode() -> float:
+        began = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(caller() for _ in range(callers))), PATIENCE)
+        return (time.perf_counter() - began) / callers
+
+    return asyncio.run(episode())
+
+
 def singleflight(name: str, settings: Settings, results: Results,
                  callers: int = CALLERS) -> None:
     subject = SINGLEFLIGHT_SUBJECTS[name]()
@@ -171,3 +216,5 @@ def singleflight(name: str, settings: Settings, results: Results,
                 statistics.median(hand_off for _, hand_off, _ in runs) * 1e6, "us")
     results.add("singleflight", name, "stampede per caller",
                 statistics.median(episode for _, _, episode in runs) * 1e6, "us")
+    results.add("singleflight", name, "task stampede per caller",
+                statistics.median(task_stampede(subject, callers) for _ in runs) * 1e6, "us")
