@@ -14,13 +14,14 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Awaitable, Callable, Hashable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack
 
 from ._args import hold_seconds
 from ._flights import Flight, FlightTable, checked_callable, flight_timed_out, recursion
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+Ts = TypeVarTuple("Ts")
 
 
 def checked_coroutine_function(fn: object) -> None:
@@ -50,7 +51,8 @@ class AsyncSingleflight(Generic[K, V]):
     def __init__(self, table: FlightTable[K, V]) -> None:
         self._table = table
 
-    async def call(self, key: K, coro_fn: Callable[..., Awaitable[V]], /, *args: Any,
+    async def call(self, key: K, coro_fn: Callable[[Unpack[Ts]], Awaitable[V]], /,
+                   *args: Unpack[Ts],
                    timeout: float | None = None, cancel_when_abandoned: bool = False) -> V:
         """``await coro_fn(*args)`` once for every caller that asks for ``key`` while it runs.
 

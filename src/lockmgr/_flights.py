@@ -128,9 +128,6 @@ def checked_callable(fn: object) -> None:
         raise TypeError(f"the function of a flight must be callable, not {type(fn).__name__}")
 
 
-_engines: dict[str, type[RWLockManager[Any]]] = {}
-
-
 def engine_locks(engine: ModuleType | None) -> RWLockManager[Any]:
     """A private reader/writer manager of ``engine`` (``lockmgr._core`` or ``lockmgr._pure``),
     or, for None, of the engine ``lockmgr`` chose (read when the flight group is made)."""

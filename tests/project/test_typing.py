@@ -190,6 +190,7 @@ wrong: str = flight.call("user:1", load, "user:1", 3)  # E: Incompatible types i
 
 async def main() -> None:
     fetched: int = await flight.aio.call("user:1", fetch, "user:1", timeout=1.0)
+    await flight.aio.call("user:1", fetch, 1)  # E: Argument 2 to "call" of "AsyncSingleflight" has incompatible type
 
 @flight.shared(key=lambda user: user)
 def profile(user: str) -> int:
