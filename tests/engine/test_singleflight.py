@@ -365,3 +365,41 @@ def test_the_public_class_runs_on_the_engine_lockmgr_chose() -> None:
     assert type(flight._table.locks) is lockmgr.RWLockManager
     assert flight.call("k", int, "7") == 7
     assert repr(flight).startswith("<lockmgr.Singleflight flights=0 at ")
+
+
+def test_a_mix_of_callers_timeouts_failures_and_forgets_leaves_nothing_behind(
+        flight: Singleflight[str, Any]) -> None:
+    """Threads ask for a few keys at once, some with a timeout of 0, some calls fail, some
+    keys are forgotten mid-call: every caller gets its key's answer or a clear error, and
+    once they are done no flight, no engine entry is left."""
+    keys = ["a", "b", "c"]
+    problems: list[str] = []
+    go = threading.Barrier(8)
+
+    def answer(key: str, round_: int) -> str:
+        if round_ % 7 == 0:
+            raise ValueError(key)
+        if round_ % 5 == 0:
+            flight.forget(key)
+        return key.upper()
+
+    def worker(index: int) -> None:
+        go.wait(PATIENCE)
+        for round_ in range(150):
+            key = keys[(index + round_) % len(keys)]
+            try:
+                got = flight.call(key, answer, key, round_,
+                                  timeout=0 if (index + round_) % 4 == 0 else None)
+            except (ValueError, LockTimeout) as error:
+                if isinstance(error, ValueError) and error.args != (key,):
+                    problems.append(f"{key}: another key's error {error!r}")
+                continue
+            if got != key.upper():
+                problems.append(f"{key}: {got!r}")
+
+    threads = [threading.Thread(target=worker, args=(index,), daemon=True) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    join(*threads)
+    assert not problems
+    assert len(flight) == 0 and len(flight._table.locks) == 0
