@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -377,6 +378,7 @@ def test_a_mix_of_callers_timeouts_failures_and_forgets_leaves_nothing_behind(
     go = threading.Barrier(8)
 
     def answer(key: str, round_: int) -> str:
+        time.sleep(0.0002)  # a call long enough for others to join it (often, not always)
         if round_ % 7 == 0:
             raise ValueError(key)
         if round_ % 5 == 0:
