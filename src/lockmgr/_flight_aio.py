@@ -106,7 +106,7 @@ class AsyncSingleflight(Generic[K, V]):
         mine.cancel_when_abandoned = cancel_when_abandoned
         mine.task = loop.create_task(self._run(mine, coro_fn, args, published))
         # A runner cancelled before its first step (its loop shutting down) publishes nothing.
-        mine.task.add_done_callback(lambda _: self._runner_done(key, published))
+        mine.task.add_done_callback(lambda task: self._runner_done(key, published, task))
         try:
             flight = await asyncio.shield(published)
         except BaseException:
@@ -133,9 +133,15 @@ class AsyncSingleflight(Generic[K, V]):
             return flight
         return None
 
-    def _runner_done(self, key: K, published: asyncio.Future[Flight[V]]) -> None:
+    def _runner_done(self, key: K, published: asyncio.Future[Flight[V]],
+                     runner: asyncio.Task[None]) -> None:
         self._table.started(key, published)
         published.cancel()  # (a no-op once answered)
+        if not runner.cancelled():
+            # Its KeyboardInterrupt or SystemExit went out of the loop already, and to the
+            # waiters as FlightAbortedError: retrieved, so that the task's finalizer does
+            # not log it again (at a garbage collection, inside whatever code runs then).
+            runner.exception()
 
     def _leave_started(self, mine: Flight[V], published: asyncio.Future[Flight[V]]) -> None:
         if not published.cancelled() and published.exception() is None and (
