@@ -21,6 +21,7 @@ from ._aio import AsyncLockManager, AsyncRWLockManager
 from ._errors import (
     AbandonedLockWarning,
     DeadlockError,
+    FlightAbortedError,
     LockError,
     LockLost,
     LockTimeout,
@@ -28,6 +29,8 @@ from ._errors import (
     NotOwnedError,
 )
 from ._views import LockStats
+from ._flight_aio import AsyncSingleflight
+from ._singleflight import Singleflight
 from ._observe import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
 
 __all__ = [
@@ -35,7 +38,9 @@ __all__ = [
     "AsyncKeyLock",
     "AsyncLockManager",
     "AsyncRWLockManager",
+    "AsyncSingleflight",
     "DeadlockError",
+    "FlightAbortedError",
     "Histogram",
     "Holder",
     "HotKey",
@@ -50,6 +55,7 @@ __all__ = [
     "NestedWaitError",
     "NotOwnedError",
     "RWLockManager",
+    "Singleflight",
     "Waiter",
     "implementation",
     "implementation_reason",
@@ -111,8 +117,10 @@ else:
         implementation_reason = "the compiled core lockmgr._core"
 
 for _exported in (
-    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
-    NestedWaitError, NotOwnedError, Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter,
+    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, AsyncSingleflight, DeadlockError,
+    FlightAbortedError,
+    LockError, LockLost, LockStats, LockTimeout, NestedWaitError, NotOwnedError, Histogram, Holder,
+    HotKey, KeyState, LockMetrics, Singleflight, Waiter,
 ):
     _exported.__module__ = __name__
 del _exported

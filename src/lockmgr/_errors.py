@@ -17,7 +17,8 @@ class LockError(Exception):
 
 
 class LockTimeout(LockError, TimeoutError):
-    """A key could not be acquired within the timeout."""
+    """A key could not be acquired within the timeout (or, for a ``Singleflight`` caller,
+    the shared call did not finish within it)."""
 
 
 class NotOwnedError(LockError, RuntimeError):
@@ -48,6 +49,13 @@ class NestedWaitError(LockError, RuntimeError):
     3.12+ the garbage collector runs inside the waits of every thread). Such code may take
     free keys, re-enter held ones, try-lock and release; it may not queue.
     """
+
+
+class FlightAbortedError(LockError, RuntimeError):
+    """The call a ``Singleflight`` caller waited for ended without a result to share: it
+    raised a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``,
+    ``SystemExit``, the cancellation of the task running it) where it ran, which raised
+    it there. ``__cause__`` is that exception."""
 
 
 class LockLost(LockError):

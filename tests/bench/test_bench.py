@@ -413,3 +413,18 @@ def test_a_contention_report_where_nothing_waited(tmp_path: Path) -> None:
         warnings.simplefilter("error")  # no empty log-scaled panel, no empty legend
         _output.contention_report(measured, str(picture))
     assert picture.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name", ["lockmgr-pure", "dict-of-futures"])
+def test_the_singleflight_scenario_makes_one_call_per_stampede(name: str) -> None:
+    """The scenario's figures, on a small stampede: one call however many callers."""
+    from lockmgr.bench import _singleflight
+
+    results = _measure.Results()
+    _singleflight.singleflight(name, _measure.Settings(quick=True, threads=4, keys=10), results,
+                               callers=20)
+    values = {row["metric"]: row["value"] for row in results.rows}
+    assert set(values) == {"miss", "hit", "calls for 20 callers", "hand-off per caller",
+                           "stampede per caller", "task stampede per caller"}
+    assert values["calls for 20 callers"] == 1
+    assert all(value > 0 for value in values.values())

@@ -16,18 +16,29 @@ import pytest
 
 import lockmgr
 from conftest import PATIENCE, wait_until
-from lockmgr import DeadlockError, LockError, LockStats, LockTimeout, NotOwnedError
+from lockmgr import (
+    DeadlockError,
+    FlightAbortedError,
+    LockError,
+    LockStats,
+    LockTimeout,
+    NotOwnedError,
+    Singleflight,
+)
 
 
 def test_public_names() -> None:
     assert set(lockmgr.__all__) >= {
         "LockManager", "KeyLock", "LockStats", "LockError", "LockTimeout",
-        "NotOwnedError", "DeadlockError", "implementation",
+        "NotOwnedError", "DeadlockError", "implementation", "Singleflight",
+        "AsyncSingleflight", "FlightAbortedError",
     }
     assert issubclass(LockTimeout, TimeoutError) and issubclass(LockTimeout, LockError)
     assert issubclass(NotOwnedError, RuntimeError) and issubclass(NotOwnedError, LockError)
     assert issubclass(DeadlockError, RuntimeError) and issubclass(DeadlockError, LockError)
     assert LockTimeout.__module__ == "lockmgr"
+    assert issubclass(FlightAbortedError, RuntimeError) and issubclass(FlightAbortedError, LockError)
+    assert Singleflight.__module__ == "lockmgr"
 
 
 @pytest.mark.parametrize(("env", "expected"), [

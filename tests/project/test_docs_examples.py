@@ -101,7 +101,8 @@ def test_every_file_has_its_examples_found() -> None:
     """The pages with code still have it, as fences this module reads."""
     with_examples = {example.path.name for example in EXAMPLES}
     expected = {"README.md", "getting-started.md", "asyncio.md", "readers-writers.md",
-                "many-keys.md", "postgres.md", "contention.md", "recipes.md", "host.md"}
+                "many-keys.md", "postgres.md", "contention.md", "recipes.md", "host.md",
+                "singleflight.md"}
     assert expected <= with_examples, expected - with_examples
 
 
@@ -120,6 +121,7 @@ def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleTy
     ``impl``'s."""
     for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
+    # (a Singleflight made now takes its engine from lockmgr.RWLockManager: impl's)
     if sys.platform != "win32":  # (lockmgr.host is not there: its examples are skipped)
         host_managers = importlib.import_module("lockmgr.host._managers")
         monkeypatch.setattr(host_managers, "LockManager", impl.LockManager)
@@ -171,6 +173,9 @@ def test_example_runs(example: Example, public_engine: ModuleType,
                     if isinstance(value, (lockmgr.LockManager, lockmgr.RWLockManager))]
         for manager in managers:  # the public names were the engine's under test
             assert type(manager).__module__ == public_engine.__name__, manager
+        for flight in (value for value in namespace.values()
+                       if isinstance(value, lockmgr.Singleflight)):
+            assert type(flight._table.locks).__module__ == public_engine.__name__, flight
     finally:
         for value in namespace.values():
             close = getattr(value, "close", None)

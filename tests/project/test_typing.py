@@ -167,3 +167,43 @@ def test_aio_synchronized_keeps_the_signature(tmp_path: Path) -> None:
     revealed = _revealed(done)
     assert revealed[0].startswith("def (account: str, amount: int, *, note: str =) -> "), done.stdout
     assert revealed[0].endswith("Coroutine[Any, Any, float]"), done.stdout
+
+
+SINGLEFLIGHT = """
+import asyncio
+from lockmgr import Singleflight
+
+flight: Singleflight[str, int] = Singleflight()
+
+def load(user: str, shard: int) -> int:
+    return shard
+
+async def fetch(user: str) -> int:
+    return len(user)
+
+value: int = flight.call("user:1", load, "user:1", 3)
+timed: int = flight.call("user:1", load, "user:1", 3, timeout=0.5)
+flight.call(1, load, "user:1", 3)  # E: Argument 1 to "call" of "Singleflight" has incompatible type "int"
+flight.call("user:1", load, "user:1", "3")  # E: Argument 2 to "call" of "Singleflight" has incompatible type
+flight.call("user:1", load, "user:1", 3, shard=3)  # E: Unexpected keyword argument "shard"
+wrong: str = flight.call("user:1", load, "user:1", 3)  # E: Incompatible types in assignment
+
+async def main() -> None:
+    fetched: int = await flight.aio.call("user:1", fetch, "user:1", timeout=1.0)
+    await flight.aio.call("user:1", fetch, 1)  # E: Argument 2 to "call" of "AsyncSingleflight" has incompatible type
+
+@flight.shared(key=lambda user: user)
+def profile(user: str) -> int:
+    return len(user)
+
+reveal_type(profile)
+profile(3)  # E: Argument 1 to "profile" has incompatible type "int"
+"""
+
+
+def test_singleflight_checks_the_function_s_arguments(tmp_path: Path) -> None:
+    """``call`` checks the arguments against the function's parameters and the key and the
+    result against the group's types; options are keyword-only, the function's keywords are
+    refused (they go through functools.partial); a shared function keeps its signature."""
+    done = _check_errors(SINGLEFLIGHT, tmp_path)
+    assert _revealed(done) == ["def (user: str) -> int"]

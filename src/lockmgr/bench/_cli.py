@@ -22,6 +22,7 @@ from ._host import HOST_BASELINE, HOST_SUBJECTS, host
 from ._measure import Progress, Results, Settings, progress
 from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
 from ._servers import PAIRS_BASELINE, postgres_processes, redis_server, server_pairs
+from ._singleflight import SINGLEFLIGHT_BASELINE, SINGLEFLIGHT_SUBJECTS, singleflight
 from ._threads import (
     ASKED_FOR_ONLY,
     BASELINE,
@@ -40,8 +41,8 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in about 2 minutes on a 2-core "
                              "machine (more when it is busy)")
     parser.add_argument("--scenario", action="append",
-                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "host", "server-pairs",
-                                 "distributed"],
+                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "host", "singleflight",
+                                 "server-pairs", "distributed"],
                         help="run only this scenario (repeatable; default: all but "
                              "distributed, which runs only when named: it needs --pg-dsn, "
                              "--redis and lockmgr[compare])")
@@ -119,9 +120,13 @@ def _plan(args: argparse.Namespace, impls: list[str], available: dict[str, Any],
     found before anything is measured."""
     steps: list[Step] = []
     servers = args.pg_dsn or args.redis
-    for scenario in args.scenario or [*SCENARIOS, "host",
+    for scenario in args.scenario or [*SCENARIOS, "host", "singleflight",
                                       *(["server-pairs"] if servers else []), *ASYNC_SCENARIOS]:
-        if scenario == "host":
+        if scenario == "singleflight":
+            steps += [(f"singleflight: {name}", functools.partial(singleflight, name, settings,
+                                                                  results))
+                      for name in SINGLEFLIGHT_SUBJECTS if name in impls]
+        elif scenario == "host":
             steps += [(f"host: {name}", functools.partial(host, name, args.pg_dsn, settings,
                                                           results))
                       for name in HOST_SUBJECTS if name in impls]
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     available = implementations(pg_dsn)
     async_available = async_implementations()
     args = parse_args(argv, list(dict.fromkeys([*available, *async_available,
-                                                *HOST_SUBJECTS])))
+                                                *HOST_SUBJECTS, *SINGLEFLIGHT_SUBJECTS])))
     drawing = args.plot or args.contention_report
     if drawing and importlib.util.find_spec("matplotlib") is None:
         option = "--plot" if args.plot else "--contention-report"
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     impls = args.impl or [name for name in dict.fromkeys([*available, *async_available,
-                                                          *HOST_SUBJECTS])
+                                                          *HOST_SUBJECTS, *SINGLEFLIGHT_SUBJECTS])
                            if name not in ASKED_FOR_ONLY]
     settings = Settings(quick=args.quick, threads=args.threads, keys=args.keys)
     if args.contention_report:
@@ -233,14 +238,15 @@ def _measured_in_order(results: Results, impls: list[str]) -> list[str]:
 
 
 def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> None:
-    """The header, then up to five tables: the thread scenarios (ratios to threading.Lock),
-    host (ratios to lockmgr.host), server-pairs (ratios to the bare libpq loop), the asyncio
+    """The header, then up to six tables: the thread scenarios (ratios to threading.Lock),
+    host (ratios to lockmgr.host), singleflight (ratios to a dict of futures), server-pairs (ratios to the bare libpq loop), the asyncio
     ones (ratios to one asyncio.Lock), and the distributed one (ratios to lockmgr over
     PostgreSQL), each with the implementations it measured as columns; then what the
     tables left out, and why."""
     print(header(about))
     for scenarios, baseline in ((set(SCENARIOS), BASELINE),
                                 ({"host"}, HOST_BASELINE),
+                                ({"singleflight"}, SINGLEFLIGHT_BASELINE),
                                 ({"server-pairs"}, PAIRS_BASELINE),
                                 (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
                                 ({"distributed"}, "lockmgr")):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS
 from ._host import HOST_BASELINE
+from ._singleflight import SINGLEFLIGHT_BASELINE
 from ._measure import gil_enabled, progress, run_for
 from ._servers import PAIRS_BASELINE
 from ._threads import BASELINE
@@ -126,6 +127,8 @@ def baseline_of(scenario: str) -> str:
         return PAIRS_BASELINE
     if scenario == "host":
         return HOST_BASELINE
+    if scenario == "singleflight":
+        return SINGLEFLIGHT_BASELINE
     return ASYNC_BASELINE if scenario in ASYNC_SCENARIOS else BASELINE
 
 
@@ -219,7 +222,8 @@ def draw(results: Results, impls: list[str]) -> Any:
         axis.set_yticks(range(len(labels)), labels, fontsize=7)
         axis.invert_yaxis()
         axis.set_xlabel(f"ratio to {BASELINE} (asyncio scenarios: to {ASYNC_BASELINE}; "
-                        f"server-pairs: to {PAIRS_BASELINE}; host: to {HOST_BASELINE}); "
+                        f"server-pairs: to {PAIRS_BASELINE}; host: to {HOST_BASELINE}; "
+                        f"singleflight: to {SINGLEFLIGHT_BASELINE}); "
                         "log scale", fontsize=8)
         axis.set_title("Every scenario against the standard library's lock: lockmgr in red",
                        fontsize=10)
