@@ -30,7 +30,7 @@ from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
-from .._quiet import let_in, quietly
+from .._quiet import quietly
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._fences import FENCE_PATIENCE
@@ -282,16 +282,28 @@ class _HostEngine(Generic[K]):
             if taken:
                 self._give_now(items, local_release)
 
-        return quietly(self._take_now, items, idents, levels, seconds, started,
-                       local_acquire, local_release, undo=untake)
+        try:
+            if not local_acquire(seconds):
+                return False
+            return quietly(self._take_kernel, items, idents, levels, seconds, started,
+                           local_release, undo=untake)
+        except BaseException:
+            # A handler raising as the in-process engine granted, or before the kernel part
+            # began: that grant goes back. (A try runs whole, held off, or raises before it
+            # begins: retried until one has run; this call raises already.)
+            while True:
+                try:
+                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    break
+                except BaseException:
+                    pass
+            raise
 
-    def _take_now(self, items: Sequence[_Item], idents: list[int], levels: _Levels,
-                  seconds: float, started: float, local_acquire: Callable[[float], bool],
-                  local_release: Callable[[], None]) -> bool:
-        """``_take``'s work, its handlers held off."""
-        if not self._take_in_process(items[0], levels, seconds, local_acquire,
-                                     local_release):
-            return False
+    def _take_kernel(self, items: Sequence[_Item], idents: list[int], levels: _Levels,
+                     seconds: float, started: float,
+                     local_release: Callable[[], None]) -> bool:
+        """``_take``'s kernel part, its handlers held off but in its waits; the in-process
+        part is taken."""
         held = levels.held
         if len(items) == 1:  # (the common call, without the sort)
             fresh = [] if items[0] in held else [(idents[0], items[0])]
@@ -331,17 +343,12 @@ class _HostEngine(Generic[K]):
             raise
         return True
 
-    def _take_in_process(self, item: _Item, levels: _Levels, seconds: float,
-                         local_acquire: Callable[[float], bool],
-                         local_release: Callable[[], None]) -> bool:
-        """The in-process part of a take (``item``: its first), waiting with the handlers
-        let in: one that raises as the engine has just granted it has it given back."""
-        try:
-            return let_in(local_acquire, seconds)
-        except BaseException:
-            if self._levels_in_process(*item) > levels.held.get(item, 0):
-                local_release()
-            raise
+    def _settle_in_process(self, item: _Item, levels: _Levels,
+                           local_release: Callable[[], None]) -> None:
+        """After an interrupted take of ``item`` (its first): if the in-process engine
+        granted it beyond the thread's levels, that grant goes back."""
+        if self._levels_in_process(*item) > levels.held.get(item, 0):
+            local_release()
 
     def _levels_in_process(self, key: Hashable, mode: int) -> int:
         """The calling thread's levels of ``key`` in ``mode`` in the in-process engine (read
