@@ -337,7 +337,9 @@ class _HostEngine(Generic[K]):
             held[item] = held.get(item, 0) + 1
         try:
             for ident, pid in ended:
-                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
+                # (at the acquiring call's caller: past _take_kernel, quietly and _take)
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid,
+                          stacklevel=6)
         except BaseException:  # the warning made an error: the call fails, holding nothing
             self._give_now(items, local_release)
             raise
