@@ -1,9 +1,10 @@
 """Ctrl-C anywhere in a host call leaves nothing held: a storm of real SIGINTs, each raising
 KeyboardInterrupt in a child's main thread wherever it lands, against loops of acquires and
-releases, reads, writes, upgrades and downgrades, many keys at once, and tasks. After the
-storm the child holds nothing (in its threads' levels, its in-process engine and its kernel
-table) and another process takes every key the loop used at once, without waiting. Each test
-on both engines (``impl``) and both kernel mechanisms."""
+releases, reads, writes, upgrades and downgrades, many keys at once, tasks, and waits for keys
+another process holds. After the storm the child holds nothing (in its threads' levels, its
+tasks', its in-process engine and its kernel table), has no wait published and none queued,
+and another process takes every key the loop used at once, without waiting. Each test on
+both engines (``impl``) and both kernel mechanisms."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from lockmgr.host import HostLockManager, HostRWLockManager
+from lockmgr.host._kernel import place
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.posix_only]
 
@@ -21,8 +23,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.posix_only]
 # whatever a round leaks stays leaked until the check.
 ROUNDS = 1500
 
-# ``storm(operation, manager, rounds)``: runs ``operation(i)`` for each round while another thread
-# sends SIGINT to the main thread at random intervals of up to 0.2 ms; the handler raises
+# ``storm(operation, manager, rounds, gap)``: runs ``operation(i)`` for each round while another
+# thread sends SIGINT to the main thread at random intervals of up to ``gap``; the handler raises
 # KeyboardInterrupt while an operation runs (and nowhere else: the loop itself must go on).
 # Returns how many rounds were interrupted.
 _STORM = r"""
@@ -30,7 +32,7 @@ import random
 
 armed = [False]  # whether a SIGINT raises now
 
-def storm(operation, manager, rounds):
+def storm(operation, manager, rounds, gap=0.0002):
     def interrupt(signum, frame):
         if armed[0]:
             raise KeyboardInterrupt
@@ -39,7 +41,7 @@ def storm(operation, manager, rounds):
     def kick():
         while not calm.is_set():
             signal.pthread_kill(main, signal.SIGINT)
-            time.sleep(random.random() * 0.0002)
+            time.sleep(random.random() * gap)
     previous = signal.signal(signal.SIGINT, interrupt)
     kicker = threading.Thread(target=kick)
     kicker.start()
@@ -64,7 +66,7 @@ def storm(operation, manager, rounds):
     return interrupted
 
 def left_held(manager):
-    # what the child still holds of keys, by layer (nothing: an empty dict)
+    # what the child still holds through manager, by layer (nothing: an empty dict)
     manager._tasks.sweep()  # (what a new task's first call runs once records pile up)
     left = {"owned": len(manager._levels().held),
             "by tasks": sum(1 for levels in manager._tasks.levels.values() if levels.held),
@@ -116,6 +118,15 @@ def tasks(index):
             armed[0] = False
     armed[0] = False
     asyncio.run(body())
+
+def waited(index):  # for a key another process holds: every round waits until interrupted
+    assert not locks.acquire(f"hot{index}", timeout=60)
+
+def waited_rw(index):
+    assert not (rw.acquire_read if index % 2 else rw.acquire_write)(f"hot{index}", timeout=60)
+
+def published():  # this process's waits in the directory's table (both managers')
+    return [wait for wait in locks._shared.waits.live().values() if wait[1] == os.getpid()]
 """
 
 _OPERATIONS = {  # operation -> (the child's manager, keys per round)
@@ -165,3 +176,38 @@ def untakeable(other: Any, keys: list[str]) -> list[str]:
                 else other.acquire_many(keys, blocking=False)) is True
         other.release_many(writes=keys) if rw else other.release_many(keys)
     return left_out
+
+
+@pytest.mark.parametrize("operation", ["waited", "waited_rw"])
+def test_a_storm_of_interrupts_in_waits_for_another_process_leaves_nothing_behind(
+        host_engine: ModuleType, lock_dir: str, mechanism: str, children: Any,
+        operation: str) -> None:
+    # Each wait publishes itself for the deadlock looks after a few milliseconds here (not
+    # 0.25 s), queues behind the holder (its queue and writer bytes) and sleeps on the
+    # doorbell: interrupts land in all of it.
+    manager_name = "locks" if operation == "waited" else "rw"
+    manager: HostLockManager[str] | HostRWLockManager[str] = (
+        HostLockManager(lock_dir, mechanism=mechanism) if manager_name == "locks"
+        else HostRWLockManager(lock_dir, mechanism=mechanism, namespace="rw"))
+    keys = [f"hot{index}" for index in range(ROUNDS)]  # (each round's own, as above)
+    try:
+        assert (manager.acquire_many(keys) if isinstance(manager, HostLockManager)
+                else manager.acquire_many(writes=keys))
+        child = children("import asyncio\n" + _STORM
+                         + "from lockmgr.host import _waits\n_waits.LOOK_EVERY = 0.0002\n")
+        assert child.ask(f"storm({operation}, {manager_name}, {ROUNDS}, gap=0.0005)") > 0
+        assert child.ask(f"left_held({manager_name})") == {}
+        assert child.ask("published()") == []
+        assert [key for key in keys if queued_for(manager, key)] == []
+        assert child.finish() == 0
+    finally:
+        manager.release_all()
+        manager.close()
+
+
+def queued_for(manager: Any, key: str) -> bool:
+    """Whether another process queues for ``key`` (its queue byte) or waits to write it (its
+    writer byte)."""
+    shard, start = place(manager.host_key(key))
+    kernel = manager._shared.kernel
+    return bool(kernel.others_lock(shard, start + 1) or kernel.others_lock(shard, start + 2))
