@@ -215,25 +215,21 @@ class _HostTasks:
                                        taking.kernel)
                     and await self.take_fences(levels, fresh, deadline)):
                 quietly(self._count_in, levels, items, taking)
+            if not taking.counted:
+                quietly(self._untake, taking, levels, items, local_release)
+                return False
+            for ident, pid in ended:  # (a warning made an error fails the call, as below)
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
         except GeneratorExit:  # closed unrun, outside its task: the kernel's part goes back
             quietly(self._untake, taking, levels, items, None)
             raise
-        except BaseException:
+        except BaseException:  # interrupted, failed: nothing stays
             while True:  # (as above)
                 try:
                     quietly(self._untake, taking, levels, items, local_release)
                     break
                 except BaseException:
                     pass
-            raise
-        if not taking.counted:
-            quietly(self._untake, taking, levels, items, local_release)
-            return False
-        try:
-            for ident, pid in ended:
-                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
-        except BaseException:  # the warning made an error: the call fails, holding nothing
-            quietly(self._untake, taking, levels, items, local_release)
             raise
         return True
 
