@@ -53,6 +53,9 @@ MAIN_THREAD_MASK: list[Iterable[int]] = [()]
 _get_ident = threading.get_ident
 _main = [threading.main_thread().ident]  # a forked child's is the forking thread
 _quiet = [False]  # the main thread is inside ``quietly`` (its handlers held off)
+# The main thread's own mask while it is inside ``quietly``, for ``let_in``: the pure engine's
+# sections run inside write the held-off one in MAIN_THREAD_MASK (put back as the call ends).
+_outside: list[Iterable[int]] = [()]
 
 
 def _after_fork_in_child() -> None:
@@ -73,7 +76,7 @@ def quietly(run: Callable[..., R], *args: Any, undo: Callable[[R], object] | Non
     mask = MAIN_THREAD_MASK[0]
     _quiet[0] = True
     try:
-        mask = MAIN_THREAD_MASK[0] = _set_mask(_SIG_BLOCK, BLOCKABLE)
+        mask = MAIN_THREAD_MASK[0] = _outside[0] = _set_mask(_SIG_BLOCK, BLOCKABLE)
         done = run(*args)
     except BaseException:
         _let_in_after(mask)  # (a handler raising here replaces the exception: both stop it)
@@ -114,7 +117,7 @@ def let_in(wait: Callable[..., R], *args: Any) -> R:
     assert _set_mask is not None
     _quiet[0] = False
     try:
-        _set_mask(_SIG_SETMASK, MAIN_THREAD_MASK[0])
+        _set_mask(_SIG_SETMASK, _outside[0])
         return wait(*args)
     finally:
         _quiet[0] = True

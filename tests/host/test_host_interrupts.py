@@ -211,3 +211,39 @@ def queued_for(manager: Any, key: str) -> bool:
     shard, start = place(manager.host_key(key))
     kernel = manager._shared.kernel
     return bool(kernel.others_lock(shard, start + 1) or kernel.others_lock(shard, start + 2))
+
+
+# In a held-off call, the in-process engine's sections (the pure twin's block the signals
+# themselves) run first, then a wait lets the handlers in: a SIGINT sent meanwhile must end
+# the wait itself, not wait until the call ends. (The hang bound: the wait ends in 30 s.)
+_WAIT_AFTER_SECTIONS = r"""
+from lockmgr._quiet import let_in, quietly
+
+def interrupted_where():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ended = threading.Event()
+    def body():
+        locks._engine.acquire("k")
+        locks._engine.release("k")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # (held off)
+        bound = threading.Timer(30, ended.set)
+        bound.start()
+        try:
+            let_in(ended.wait)
+        except KeyboardInterrupt:
+            return "in the wait"
+        finally:
+            bound.cancel()
+        return "not in the wait"
+    try:
+        return quietly(body)
+    except KeyboardInterrupt:
+        return "after the call"
+"""
+
+
+def test_a_wait_let_in_after_the_engines_sections_answers_ctrl_c(
+        host_engine: ModuleType, children: Any) -> None:
+    child = children(_WAIT_AFTER_SECTIONS)
+    assert child.ask("interrupted_where()") == "in the wait"
+    assert child.finish() == 0
