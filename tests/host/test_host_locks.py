@@ -149,8 +149,10 @@ def test_a_killed_holders_key_goes_to_a_waiter_warned_of_it(locks: Any, children
 
     killing = threading.Thread(target=kill_once_waited_for)
     killing.start()
-    with pytest.warns(AbandonedLockWarning, match=f"process {child.pid} ended holding key 'k'"):
+    with pytest.warns(AbandonedLockWarning,
+                      match=f"process {child.pid} ended holding key 'k'") as warned:
         assert locks.acquire("k", timeout=30)
+    assert [record.filename for record in warned] == [__file__]  # (at the acquiring call)
     killing.join(60)
     locks.release("k")
     with warnings.catch_warnings():

@@ -22,6 +22,7 @@ from .._args import READ, WRITE
 from .._errors import count_overflow, deadlock, nested_wait, not_owned, pinned
 from .._observe import HOT_KEY_SLOTS
 from .._owners import AWAITED_THREAD, LOOP_THREAD, POST_ATTEMPTS, Waker
+from .._quiet import BLOCKABLE, MAIN_THREAD_MASK
 from .._tuning import MAIN_THREAD_SLICE
 
 if TYPE_CHECKING:
@@ -81,13 +82,11 @@ _signal: Any = sys.modules.get("_signal", signal)  # its C functions take and re
 _set_signal_mask = getattr(_signal, "pthread_sigmask", None)  # None: Windows
 _SIG_BLOCK = getattr(_signal, "SIG_BLOCK", 0)
 _SIG_SETMASK = getattr(_signal, "SIG_SETMASK", 0)
-_BLOCKABLE = frozenset(map(int, _signal.valid_signals())) - {
-    getattr(_signal, name) for name in
-    ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
-    if hasattr(_signal, name)
-}
+_BLOCKABLE = BLOCKABLE
 _main_thread = [threading.main_thread().ident]  # a forked child's is the forking thread
-_main_thread_mask: list[Iterable[int]] = [()]  # the main thread's mask outside sections
+# The main thread's mask outside sections, shared with ``lockmgr._quiet``'s calls (which
+# run sections with the handlers held off, and put the thread's own mask back after).
+_main_thread_mask: list[Iterable[int]] = MAIN_THREAD_MASK
 
 
 # The pid of the process whose thread holds the mutex across its fork() (0: none), and what

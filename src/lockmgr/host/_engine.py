@@ -30,6 +30,7 @@ from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
+from .._quiet import quietly
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._fences import FENCE_PATIENCE
@@ -265,7 +266,9 @@ class _HostEngine(Generic[K]):
               local_acquire: Callable[[float], bool],
               local_release: Callable[[], None]) -> bool:
         """Take ``items`` ((key, mode) pairs) in process, then in the kernel, within
-        ``seconds`` (-1: no limit; 0: at once or not): all of them, or none."""
+        ``seconds`` (-1: no limit; 0: at once or not): all of them, or none. With the
+        signal handlers held off but in its waits (``lockmgr._quiet``): a handler that
+        raises (Ctrl-C) leaves nothing taken, wherever it lands."""
         started = time.monotonic()
         idents = [self._check_key(key) for key, _ in items]  # a bad key changes nothing
         levels = self._levels()
@@ -274,8 +277,33 @@ class _HostEngine(Generic[K]):
                 if levels.lost.get((key, mode)):
                     raise LockLost(f"key {key!r} is held by the parent process this one was"
                                    " forked from: release it first")
-        if not local_acquire(seconds):
-            return False
+
+        def untake(taken: bool) -> None:  # a handler raised as the call ended: undone
+            if taken:
+                self._give_now(items, local_release)
+
+        try:
+            if not local_acquire(seconds):
+                return False
+            return quietly(self._take_kernel, items, idents, levels, seconds, started,
+                           local_release, undo=untake)
+        except BaseException:
+            # A handler raising as the in-process engine granted, or before the kernel part
+            # began: that grant goes back. (A try runs whole, held off, or raises before it
+            # begins: retried until one has run; this call raises already.)
+            while True:
+                try:
+                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    break
+                except BaseException:
+                    pass
+            raise
+
+    def _take_kernel(self, items: Sequence[_Item], idents: list[int], levels: _Levels,
+                     seconds: float, started: float,
+                     local_release: Callable[[], None]) -> bool:
+        """``_take``'s kernel part, its handlers held off but in its waits; the in-process
+        part is taken."""
         held = levels.held
         if len(items) == 1:  # (the common call, without the sort)
             fresh = [] if items[0] in held else [(idents[0], items[0])]
@@ -309,15 +337,37 @@ class _HostEngine(Generic[K]):
             held[item] = held.get(item, 0) + 1
         try:
             for ident, pid in ended:
-                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
+                # (at the acquiring call's caller: past _take_kernel, quietly and _take)
+                abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid,
+                          stacklevel=6)
         except BaseException:  # the warning made an error: the call fails, holding nothing
-            self._give(items, local_release)
+            self._give_now(items, local_release)
             raise
         return True
 
+    def _settle_in_process(self, item: _Item, levels: _Levels,
+                           local_release: Callable[[], None]) -> None:
+        """After an interrupted take of ``item`` (its first): if the in-process engine
+        granted it beyond the thread's levels, that grant goes back."""
+        if self._levels_in_process(*item) > levels.held.get(item, 0):
+            local_release()
+
+    def _levels_in_process(self, key: Hashable, mode: int) -> int:
+        """The calling thread's levels of ``key`` in ``mode`` in the in-process engine (read
+        from its snapshot: after an interrupt only)."""
+        me, name = threading.get_ident(), "write" if mode == WRITE else "read"
+        return sum(holder.count for state in self._engine.snapshot() if state.key == key
+                   for holder in state.holders
+                   if holder.owner == me and holder.kind == "thread" and holder.mode == name)
+
     def _give(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
-        back. NotOwnedError, with nothing changed, if the thread holds one of them not."""
+        back. NotOwnedError, with nothing changed, if the thread holds one of them not.
+        With the signal handlers held off (``lockmgr._quiet``): it is done, or not begun."""
+        quietly(self._give_now, items, local_release)
+
+    def _give_now(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
+        """``_give``'s work, its handlers held off."""
         levels = self._levels()
         if len(items) == 1 and not levels.lost:  # (the common call)
             self._give_one(levels, items[0], local_release)
@@ -361,7 +411,10 @@ class _HostEngine(Generic[K]):
 
     def release_all(self) -> int:
         """Release every key the calling thread holds through this manager, all levels;
-        returns how many keys. Raises nothing."""
+        returns how many keys. Raises nothing (but what a signal handler raises after)."""
+        return quietly(self._release_all_now)
+
+    def _release_all_now(self) -> int:
         levels = self._levels()
         released = self._engine.release_all()
         held, levels.held, levels.lost, levels.fences = levels.held, {}, {}, {}
@@ -370,7 +423,10 @@ class _HostEngine(Generic[K]):
         return released
 
     def _thread_ended(self, held: dict[_Item, int]) -> None:
-        for (key, mode) in held:
+        quietly(self._give_kernel, list(held))
+
+    def _give_kernel(self, items: list[_Item]) -> None:
+        for key, mode in items:
             self._shared.give(self._idents.of(key), mode, id(self))
 
     def _forget_parent_levels(self) -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 
 from .._errors import LockError
+from .._quiet import let_in
 from ._directory import LockDirectory
 
 FENCES = "fences"
@@ -98,7 +99,7 @@ class Fences:
                     raise
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            time.sleep(0.001)
+            let_in(time.sleep, 0.001)
 
     def _lock(self, fd: int, offset: int, kind: int) -> None:
         """Lock (at once, or OSError) or unlock the counter's 8 bytes."""

@@ -35,11 +35,12 @@ _MASK = (1 << 64) - 1
 _REMEMBERED = 4096  # own records remembered (the table is emptied when full)
 
 
-def abandoned(key: object, pid: int) -> None:
-    """Warn that process ``pid`` ended holding ``key`` (``Holders.record`` found it)."""
+def abandoned(key: object, pid: int, stacklevel: int = 4) -> None:
+    """Warn that process ``pid`` ended holding ``key`` (``Holders.record`` found it), at
+    the acquiring call's caller (``stacklevel`` frames up, as ``warnings.warn``'s)."""
     warnings.warn(AbandonedLockWarning(
         f"process {pid} ended holding key {key!r} (it was killed or crashed before"
-        " releasing it): what it wrote under it may be half-done"), stacklevel=4)
+        " releasing it): what it wrote under it may be half-done"), stacklevel=stacklevel)
 
 
 def start_time(pid: int) -> int:

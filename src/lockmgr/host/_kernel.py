@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 
 from .._errors import LockError
+from .._quiet import let_in
 from ._directory import HEADER, SHARD_SLOT, SHARDS, LockDirectory
 
 #: The longest a waiter sleeps before it tries the key again (the bound of issue 33: a
@@ -183,7 +184,9 @@ class KernelLocks:
                     return False
                 if look is not None:
                     look()
-                self._sleep(shard, rung, SLICE if left is None else min(SLICE, left))
+                # (Ctrl-C ends the sleep: the finally gives the queue bytes back, the
+                # caller what it took, with the handlers held off again)
+                let_in(self._sleep, shard, rung, SLICE if left is None else min(SLICE, left))
         finally:
             if writer_queued:
                 self.lock_byte(shard, start + _WRITER, _UNLCK)

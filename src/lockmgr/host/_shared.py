@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from .._args import READ, WRITE
+from .._quiet import held_off, let_pending_in
 from ._directory import LockDirectory, open_lock_directory
 from ._fences import Fences
 from ._holders import Holders
@@ -105,15 +106,17 @@ class ProcessDirectory:
                     state.busy = True
                     break
                 left = None if deadline is None else deadline - time.monotonic()
-                if stop is not None:  # (woken by no one when set: it looks every slice)
-                    if stop.is_set():
-                        left = 0
-                    elif left is None or left > SLICE:
-                        self._wait(SLICE)
-                        continue
-                if (left is not None and left <= 0) or not self._wait(left):
+                if stop is not None and stop.is_set():
+                    left = 0
+                if left is not None and left <= 0:
                     self._forget_if_empty(ident, state)
                     return False
+                try:  # (a stopped wait is woken by no one: it looks every slice)
+                    self._wait(SLICE if stop is not None and (left is None or left > SLICE)
+                               else left)
+                except BaseException:  # Ctrl-C (handlers are let in between slices)
+                    self._forget_if_empty(ident, state)
+                    raise
         taken: bool | None = None
         look = None
         try:
@@ -145,7 +148,7 @@ class ProcessDirectory:
         with self._guard:
             state = self._idents[ident]
             while state.busy:  # (only a colliding identity's take can be under way)
-                self._wait(None)
+                self._wait(None, interruptible=False)  # (the caller has counted it down)
             _count(state, mode, manager, -1)
             if mode == WRITE and not state.writers:
                 self.holders.clear(ident)  # (first: a record outliving the lock warns)
@@ -156,13 +159,21 @@ class ProcessDirectory:
             self._forget_if_empty(ident, state)
             self._notify()
 
-    def _wait(self, seconds: float | None) -> bool:
-        """Wait (the guard held) until an identity changes, ``seconds`` at most."""
+    def _wait(self, seconds: float | None, interruptible: bool = True) -> None:
+        """Wait (the guard held) until an identity changes, ``seconds`` at most (None: no
+        limit). In a quiet call (``lockmgr._quiet``) on the main thread, a ``SLICE`` at
+        most, then the handlers of signals that arrived are let in, if ``interruptible``:
+        what they raise propagates from here."""
+        interrupts = interruptible and held_off()
+        if interrupts and (seconds is None or seconds > SLICE):
+            seconds = SLICE
         self._waiting += 1
         try:
-            return self._changed.wait(seconds)
+            self._changed.wait(seconds)
         finally:
             self._waiting -= 1
+        if interrupts:
+            let_pending_in()
 
     def _notify(self) -> None:
         if self._waiting:  # (the guard held)

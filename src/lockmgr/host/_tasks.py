@@ -25,6 +25,7 @@ from .._args import READ, WRITE
 from .._errors import not_owned
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import current_task_or_raise
+from .._quiet import quietly
 from ._engine import _count_down
 from ._fences import FENCE_PATIENCE
 from ._holders import abandoned
@@ -41,6 +42,8 @@ _Item = tuple[Hashable, int]
 _Want = tuple[int, int]  # (identity, mode) of a kernel lock
 # Makes the Look of a wait for (identity, mode), given the kernel locks the call took so far.
 _Looking = Callable[[int, int, list[_Want]], Callable[[], "Look"]]
+
+_SWEEP_AT_FIRST = 64
 
 # The task records alive, for the fork handler: a forked child runs none of its parent's tasks.
 _RECORDS: weakref.WeakSet[_HostTasks] = weakref.WeakSet()
@@ -66,12 +69,24 @@ class _TaskLevels:
         self.ended = False  # its done-callback gave its kernel locks back
 
 
+class _Taking:
+    """What one ``take`` of a task holds so far, for giving it back."""
+
+    __slots__ = ("kernel", "counted", "in_process")
+
+    def __init__(self) -> None:
+        self.kernel: list[_Want] = []  # kernel locks taken, not yet the task's levels'
+        self.counted = False  # its levels counted (the kernel locks theirs)
+        self.in_process = True  # its in-process part held
+
+
 class _HostTasks:
     """The tasks of one host manager: their levels, taking and giving back."""
 
     def __init__(self, manager: _HostEngine[Any]) -> None:
         self.manager = manager
         self.levels: dict[asyncio.Task[Any], _TaskLevels] = {}  # running tasks holding keys
+        self.sweep_at = _SWEEP_AT_FIRST  # records of tasks at which ``sweep`` runs next
         _RECORDS.add(self)
 
     # -- the current task ------------------------------------------------------------------
@@ -82,9 +97,19 @@ class _HostTasks:
         task = current_task_or_raise()
         levels = self.levels.get(task)
         if levels is None:
+            if len(self.levels) >= self.sweep_at:
+                self.sweep()
             levels = self.levels[task] = _TaskLevels()
             task.add_done_callback(self.task_done)
         return levels
+
+    def sweep(self) -> None:
+        """Give back the kernel locks of tasks that ended without their done-callback
+        running: a signal handler raised (Ctrl-C) as the loop was to run it, and the loop
+        stopped. Run as records pile up (each time their number has doubled)."""
+        for task in [task for task in self.levels if task.done()]:
+            self.task_done(task)
+        self.sweep_at = max(_SWEEP_AT_FIRST, 2 * len(self.levels))
 
     def entered(self) -> tuple[asyncio.Task[Any], _TaskLevels]:
         """For an ``async with`` object's record (``_layered_aio.TaskOwners``)."""
@@ -113,7 +138,10 @@ class _HostTasks:
 
     def task_done(self, task: asyncio.Task[Any]) -> None:
         """A task ended: its kernel locks go back (the in-process engine releases its keys
-        in process, with AbandonedLockWarning)."""
+        in process, with AbandonedLockWarning). Held off, as ``give``."""
+        quietly(self._task_done_now, task)
+
+    def _task_done_now(self, task: asyncio.Task[Any]) -> None:
         levels = self.levels.pop(task, None)
         if levels is None:
             return
@@ -156,47 +184,92 @@ class _HostTasks:
                    local_release: Callable[[], object]) -> bool:
         """``_HostEngine._take`` for the current task: ``items`` in process, then in the
         kernel, within ``seconds`` (-1: no limit; 0: at once or not), all or none. A
-        cancellation leaves nothing held, in process or the kernel; a coroutine closed
-        unrun (``GeneratorExit``, outside its task) gives back its kernel part only: its
-        in-process part cannot be released outside the task, and stays until the task is
-        ended (a wait in the kernel that finds its loop closed ends it: ``end_stranded``)."""
+        cancellation, or a signal handler raising (Ctrl-C) wherever it lands, leaves
+        nothing held, in process or the kernel (each step between two awaits runs with the
+        handlers held off, ``lockmgr._quiet``); a coroutine closed unrun (``GeneratorExit``,
+        outside its task) gives back its kernel part only: its in-process part cannot be
+        released outside the task, and stays until the task is ended (a wait in the kernel
+        that finds its loop closed ends it: ``end_stranded``)."""
         started = time.monotonic()
         idents = [self.manager._check_key(key) for key, _ in items]  # a bad key: nothing
-        if not await local_acquire(seconds):
-            return False
         levels = self.current()
+        try:
+            if not await local_acquire(seconds):
+                return False
+        except BaseException:  # (a handler raising as the engine granted it: given back)
+            while True:  # (a try runs whole, held off, or raises before it begins: retried)
+                try:
+                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    break
+                except BaseException:  # (another handler's: this call raises already)
+                    pass
+            raise
         fresh = sorted(((ident, item) for ident, item in zip(idents, items)
                         if item not in levels.held), key=lambda pair: pair[0])
         wanted = [(ident, mode) for ident, (_, mode) in fresh]
         ended: list[tuple[int, int]] = []  # (identity, pid) of holders that died holding it
+        taking = _Taking()
         try:
             deadline = None if seconds < 0 else started + seconds
-            taken = (await self.take_kernel(wanted, deadline, ended, self.looking(levels, fresh))
-                     and await self.take_fences(levels, fresh, wanted, deadline))
-        except GeneratorExit:  # closed unrun, outside its task: the kernel's part went back
-            raise
-        except BaseException:
-            local_release()
-            raise
-        if not taken:
-            local_release()
-            return False
-        for item in items:
-            levels.held[item] = levels.held.get(item, 0) + 1
-        try:
-            for ident, pid in ended:
+            if (await self.take_kernel(wanted, deadline, ended, self.looking(levels, fresh),
+                                       taking.kernel)
+                    and await self.take_fences(levels, fresh, deadline)):
+                quietly(self._count_in, levels, items, taking)
+            if not taking.counted:
+                quietly(self._untake, taking, levels, items, local_release)
+                return False
+            for ident, pid in ended:  # (a warning made an error fails the call, as below)
                 abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
-        except BaseException:  # the warning made an error: the call fails, holding nothing
-            self.give(items, cast("Callable[[], Awaitable[None]]", local_release))
+        except GeneratorExit:  # closed unrun, outside its task: the kernel's part goes back
+            quietly(self._untake, taking, levels, items, None)
+            raise
+        except BaseException:  # interrupted, failed: nothing stays
+            while True:  # (as above)
+                try:
+                    quietly(self._untake, taking, levels, items, local_release)
+                    break
+                except BaseException:
+                    pass
             raise
         return True
 
+    def _settle_in_process(self, item: _Item, levels: _TaskLevels,
+                           local_release: Callable[[], object]) -> None:
+        """The in-process engine granted ``item`` to the current task beyond its levels
+        (an interrupt landed as it did): given back."""
+        write, read = self.manager._engine._task_levels(item[0])
+        if (write if item[1] == WRITE else read) > levels.held.get(item, 0):
+            local_release()
+
+    @staticmethod
+    def _count_in(levels: _TaskLevels, items: Sequence[_Item], taking: _Taking) -> None:
+        """The call took everything: its levels counted, its kernel locks now theirs."""
+        for item in items:
+            levels.held[item] = levels.held.get(item, 0) + 1
+        taking.kernel, taking.counted = [], True
+
+    def _untake(self, taking: _Taking, levels: _TaskLevels, items: Sequence[_Item],
+                local_release: Callable[[], object] | None) -> None:
+        """Give back what a ``take`` of the current task got: its levels if counted, its
+        kernel locks, then in process (unless ``local_release`` is None); once."""
+        if taking.counted:
+            taking.counted = False
+            for key, mode in [item for item in items if _count_down(levels.held, item) == 0]:
+                if mode == WRITE:
+                    levels.fences.pop(key, None)
+                taking.kernel.append((self.manager.host_key(key), mode))
+        kernel, taking.kernel = taking.kernel, []
+        self.give_kernel(kernel)
+        if local_release is not None and taking.in_process:
+            taking.in_process = False
+            local_release()
+
     async def take_fences(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]],
-                          wanted: list[_Want], deadline: float | None) -> bool:
+                          deadline: float | None) -> bool:
         """A fencing manager's fences for the keys just written, all or none, taken in a
         thread (each is made durable on disk first: never on the loop); False if another
         process keeps a counter locked past the deadline (``FENCE_PATIENCE`` at least, as
-        a thread's call). The kernel locks of ``wanted`` go back if it fails or raises."""
+        a thread's call)."""
         if not self.manager._fencing:
             return True
         import asyncio
@@ -206,45 +279,43 @@ class _HostTasks:
         counters = self.manager._shared.fences
         written = [(ident, key) for ident, (key, mode) in fresh if mode == WRITE]
         fences: dict[Hashable, int] = {}
-        try:
-            for ident, key in written:
-                fence = await asyncio.to_thread(counters.next, ident, deadline)
-                if fence is None:
-                    break
-                fences[key] = fence
-        finally:
-            if len(fences) < len(written):
-                self.give_kernel(wanted)
+        for ident, key in written:
+            fence = await asyncio.to_thread(counters.next, ident, deadline)
+            if fence is None:
+                return False
+            fences[key] = fence
         levels.fences.update(fences)  # (one statement: all or none of them)
-        return len(fences) == len(written)
+        return True
 
     async def take_kernel(self, wanted: list[_Want], deadline: float | None,
-                          ended: list[tuple[int, int]], looking: _Looking) -> bool:
-        """Every kernel lock of ``wanted``, in order, by ``deadline``, or none: tries under
-        the loop, and from the first taken by another process on, waits in a thread
-        (``ended``: as ``ProcessDirectory.take``'s; ``looking``: each wait's ``Look``)."""
+                          ended: list[tuple[int, int]], looking: _Looking,
+                          taken: list[_Want]) -> bool:
+        """Every kernel lock of ``wanted``, in order, by ``deadline``: tries under the
+        loop, and from the first taken by another process on, waits in a thread
+        (``ended``: as ``ProcessDirectory.take``'s; ``looking``: each wait's ``Look``).
+        Each lock goes into ``taken`` as it is taken, in one step with it (held off): the
+        caller gives them back if this returns False or raises."""
         shared, manager = self.manager._shared, id(self.manager)
         task = current_task_or_raise()
-        taken: list[_Want] = []
-        try:
-            for index, (ident, mode) in enumerate(wanted):
-                if shared.take(ident, mode, 0.0, manager, None, ended):  # a try: never blocks
-                    taken.append((ident, mode))
-                    continue
-                if deadline is not None and deadline <= time.monotonic():
-                    return False
-                rest = wanted[index:]
-                waiting = _KernelWait(shared, rest, deadline, manager, ended,
-                                      lambda: self.end_stranded(task),
-                                      lambda ident, mode, more: looking(ident, mode,
-                                                                        taken + more))
-                if not await waiting.outcome():
-                    return False
-                taken.extend(rest)
-                break
-        finally:
-            if len(taken) < len(wanted):
-                self.give_kernel(taken)
+        for index, (ident, mode) in enumerate(wanted):
+            if quietly(self._try_kernel, ident, mode, ended, taken):
+                continue
+            if deadline is not None and deadline <= time.monotonic():
+                return False
+            rest = wanted[index:]
+            waiting = _KernelWait(shared, rest, deadline, manager, ended,
+                                  lambda: self.end_stranded(task),
+                                  lambda ident, mode, more: looking(ident, mode,
+                                                                    taken + more))
+            return await waiting.outcome(taken)
+        return True
+
+    def _try_kernel(self, ident: int, mode: int, ended: list[tuple[int, int]],
+                    taken: list[_Want]) -> bool:
+        """A try for the kernel lock of (``ident``, ``mode``), into ``taken`` if taken."""
+        if not self.manager._shared.take(ident, mode, 0.0, id(self.manager), None, ended):
+            return False  # (a try never blocks)
+        taken.append((ident, mode))
         return True
 
     def give(self, items: Sequence[_Item],
@@ -252,7 +323,12 @@ class _HostTasks:
         """``_HostEngine._give`` for the current task, done at the call: the last level of
         each item gives its kernel lock back, then the keys go in process; answers the
         in-process release's awaitable (done already). NotOwnedError, nothing changed, if
-        the task does not hold one of ``items`` (RuntimeError outside a running task)."""
+        the task does not hold one of ``items`` (RuntimeError outside a running task).
+        With the signal handlers held off (``lockmgr._quiet``): done, or not begun."""
+        return quietly(self._give_now, items, local_release)
+
+    def _give_now(self, items: Sequence[_Item],
+                  local_release: Callable[[], Awaitable[None]]) -> Awaitable[None]:
         task = current_task_or_raise()
         levels = self.levels.get(task)
         for key, mode in items:
@@ -271,7 +347,10 @@ class _HostTasks:
 
     def release_all(self, local_release_all: Callable[[], int]) -> int:
         """Every level the current task holds, in the kernel then in process; how many
-        keys (the in-process count)."""
+        keys (the in-process count). Held off, as ``give``."""
+        return quietly(self._release_all_now, local_release_all)
+
+    def _release_all_now(self, local_release_all: Callable[[], int]) -> int:
         levels = self.levels.get(current_task_or_raise())
         try:
             if levels is not None:
@@ -319,18 +398,29 @@ ends the task (``stranded``): it can never run again."""
         self._loop = asyncio.get_running_loop()
         self._future: asyncio.Future[bool] = self._loop.create_future()
 
-    async def outcome(self) -> bool:
-        """Start the thread and wait for it: True once every lock is the task's, False at
-        the deadline; what the kernel raised (LockError), nothing held."""
+    async def outcome(self, into: list[_Want]) -> bool:
+        """Start the thread and wait for it: True once every lock is the task's (put in
+        ``into`` in one step with claiming them), False at the deadline; what the kernel
+        raised (LockError), nothing held."""
         threading.Thread(target=self._run, name="lockmgr-host-wait", daemon=True).start()
         try:
-            taken = await self._future
+            if not await self._future:
+                return False
+            quietly(self._claim, into)
+            return True
         except BaseException:
-            self.abandon()
+            while True:  # (as _HostTasks.take's: retried until one has run)
+                try:
+                    quietly(self.abandon)
+                    break
+                except BaseException:
+                    pass
             raise
+
+    def _claim(self, into: list[_Want]) -> None:
         with self._guard:
             self._state = _CLAIMED
-        return taken
+        into.extend(self._wanted)
 
     def abandon(self) -> None:
         self._stop.set()

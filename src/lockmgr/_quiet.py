@@ -1,0 +1,139 @@
+"""Signal handlers held off while a call changes what its thread holds (``quietly``), and let
+in again while it waits (``let_in``).
+
+Python runs signal handlers on the main thread only, at check points between bytecodes (a
+function's start, a call's return, a loop's jump back), and a handler that raises (Ctrl-C's
+KeyboardInterrupt) stops whatever ran there. A call that takes a lock in the kernel and then
+records it in Python, or gives it back and then forgets it, must not be split there: the lock
+would stay taken, known to nobody. So, on the main thread, ``quietly`` runs such a call with
+every signal blocked that may have a Python handler (``BLOCKABLE``: all but SIGKILL,
+SIGSTOP and those a fault raises synchronously), as the pure engine's sections do:
+
+- blocking runs the handlers of signals already pending (after the mask changed, before the
+  call): one that raises stops the call before it started;
+- handlers of signals that arrive meanwhile run once the mask is restored, after the call:
+  one that raises there makes the call undo what it did (``undo``, itself run with the
+  handlers held off), so that an interrupted call has done nothing;
+- a wait inside the call (for another process, on a doorbell) lets them in for its length
+  (``let_in``): a handler that raises there stops the wait, and the call gives back what it
+  took with them held off again.
+
+Worker threads run no handlers: there the call runs as it is. Nested calls run as they are
+(the outer one holds the handlers off). The limits are the pure engine's: a signal delivered
+to another thread (a process-directed one, such as a terminal's Ctrl-C, while the main
+thread holds it off) still has its handler run on the main thread at its next check point,
+and where ``pthread_sigmask`` does not exist (Windows) nothing is held off.
+
+``MAIN_THREAD_MASK`` is the main thread's own mask, as last seen outside these calls and the
+pure engine's sections (which share it): restored if blocking itself raises.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+R = TypeVar("R")
+
+# (``_signal``'s C functions take and return ints: no enum conversion on every call)
+_signal: Any = sys.modules.get("_signal", signal)
+_set_mask = getattr(_signal, "pthread_sigmask", None)  # None: Windows
+_SIG_BLOCK = getattr(_signal, "SIG_BLOCK", 0)
+_SIG_SETMASK = getattr(_signal, "SIG_SETMASK", 0)
+BLOCKABLE = frozenset(map(int, _signal.valid_signals())) - {
+    getattr(_signal, name) for name in
+    ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS")
+    if hasattr(_signal, name)
+}
+MAIN_THREAD_MASK: list[Iterable[int]] = [()]
+_get_ident = threading.get_ident
+_main = [threading.main_thread().ident]  # a forked child's is the forking thread
+_quiet = [False]  # the main thread is inside ``quietly`` (its handlers held off)
+# The main thread's own mask while it is inside ``quietly``, for ``let_in``: the pure engine's
+# sections run inside write the held-off one in MAIN_THREAD_MASK (put back as the call ends).
+_outside: list[Iterable[int]] = [()]
+
+
+def _after_fork_in_child() -> None:
+    _main[0] = _get_ident()
+    _quiet[0] = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def quietly(run: Callable[..., R], *args: Any, undo: Callable[[R], object] | None = None) -> R:
+    """``run(*args)`` with the main thread's signal handlers held off (see the module
+    docstring); if one raises as they are let in again after it, ``undo(result)`` runs
+    (held off) and the exception propagates."""
+    if _set_mask is None or _quiet[0] or _get_ident() != _main[0]:
+        return run(*args)
+    mask = MAIN_THREAD_MASK[0]
+    _quiet[0] = True
+    try:
+        mask = MAIN_THREAD_MASK[0] = _outside[0] = _set_mask(_SIG_BLOCK, BLOCKABLE)
+        done = run(*args)
+    except BaseException:
+        _let_in_after(mask)  # (a handler raising here replaces the exception: both stop it)
+        raise
+    try:
+        _let_in_after(mask)
+    except BaseException:
+        if undo is None:
+            raise
+        # No check point before the mask is blocked again (a C call, whose handlers run
+        # after the mask changed): nothing can stop the undo from running held off.
+        _quiet[0] = True
+        try:
+            try:
+                _set_mask(_SIG_BLOCK, BLOCKABLE)
+            finally:
+                undo(done)
+        finally:
+            _let_in_after(mask)
+        raise
+    return done
+
+
+def _let_in_after(mask: Iterable[int]) -> None:
+    """End a quiet call: the main thread's own mask back (its pending handlers run here)."""
+    _quiet[0] = False
+    MAIN_THREAD_MASK[0] = mask  # (sections of the pure engine run inside saw the quiet one)
+    assert _set_mask is not None
+    _set_mask(_SIG_SETMASK, mask)
+
+
+def let_in(wait: Callable[..., R], *args: Any) -> R:
+    """Inside ``quietly``: ``wait(*args)`` with the main thread's handlers let in (its own
+    mask back), held off again after, whether it returns or raises. For waits that take
+    nothing: a handler raising as it returns would lose what it took."""
+    if not _quiet[0] or _get_ident() != _main[0]:
+        return wait(*args)
+    assert _set_mask is not None
+    _quiet[0] = False
+    try:
+        _set_mask(_SIG_SETMASK, _outside[0])
+        return wait(*args)
+    finally:
+        _quiet[0] = True
+        _set_mask(_SIG_BLOCK, BLOCKABLE)
+
+
+def held_off() -> bool:
+    """Whether the calling thread is the main thread inside ``quietly``."""
+    return _quiet[0] and _get_ident() == _main[0]
+
+
+def _nothing() -> None:
+    pass
+
+
+def let_pending_in() -> None:
+    """Inside ``quietly``: run the handlers of the signals that arrived meanwhile (a check
+    point of a long wait made in slices with them held off); what they raise propagates."""
+    let_in(_nothing)
