@@ -17,7 +17,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from ._aio import AsyncLockManager, AsyncRWLockManager
+from ._aio import AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager
 from ._errors import (
     AbandonedLockWarning,
     DeadlockError,
@@ -27,7 +27,7 @@ from ._errors import (
     NestedWaitError,
     NotOwnedError,
 )
-from ._views import LockStats
+from ._views import KeySemaphore, LockStats
 from ._observe import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
 
 __all__ = [
@@ -35,11 +35,13 @@ __all__ = [
     "AsyncKeyLock",
     "AsyncLockManager",
     "AsyncRWLockManager",
+    "AsyncSemaphoreManager",
     "DeadlockError",
     "Histogram",
     "Holder",
     "HotKey",
     "KeyLock",
+    "KeySemaphore",
     "KeyState",
     "LockError",
     "LockLost",
@@ -50,6 +52,7 @@ __all__ = [
     "NestedWaitError",
     "NotOwnedError",
     "RWLockManager",
+    "SemaphoreManager",
     "Waiter",
     "implementation",
     "implementation_reason",
@@ -78,7 +81,7 @@ def _in_subinterpreter() -> bool:
 
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
     implementation = "python"
     implementation_reason = "LOCKMGR_NO_EXTENSIONS is set: the pure-Python twin was asked for"
@@ -88,7 +91,7 @@ elif _in_subinterpreter():
     # CPython refuses it in an isolated subinterpreter; in a legacy one Cython would load it
     # into whichever interpreter imports it first, and refuse it everywhere else, the main
     # interpreter included. Choosing here keeps it the main interpreter's, always.
-    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
     implementation = "python"
     implementation_reason = (
@@ -97,9 +100,9 @@ elif _in_subinterpreter():
     )
 else:
     try:
-        from ._core import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+        from ._core import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
     except ImportError as error:  # pragma: no cover - built without a compiler, or on PyPy
-        from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+        from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
         implementation = "python"
         implementation_reason = (
@@ -111,7 +114,8 @@ else:
         implementation_reason = "the compiled core lockmgr._core"
 
 for _exported in (
-    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, DeadlockError, LockError, LockLost, LockStats, LockTimeout,
+    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager,
+    DeadlockError, KeySemaphore, LockError, LockLost, LockStats, LockTimeout,
     NestedWaitError, NotOwnedError, Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter,
 ):
     _exported.__module__ = __name__

@@ -246,7 +246,8 @@ cdef Outcome fast_acquire_read(Table *table, Shard *shard, Lookup *lookup, Token
             hold.count += 1
             shard.acquisitions += 1
             return DONE
-        if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token):
+        if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token) \
+                or not has_slot(entry):
             return SECTION
     else:
         entry = insert(table, lookup, token.spare_entry, after)
@@ -327,7 +328,8 @@ cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_o
     if entry is NULL:
         entry = insert(table, lookup, token.spare_entry, after)
         token.spare_entry = NULL
-    if entry.owner == token or (entry.owner is NULL and entry.head is NULL):
+    if entry.owner == token or (entry.owner is NULL and has_slot(entry) and (
+            entry.head is NULL or not table.fair)):  # fair=False: a free slot past a queue
         add_read(entry, token, token.spare_hold, 1)
         token.spare_hold = NULL
         return DONE
@@ -468,7 +470,7 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
         elif entry.owner == token or read_hold(entry, token) is not NULL:
             node.queued = False
         else:
-            ready = ready and entry.owner is NULL and entry.head is NULL
+            ready = ready and entry.owner is NULL and entry.head is NULL and has_slot(entry)
     if ready:
         grant_nodes(nodes, False)
         return DONE

@@ -117,10 +117,12 @@ from ._managers import _HoldingMany as _HoldingMany
 from ._managers import KeyLock as KeyLock
 from ._managers import LockManager as LockManager
 from ._managers import RWLockManager as RWLockManager
+from ._managers import SemaphoreManager as SemaphoreManager
 
-__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stranded_task"]
+__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "SemaphoreManager",
+           "end_stranded_task"]
 
-for _class in (LockManager, RWLockManager, KeyLock, _Engine, _Holding, _HoldingMany, _TaskWait,
+for _class in (LockManager, RWLockManager, SemaphoreManager, KeyLock, _Engine, _Holding, _HoldingMany, _TaskWait,
                _BlockRecord):
     _class.__module__ = __name__  # reprs, messages and pickles name lockmgr._pure, as before
 del _class

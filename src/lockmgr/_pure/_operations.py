@@ -36,7 +36,7 @@ from ._state import (
     _section,
 )
 from ._runtime import _current_token, _existing_token, _thread_tokens
-from ._table import _Table, _Unsure, _time_grant, _time_holds
+from ._table import _has_slot, _Table, _Unsure, _time_grant, _time_holds
 
 
 class _Operations(_Table):
@@ -133,7 +133,8 @@ class _Operations(_Table):
             entry.readers[token] = level + 1
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
-        if entry.owner is token or (entry.owner is None and not entry.queue):
+        if entry.owner is token or (entry.owner is None and _has_slot(entry) and (
+                not entry.queue or not self._fair)):  # fair=False: a free slot past a queue
             self._add_read(entry, token, 1)
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
@@ -216,7 +217,8 @@ class _Operations(_Table):
                     return index, _OVERFLOW
                 continue
             else:
-                free = entry.owner is token or (entry.owner is None and not entry.queue)
+                free = entry.owner is token or (
+                    entry.owner is None and not entry.queue and _has_slot(entry))
             if not free and blocked is None:
                 blocked = index
         if blocked is not None:
@@ -721,8 +723,9 @@ class _Operations(_Table):
         if owner is not None:
             return owner is request.token  # its thread took the key meanwhile: re-entry
         readers = entry.readers
-        return request.mode == _READ or not readers or (
-            len(readers) == 1 and request.token in readers)
+        if request.mode == _READ:
+            return _has_slot(entry) or request.token in readers
+        return not readers or (len(readers) == 1 and request.token in readers)
 
     def _grant(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)

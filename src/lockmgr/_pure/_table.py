@@ -177,6 +177,7 @@ class _Table:
         "_log_after",
         "_observers",
         "_ref",
+        "_slot_limit",
         "_stripe_keys",
         "_table",
         "_timeouts",
@@ -190,6 +191,7 @@ class _Table:
     _observers: tuple[Callable[[float], object], ...]
     _stripe_keys: tuple[Stripe, ...] | None
     _fair: bool
+    _slot_limit: int  # a SemaphoreManager's limit per key (0: none)
     _table: dict[int, _Entry]
     _held: int
     _waiting: int
@@ -336,6 +338,7 @@ class _Table:
 
     def _new_entry(self, key: Hashable, key_hash: int, plain: bool) -> _Entry:
         entry = _Entry(key, key_hash, plain)
+        entry.limit = self._slot_limit
         entry.same_hash = self._table.get(key_hash)
         self._table[key_hash] = entry
         return entry
@@ -442,6 +445,11 @@ class _Table:
             self._count_hold(entry.read_since.pop(token, 0.0), entry)
         if not token.reads:
             token.reads.clear()  # dicts never shrink on delete; this frees a grown one
+
+
+def _has_slot(entry: _Entry) -> bool:
+    """Whether ``entry`` admits one more read holder: a semaphore's key below its limit."""
+    return not entry.limit or len(entry.readers) < entry.limit
 
 
 # Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.

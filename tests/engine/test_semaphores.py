@@ -1,0 +1,251 @@
+"""SemaphoreManager: at most ``limit`` holders per key, reentrant per holder, strict FIFO,
+ownership, abandonment, bad input, and no false deadlock, on both engines."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import PATIENCE, abandoned_warnings, wait_until
+from lockmgr import LockTimeout, NotOwnedError
+from lockmgr._args import READ, WRITE
+from test_api import BAD_ACQUIRE_ARGS
+
+LIMITS = pytest.mark.parametrize("limit", [1, 3], ids=["limit-1", "limit-3"])
+
+
+@LIMITS
+def test_a_roundtrip_leaves_nothing_behind(impl, limit) -> None:
+    slots = impl.SemaphoreManager(limit)
+    assert slots.limit == limit and slots.fair is True
+    assert slots.holders("k") == 0 and slots.available("k") == limit and "k" not in slots
+    assert slots.acquire("k") is True
+    assert slots.holders("k") == 1 and slots.available("k") == limit - 1
+    assert slots.owned("k") and "k" in slots and len(slots) == 1
+    slots.release("k")
+    assert len(slots) == 0 and slots.snapshot() == [] and not slots.owned("k")
+    assert repr(slots).startswith(f"<lockmgr.SemaphoreManager limit={limit} fair=True held=0 ")
+
+
+def test_a_limit_of_one_takes_the_exclusive_path_and_more_the_shared_one(impl) -> None:
+    assert impl.SemaphoreManager(1)._slot_mode == WRITE
+    assert impl.SemaphoreManager(2)._slot_mode == READ
+
+
+@LIMITS
+def test_at_most_limit_holders_at_once(impl, limit, workers) -> None:
+    slots = impl.SemaphoreManager(limit)
+    holders = [workers(f"holder{i}") for i in range(limit)]
+    for holder in holders:
+        assert holder.run(lambda: slots.acquire("k", timeout=0)) is True
+    late = workers("late")
+    assert late.run(lambda: slots.acquire("k", timeout=0)) is False
+    assert late.run(lambda: slots.acquire("k", timeout=0.01)) is False
+    assert slots.holders("k") == limit and slots.available("k") == 0
+    assert slots.stats().timeouts == 2
+    holders[0].run(lambda: slots.release("k"))
+    assert late.run(lambda: slots.acquire("k", timeout=0)) is True
+    for holder in [*holders[1:], late]:
+        holder.run(lambda: slots.release("k"))
+    assert len(slots) == 0
+
+
+@LIMITS
+def test_a_holder_re_enters_its_own_slot(impl, limit, workers) -> None:
+    slots = impl.SemaphoreManager(limit)
+    others = [workers(f"other{i}") for i in range(limit - 1)]
+    for other in others:
+        other.run(lambda: slots.acquire("k"))
+    assert slots.acquire("k") and slots.acquire("k", timeout=0)  # full, yet re-entered
+    assert slots.holders("k") == limit
+    slots.release("k")
+    assert slots.owned("k") and slots.holders("k") == limit
+    slots.release("k")
+    assert not slots.owned("k")
+    with pytest.raises(NotOwnedError):
+        slots.release("k")
+    assert slots.holders("k") == limit - 1
+    for other in others:
+        other.run(lambda: slots.release("k"))
+    assert len(slots) == 0
+
+
+@LIMITS
+def test_waiters_are_granted_in_arrival_order(impl, limit, workers) -> None:
+    slots = impl.SemaphoreManager(limit)
+    holders = [workers(f"holder{i}") for i in range(limit)]
+    for holder in holders:
+        holder.run(lambda: slots.acquire("k"))
+    waiters = [workers(f"waiter{i}") for i in range(4)]
+    calls = []
+    for number, waiter in enumerate(waiters):
+        calls.append(waiter.submit(lambda: slots.acquire("k")))
+        wait_until(lambda: slots.stats().waiting == number + 1, f"waiter {number} queued")
+    order = [*holders, *waiters]
+    for released in range(len(waiters)):
+        order[released].run(lambda: slots.release("k"))
+        assert calls[released].result() is True
+        assert not any(call.done() for call in calls[released + 1:]), "a waiter overtook"
+    for holder in order[len(waiters):]:
+        holder.run(lambda: slots.release("k"))
+    assert len(slots) == 0 and slots.stats().contended == len(waiters)
+
+
+def test_a_free_slot_goes_to_no_one_behind_a_queued_set(impl, fair, workers) -> None:
+    """A set queued on "k" (waiting for "x" too) is ahead of a newcomer: with fair=True the
+    newcomer does not take the free slot of "k"; with fair=False it does."""
+    slots = impl.SemaphoreManager(2, fair=fair)
+    holders = [workers("x-holder0"), workers("x-holder1")]
+    for holder in holders:
+        holder.run(lambda: slots.acquire("x"))
+    slots.acquire("k")  # one slot of "k" held, one free
+    waiter = workers("set")
+    queued = waiter.submit(lambda: slots.acquire_many(["k", "x"]))
+    wait_until(lambda: slots.stats().waiting == 1, "the set queued")
+    assert slots.available("k") == 1
+    newcomer = workers("newcomer")
+    assert newcomer.run(lambda: slots.acquire("k", timeout=0)) is (not fair)
+    if not fair:
+        newcomer.run(lambda: slots.release("k"))
+    holders[0].run(lambda: slots.release("x"))
+    assert queued.result() is True
+    assert slots.holders("k") == 2 and slots.holders("x") == 2
+    waiter.run(lambda: slots.release_many(["k", "x"]))
+    holders[1].run(lambda: slots.release("x"))
+    slots.release("k")
+    assert len(slots) == 0
+
+
+def test_a_waiter_holding_a_slot_is_no_false_deadlock(impl, workers) -> None:
+    """A and B hold the two slots of "s"; A waits for "lock" held by C; C waits for a slot
+    of "s". A search that took every holder of "s" for an edge would call that a cycle
+    (C -> A -> C), but B can still release: C's wait is granted, no DeadlockError."""
+    slots = impl.SemaphoreManager(2)
+    locks = impl.LockManager()
+    a, b, c = workers("a"), workers("b"), workers("c")
+    a.run(lambda: slots.acquire("s"))
+    b.run(lambda: slots.acquire("s"))
+    c.run(lambda: locks.acquire("lock"))
+    a_waits = a.submit(lambda: locks.acquire("lock"))
+    wait_until(lambda: locks.stats().waiting == 1, "a waits for the lock")
+    c_waits = c.submit(lambda: slots.acquire("s"))
+    wait_until(lambda: slots.stats().waiting == 1, "c waits for a slot")
+    b.run(lambda: slots.release("s"))
+    assert c_waits.result() is True
+    c.run(lambda: locks.release("lock"))
+    assert a_waits.result() is True
+    assert slots.stats().deadlocks == 0 and locks.stats().deadlocks == 0
+    a.run(lambda: (locks.release("lock"), slots.release("s")))
+    c.run(lambda: slots.release("s"))
+    assert len(slots) == 0 and len(locks) == 0
+
+
+@LIMITS
+def test_hold_views_and_synchronized(impl, limit, workers) -> None:
+    slots = impl.SemaphoreManager(limit)
+    with slots.hold("k") as held:
+        assert held is True and slots.owned("k")
+    with slots["k"] as held:
+        assert held is True and slots["k"].holders() == 1 and slots["k"].available() == limit - 1
+    assert slots["k"] == slots["k"] and slots["k"].key == "k" and slots["k"].manager is slots
+    view = slots["k"]
+    assert view.acquire(timeout=0) is True
+    view.release()
+
+    @slots.synchronized(lambda user: user)
+    def work(user: str) -> int:
+        return slots.holders(user)
+
+    assert work("u") == 1 and len(slots) == 0
+    others = [workers(f"other{i}") for i in range(limit)]
+    for other in others:
+        other.run(lambda: slots.acquire("k"))
+    with pytest.raises(LockTimeout), slots.hold("k", timeout=0.01):
+        pass
+    for other in others:
+        other.run(lambda: slots.release("k"))
+    assert len(slots) == 0
+
+
+@LIMITS
+def test_many_keys_all_or_nothing(impl, limit, workers) -> None:
+    slots = impl.SemaphoreManager(limit)
+    full = [workers(f"full{i}") for i in range(limit)]
+    for worker in full:
+        worker.run(lambda: slots.acquire("b"))
+    assert slots.acquire_many(["a", "b"], timeout=0) is False
+    assert slots.holders("a") == 0 and len(slots) == 1
+    full[0].run(lambda: slots.release("b"))
+    assert slots.acquire_many(["a", "b", "a"], timeout=0) is True
+    assert slots.holders("a") == 1 and slots.holders("b") == limit
+    slots.release_many(["a", "b"])
+    with slots.hold_many(["a", "b"], timeout=0):
+        assert slots.owned("a") and slots.owned("b")
+    with pytest.raises(NotOwnedError):
+        slots.release_many(["a", "b"])
+    for worker in full[1:]:
+        worker.run(lambda: slots.release("b"))
+    assert len(slots) == 0
+
+
+@LIMITS
+def test_a_thread_that_ends_holding_a_slot_gives_it_up_with_a_warning(impl, limit) -> None:
+    slots = impl.SemaphoreManager(limit)
+    took, end = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        slots.acquire("k")
+        slots.acquire("k")
+        took.set()
+        end.wait(PATIENCE)
+
+    fill = [threading.Thread(target=holder) for _ in range(limit)]
+    waiting = threading.Thread(target=lambda: (slots.acquire("k"), slots.release("k")),
+                               daemon=True)
+    with abandoned_warnings() as warned:
+        for thread in fill:
+            thread.start()
+            assert took.wait(PATIENCE)
+            took.clear()
+        waiting.start()
+        wait_until(lambda: slots.stats().waiting == 1, "the waiter queued")
+        end.set()
+        for thread in fill:
+            thread.join(PATIENCE)
+    assert sorted(str(w.message) for w in warned) == sorted(
+        f"thread {thread.name!r} (ident {thread.ident}) ended holding key 'k'; released it"
+        for thread in fill)
+    waiting.join(PATIENCE)
+    assert not waiting.is_alive() and len(slots) == 0
+
+
+@pytest.mark.parametrize("limit", [0, -1, -(2**70)])
+def test_a_limit_below_one_is_refused(impl, limit) -> None:
+    with pytest.raises(ValueError, match="limit must be an int from 1"):
+        impl.SemaphoreManager(limit)
+
+
+@pytest.mark.parametrize("limit", [True, False, 1.0, "3", None, 2**70])
+def test_a_limit_that_is_no_int_is_refused(impl, limit) -> None:
+    error = ValueError if limit == 2**70 else TypeError
+    with pytest.raises(error, match="limit must be"):
+        impl.SemaphoreManager(limit)
+
+
+@LIMITS
+def test_an_unhashable_key_is_refused_with_nothing_changed(impl, limit) -> None:
+    slots = impl.SemaphoreManager(limit)
+    for call in (slots.acquire, slots.release, slots.hold, slots.holders, slots.available,
+                 slots.owned, slots.__getitem__, lambda key: slots.acquire_many(["a", key])):
+        with pytest.raises(TypeError):
+            call([])
+    assert len(slots) == 0 and slots.stats().acquisitions == 0
+
+
+@pytest.mark.parametrize("kwargs", BAD_ACQUIRE_ARGS, ids=repr)
+def test_acquire_rejects_what_threading_rejects(impl, kwargs) -> None:
+    slots = impl.SemaphoreManager(2)
+    with pytest.raises((TypeError, ValueError, OverflowError)):
+        slots.acquire("k", **kwargs)
+    assert len(slots) == 0
