@@ -179,13 +179,15 @@ class RWLockEngine(Engine, Protocol[K]):
 
 class SemaphoreEngine(Engine, Protocol[K]):
     """A ``SemaphoreManager[K]``: at most ``limit`` holders per key. ``_slot_mode`` is how
-    its holders hold a key: WRITE for a limit of 1 (the exclusive lock), READ above (read
-    holds, at most ``limit`` of them: the entry's limit)."""
+    its holders hold a key: WRITE for a fixed limit of 1 (the exclusive lock), READ above or
+    with a ``limit(key)`` callable (read holds, at most the entry's limit of them, set when
+    the key enters the table; the engine calls ``limit(key)`` before every section that may
+    insert a semaphore's key)."""
 
     @property
     def aio(self) -> AsyncSemaphoreManager[K]: ...
     @property
-    def limit(self) -> int: ...
+    def limit(self) -> int | Callable[[K], int]: ...
     @property
     def fair(self) -> bool: ...
     @property
@@ -211,7 +213,7 @@ class MakesRWLockManager(Protocol):
 
 
 class MakesSemaphoreManager(Protocol):
-    def __call__(self, limit: int, *, fair: bool = True,
+    def __call__(self, limit: int | Callable[[Hashable], int], *, fair: bool = True,
                  log_waits_after: float | None = None) -> SemaphoreEngine[Hashable]: ...
 
 

@@ -168,8 +168,9 @@ cdef struct Entry:
     Entry *held_next             # lists
     Hold *readers                # shard: read holds, one per reading thread (newest first)
     Py_ssize_t nreaders          # shard: how many read holds
-    Py_ssize_t limit             # set when inserted: a SemaphoreManager's key admits at most
-                                 # this many read holds (its slots); 0: any number
+    Py_ssize_t limit             # set when inserted (the lookup's, else the table's
+                                 # slot_limit): a SemaphoreManager's key admits at most this
+                                 # many read holds (its slots); 0: any number
     Request *head                # engine + shard: oldest waiting request (an upgrade goes
                                  # first); fast paths read it to leave queued keys to sections
     Request *tail                # engine + shard: newest waiting request
@@ -277,6 +278,8 @@ cdef struct Lookup:
     Compared *compared           # answers so far (prepare's memory)
     Py_ssize_t ncompared         # how many answers
     Py_ssize_t room              # room in ``compared``
+    Py_ssize_t limit             # a semaphore's limit for the key, should it be inserted
+                                 # (from its manager's limit(key)); 0: the table's slot_limit
 
 
 cdef enum:

@@ -42,7 +42,9 @@ def manager_repr(manager: object, fair: bool, held: int, waiting: int) -> str:
     return f"<lockmgr.{name}{option} held={held} waiting={waiting} at {id(manager):#x}>"
 
 
-def semaphore_repr(manager: object, limit: int, fair: bool, held: int, waiting: int) -> str:
+def semaphore_repr(manager: object, limit: object, fair: bool, held: int, waiting: int) -> str:
+    if callable(limit):
+        limit = getattr(limit, "__qualname__", limit)
     return (f"<lockmgr.SemaphoreManager limit={limit} fair={fair} held={held} "
             f"waiting={waiting} at {id(manager):#x}>")
 

@@ -127,3 +127,26 @@ def test_a_task_that_ends_holding_a_slot_gives_it_up_with_a_warning(impl, limit)
         run(main)
     assert len(slots) == 0 and len(caught) == limit
     assert all(str(w.message).endswith("ended holding key 'k'; released it") for w in caught)
+
+
+def test_tasks_get_the_limit_callables_limits_and_its_errors(impl) -> None:
+    slots = impl.SemaphoreManager(lambda key: 0 if key == "bad" else len(key))
+
+    async def main() -> None:
+        assert await slots.aio.acquire("ab") is True
+        assert await asyncio.create_task(slots.aio.acquire("ab", timeout=0)) is True
+        # the second task ended holding its slot: its end gives it back
+        await until(lambda: slots.aio.available("ab") == 1, "the ended task's slot is free")
+        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+            await slots.aio.acquire("bad")
+        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+            await slots.aio.acquire_many(["ab", "bad"])
+        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+            async with slots.aio.hold("bad"):
+                pass
+        assert slots.holders("ab") == 1 and "bad" not in slots
+        slots.aio.release("ab")
+
+    with abandoned_warnings():
+        run(main)
+    assert len(slots) == 0 and slots.stats().waiting == 0

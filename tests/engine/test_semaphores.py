@@ -249,3 +249,47 @@ def test_acquire_rejects_what_threading_rejects(impl, kwargs) -> None:
     with pytest.raises((TypeError, ValueError, OverflowError)):
         slots.acquire("k", **kwargs)
     assert len(slots) == 0
+
+
+def test_a_limit_callable_sets_each_keys_limit_when_it_enters_the_table(impl, workers) -> None:
+    limits = {"one": 1, "two": 2}
+    slots = impl.SemaphoreManager(lambda key: limits.get(key, 3))
+    assert slots._slot_mode == READ and callable(slots.limit)
+    assert [slots.available(key) for key in ("one", "two", "other")] == [1, 2, 3]
+    takers = [workers(f"taker{i}") for i in range(4)]
+    for key, admitted in (("one", 1), ("two", 2), ("other", 3)):
+        got = [taker.run(lambda key=key: slots.acquire(key, timeout=0)) for taker in takers]
+        assert got == [True] * admitted + [False] * (4 - admitted), key
+    limits["two"] = 4  # "two" is in use: it keeps the limit it entered with
+    assert takers[3].run(lambda: slots.acquire("two", timeout=0)) is False
+    assert slots.available("two") == 0
+    for taker in takers:
+        taker.run(slots.release_all)
+    assert len(slots) == 0 and slots.available("two") == 4
+    assert slots.acquire_many(["one", "two"]) is True
+    assert slots.holders("one") == 1 and slots.available("one") == 0
+    slots.release_many(["one", "two"])
+    assert len(slots) == 0
+
+
+@pytest.mark.parametrize("answer, error", [(0, ValueError), (-1, ValueError), (True, TypeError),
+                                           (2.0, TypeError), ("2", TypeError), (None, TypeError)])
+def test_a_bad_limit_from_the_callable_fails_the_acquire_with_nothing_changed(
+        impl, answer, error) -> None:
+    slots = impl.SemaphoreManager(lambda key: answer if key == "bad" else 2)
+    match = r"limit\('bad'\) returned"
+    for call in (lambda: slots.acquire("bad"), lambda: slots.acquire_many(["good", "bad"]),
+                 lambda: slots.hold("bad").__enter__(), lambda: slots.available("bad")):
+        with pytest.raises(error, match=match):
+            call()
+    assert len(slots) == 0 and slots.stats().acquisitions == 0 and slots.snapshot() == []
+
+
+def test_what_the_limit_callable_raises_fails_the_acquire_with_nothing_changed(impl) -> None:
+    def limit(key: str) -> int:
+        raise LookupError(key)
+
+    slots = impl.SemaphoreManager(limit)
+    with pytest.raises(LookupError):
+        slots.acquire("k")
+    assert len(slots) == 0 and slots.stats().acquisitions == 0

@@ -298,11 +298,12 @@ cdef class SemaphoreManager(_Engine):
     cdef Mode mode  # how a holder holds a key: WRITE (a limit of 1) or READ
 
     def __cinit__(self, limit, *, fair=True, log_waits_after=None):
-        cdef Py_ssize_t checked = slot_limit(limit)
+        cdef Py_ssize_t checked = 0 if callable(limit) else slot_limit(limit)
         self.table.fair = bool(fair)
         self.table.log_after = log_waits_after_seconds(log_waits_after)
         self.mode = WRITE if checked == 1 else READ
         self.table.slot_limit = 0 if checked == 1 else checked
+        self.limit_of = None if checked else limit
 
     @property
     def _slot_mode(self):
@@ -311,8 +312,10 @@ cdef class SemaphoreManager(_Engine):
 
     @property
     def limit(self):
-        """Holders admitted per key at once."""
-        return self.table.slot_limit or 1
+        """Holders admitted per key at once, or the ``limit(key)`` that says so for each key
+        (called at each acquisition: its answer for a key that enters the table is that
+        key's limit while it is in use)."""
+        return self.limit_of or self.table.slot_limit or 1
 
     @property
     def fair(self):
@@ -392,8 +395,18 @@ cdef class SemaphoreManager(_Engine):
 
     def available(self, key):
         """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
-        TypeError for an unhashable key."""
-        return self.limit - self.holders(key)
+        TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
+        the table."""
+        cdef Peek seen
+        cdef Lookup lookup
+        if self.mode == WRITE:
+            return 1 - self.holders(key)
+        self._peek(key, &seen)
+        if not seen.limit:
+            lookup_init(&lookup, <PyObject*>key, 0)
+            self._limit_lookup(&lookup)
+            seen.limit = lookup.limit or self.table.slot_limit
+        return seen.limit - seen.readers
 
     def owned(self, key):
         """Whether the calling thread holds a slot of ``key``. Raises TypeError for an

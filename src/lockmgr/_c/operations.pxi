@@ -999,6 +999,7 @@ cdef void look_at(Entry *entry, Token *token, Peek *seen) noexcept nogil:
         seen.count = entry.count
         seen.mine = entry.owner == token
     seen.readers = entry.nreaders
+    seen.limit = entry.limit
     if token is not NULL:
         hold = read_hold(entry, token)
         if hold is not NULL:

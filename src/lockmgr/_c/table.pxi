@@ -107,7 +107,7 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.pinned = 0
     entry.readers = NULL
     entry.nreaders = 0
-    entry.limit = table.slot_limit
+    entry.limit = lookup.limit if lookup.limit else table.slot_limit
     entry.head = NULL
     entry.tail = NULL
     entry.inflight = 0

@@ -15,6 +15,7 @@ from ._state import K, _NOT_OWNED, P, _PINNED, _READ, T, _WRITE, _Entry, _Token,
 from ._runtime import _existing_token
 from ._table import (
     _has_holder,
+    _holders_and_limit,
     _owner_and_count,
     _read_level,
     _reader_count,
@@ -287,13 +288,15 @@ class SemaphoreManager(_Engine, Generic[K]):
 
     __slots__ = ("_mode",)
 
-    def __init__(self, limit: int, *, fair: bool = True,
+    def __init__(self, limit: int | Callable[[K], int], *, fair: bool = True,
                  log_waits_after: float | None = None) -> None:
-        checked = slot_limit(limit)
+        limit_of = limit if callable(limit) else None
+        checked = 0 if limit_of is not None else slot_limit(limit)
         super().__init__(None, log_waits_after)
         self._fair = bool(fair)
         self._mode = _WRITE if checked == 1 else _READ
         self._slot_limit = 0 if checked == 1 else checked
+        self._limit_of = limit_of
 
     @property
     def _slot_mode(self) -> int:
@@ -301,9 +304,11 @@ class SemaphoreManager(_Engine, Generic[K]):
         return self._mode
 
     @property
-    def limit(self) -> int:
-        """Holders admitted per key at once."""
-        return self._slot_limit or 1
+    def limit(self) -> int | Callable[[K], int]:
+        """Holders admitted per key at once, or the ``limit(key)`` that says so for each key
+        (called at each acquisition: its answer for a key that enters the table is that
+        key's limit while it is in use)."""
+        return self._limit_of or self._slot_limit or 1
 
     @property
     def fair(self) -> bool:
@@ -381,8 +386,12 @@ class SemaphoreManager(_Engine, Generic[K]):
 
     def available(self, key: K) -> int:
         """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
-        TypeError for an unhashable key."""
-        return self.limit - self.holders(key)
+        TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
+        the table."""
+        if self._mode == _WRITE:
+            return 1 - self.holders(key)
+        holders, limit = self._run_on_key(_holders_and_limit, self._table_key(key))
+        return (limit or self._limit_for(key) or self._slot_limit) - holders
 
     def owned(self, key: K) -> bool:
         """Whether the calling thread holds a slot of ``key``. Raises TypeError for an

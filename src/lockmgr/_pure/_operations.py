@@ -115,14 +115,14 @@ class _Operations(_Table):
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
         token = _current_token()
         return self._acquire(token, seconds, self._run_on_key, self._take_read, key, token,
-                             seconds)
+                             seconds, self._limit_for(key))
 
     def _take_read(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
-        seconds: float,
+        seconds: float, limit: int = 0,
     ) -> object:
         if entry is None:
-            entry = self._new_entry(key, key_hash, plain)
+            entry = self._new_entry(key, key_hash, plain, limit)
             self._add_read(entry, token, 1)
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
@@ -176,9 +176,10 @@ class _Operations(_Table):
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
         known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
+        limits = [self._limit_for(key) for key, _ in items]
         while True:
             verdict = _section(self._take_many_section, items, hashes, plains, known, token,
-                               seconds)
+                               seconds, limits)
             if type(verdict) is not tuple:
                 return verdict
             index, what = verdict
@@ -191,6 +192,7 @@ class _Operations(_Table):
     def _take_many_section(
         self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
         known: list[tuple[_Entry, _Entry | None] | None], token: _Token, seconds: float,
+        limits: list[int],
     ) -> object:
         """A request, True, False, or ``(index of a key, what about it)``: an _Unsure or
         the verdict to raise for it."""
@@ -230,7 +232,7 @@ class _Operations(_Table):
         nodes = []
         for index, ((key, mode), entry) in enumerate(zip(items, entries, strict=True)):
             if entry is None:
-                entry = self._new_entry(key, hashes[index], plains[index])
+                entry = self._new_entry(key, hashes[index], plains[index], limits[index])
             node = _Request(token, self, entry, mode, 1)
             nodes.append(node)
             if mode == _WRITE:
