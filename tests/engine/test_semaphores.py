@@ -3,6 +3,7 @@ ownership, abandonment, bad input, and no false deadlock, on both engines."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -293,3 +294,41 @@ def test_what_the_limit_callable_raises_fails_the_acquire_with_nothing_changed(i
     with pytest.raises(LookupError):
         slots.acquire("k")
     assert len(slots) == 0 and slots.stats().acquisitions == 0
+
+
+def test_snapshot_metrics_and_the_slow_wait_log_show_slot_holders(impl, workers) -> None:
+    slots = impl.SemaphoreManager(2, log_waits_after=0.01)
+    holders = [workers(f"holder{i}") for i in range(2)]
+    for holder in holders:
+        holder.run(lambda: slots.acquire("k"))
+    logger, records = logging.getLogger("lockmgr"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, level = Keep(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        waiter = workers("waiter")
+        waiting = waiter.submit(lambda: slots.acquire("k"))
+        wait_until(lambda: any(r.levelno == logging.WARNING for r in records), "the slow-wait log")
+        (state,) = slots.snapshot()
+        assert state.key == "k" and [h.mode for h in state.holders] == ["read", "read"]
+        assert sorted(h.owner for h in state.holders) == sorted(
+            holder.thread.ident for holder in holders)
+        assert [w.owner for w in state.waiters] == [waiter.thread.ident]
+        holders[0].run(lambda: slots.release("k"))
+        assert waiting.result() is True
+        wait_until(lambda: any(r.levelno == logging.INFO for r in records), "the end of the wait")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    warning = next(r for r in records if r.levelno == logging.WARNING)
+    assert "for key 'k' (read)" in warning.getMessage() and warning.lockmgr_keys == ("k",)
+    metrics = slots.metrics()
+    assert metrics.wait_time.count == 1 and metrics.stats.contended == 1
+    waiter.run(lambda: slots.release("k"))
+    holders[1].run(lambda: slots.release("k"))
+    assert len(slots) == 0
