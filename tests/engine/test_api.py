@@ -22,7 +22,8 @@ from lockmgr import DeadlockError, LockError, LockStats, LockTimeout, NotOwnedEr
 def test_public_names() -> None:
     assert set(lockmgr.__all__) >= {
         "LockManager", "KeyLock", "LockStats", "LockError", "LockTimeout",
-        "NotOwnedError", "DeadlockError", "implementation",
+        "NotOwnedError", "DeadlockError", "implementation", "SemaphoreManager",
+        "KeySemaphore", "AsyncSemaphoreManager",
     }
     assert issubclass(LockTimeout, TimeoutError) and issubclass(LockTimeout, LockError)
     assert issubclass(NotOwnedError, RuntimeError) and issubclass(NotOwnedError, LockError)
