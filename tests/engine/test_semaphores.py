@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from conftest import PATIENCE, abandoned_warnings, wait_until
-from lockmgr import LockTimeout, NotOwnedError
+from lockmgr import DeadlockError, LockTimeout, NotOwnedError
 from lockmgr._args import READ, WRITE
 from test_api import BAD_ACQUIRE_ARGS
 
@@ -332,3 +332,23 @@ def test_snapshot_metrics_and_the_slow_wait_log_show_slot_holders(impl, workers)
     waiter.run(lambda: slots.release("k"))
     holders[1].run(lambda: slots.release("k"))
     assert len(slots) == 0
+
+
+@pytest.mark.parametrize("limit", [1, lambda key: 1], ids=["limit-1", "limit-callable-1"])
+def test_a_cycle_through_keys_of_one_slot_is_a_deadlock_error(impl, limit, workers) -> None:
+    """A key with one slot has one holder, what a wait for it waits for: a cycle through
+    such keys is refused, whether the key takes the exclusive path (a limit of 1) or the
+    shared one with a limit of 1 (a limit callable's answer)."""
+    slots = impl.SemaphoreManager(limit)
+    first, second = workers("first"), workers("second")
+    first.run(lambda: slots.acquire("x"))
+    second.run(lambda: slots.acquire("y"))
+    blocked = first.submit(lambda: slots.acquire("y"))
+    wait_until(lambda: slots.stats().waiting == 1, "first waits for y")
+    with pytest.raises(DeadlockError) as refused:
+        second.run(lambda: slots.acquire("x"))
+    assert [key for _, key in refused.value.cycle] == ["x", "y"]
+    second.run(lambda: slots.release("y"))
+    assert blocked.result() is True
+    first.run(slots.release_all)
+    assert len(slots) == 0 and slots.stats().deadlocks == 1

@@ -46,10 +46,13 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     ``group_grantable`` in table.pxi) make a request wait for:
 
     - the key's writer, unless it is the request's own thread (a re-entry), and, for a
-      write, every other reader: to release the key (they must run on);
+      write or a read of a key with one slot (a semaphore's limit of 1: its one reader is
+      what the wait waits for), every other reader: to release the key (they must run on).
+      A read of a key with more slots waits for *any* of its holders to leave: no edge
+      (one edge per holder would make cycles of holders that another holder frees);
     - unless it is an upgrade (queued at the head, nothing is ahead of it), every request
-      ahead of it when either of the two is a write (a write is granted alone): to be
-      granted and release the key again (it must run on);
+      ahead of it when either of the two is a write (a write is granted alone), or the key
+      has one slot: to be granted and release the key again (it must run on);
     - and, ahead of a read, a set's read node: a set is granted only once its node heads
       every queue it is in, so a read behind one waits until the whole set is granted, but
       not for its owner to run (``pass_on`` grants it whether its task runs or not);
@@ -67,9 +70,10 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     cdef Request *ahead = waits_for.head
     cdef Request *own_place = node if enqueued else NULL
     cdef bint conflicting
+    cdef bint exclusive = node.mode == WRITE or waits_for.limit == 1  # one slot: as a write
     if reach(search, thread, waits_for.owner, waits_for, True):
         return True
-    if node.mode == WRITE:
+    if exclusive:
         while hold is not NULL:
             if reach(search, thread, hold.token, waits_for, True):
                 return True
@@ -79,7 +83,7 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     if node.at_head:
         return False
     while ahead is not NULL and ahead != own_place:
-        conflicting = node.mode == WRITE or ahead.mode == WRITE
+        conflicting = exclusive or ahead.mode == WRITE
         if (conflicting or ahead.lead is not NULL) and reach(
                 search, thread, ahead.token, waits_for, conflicting):
             return True

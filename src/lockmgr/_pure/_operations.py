@@ -345,7 +345,8 @@ class _Operations(_Table):
         ) -> bool:
             if reach(thread, waits_for.owner, waits_for, True):
                 return True
-            if mode == _WRITE:  # newest first, as in _core
+            exclusive = mode == _WRITE or waits_for.limit == 1  # one slot: as a write
+            if exclusive:  # newest first, as in _core
                 if any(reach(thread, reader, waits_for, True)
                        for reader in reversed(waits_for.readers)):
                     return True
@@ -355,7 +356,7 @@ class _Operations(_Table):
                 for ahead in waits_for.queue:
                     if ahead is own:
                         break
-                    conflicting = mode == _WRITE or ahead.mode == _WRITE
+                    conflicting = exclusive or ahead.mode == _WRITE
                     if (conflicting or ahead.lead is not None) and reach(
                             thread, ahead.token, waits_for, conflicting):
                         return True
