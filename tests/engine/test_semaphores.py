@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -352,3 +353,60 @@ def test_a_cycle_through_keys_of_one_slot_is_a_deadlock_error(impl, limit, worke
     assert blocked.result() is True
     first.run(slots.release_all)
     assert len(slots) == 0 and slots.stats().deadlocks == 1
+
+
+@pytest.mark.parametrize("limit", [1, 2, lambda key: len(key)], ids=["limit-1", "limit-2",
+                                                                       "limit-callable"])
+def test_threads_hammering_keys_never_exceed_the_limit(impl, limit) -> None:
+    """Eight threads take and give back slots of three keys (one at a time, with hold, and
+    two at once), and count who is inside: never more than each key's limit."""
+    slots = impl.SemaphoreManager(limit)
+    keys = ["a", "bb", "ccc"]
+    allowed = {key: limit(key) if callable(limit) else limit for key in keys}
+    inside = dict.fromkeys(keys, 0)
+    most = dict.fromkeys(keys, 0)
+    guard = threading.Lock()
+    failures: list[BaseException] = []
+
+    def enter(*entered: str) -> None:
+        with guard:
+            for key in entered:
+                inside[key] += 1
+                most[key] = max(most[key], inside[key])
+        # Stay a moment, so that the others pile up at the keys: a limit that let one more
+        # in would show in ``most`` (what is asserted holds however long this takes).
+        time.sleep(0.0002)
+
+    def leave(*left: str) -> None:
+        with guard:
+            for key in left:
+                inside[key] -= 1
+
+    def hammer(index: int) -> None:
+        try:
+            for round_ in range(150):
+                key, other = keys[(index + round_) % 3], keys[(index + round_ + 1) % 3]
+                if round_ % 3 == 0:
+                    with slots.hold(key, timeout=PATIENCE):
+                        enter(key)
+                        leave(key)
+                elif round_ % 3 == 1:
+                    assert slots.acquire(key, timeout=PATIENCE)
+                    enter(key)
+                    leave(key)
+                    slots.release(key)
+                else:
+                    with slots.hold_many([key, other], timeout=PATIENCE):
+                        enter(key, other)
+                        leave(key, other)
+        except BaseException as error:  # handed to the test
+            failures.append(error)
+
+    threads = [threading.Thread(target=hammer, args=(index,)) for index in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(4 * PATIENCE)
+    assert not any(thread.is_alive() for thread in threads) and failures == []
+    assert all(most[key] <= allowed[key] for key in keys), (most, allowed)
+    assert len(slots) == 0 and slots.stats().waiting == 0
