@@ -150,3 +150,29 @@ def test_tasks_get_the_limit_callables_limits_and_its_errors(impl) -> None:
     with abandoned_warnings():
         run(main)
     assert len(slots) == 0 and slots.stats().waiting == 0
+
+
+def test_a_cancelled_waiting_task_takes_no_slot_and_holds_nobody_up(impl, workers) -> None:
+    slots = impl.SemaphoreManager(2)
+    holders = [workers(f"holder{i}") for i in range(2)]
+    for holder in holders:
+        holder.run(lambda: slots.acquire("k"))
+
+    async def main() -> None:
+        cancelled = asyncio.create_task(slots.aio.acquire("k"))
+        await until(lambda: slots.stats().waiting == 1, "the task waits")
+        behind_worker = workers("behind")
+        behind = behind_worker.submit(lambda: slots.acquire("k"))
+        await until(lambda: slots.stats().waiting == 2, "a thread waits behind it")
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert slots.stats().waiting == 1 and slots.holders("k") == 2
+        await asyncio.to_thread(holders[0].run, lambda: slots.release("k"))
+        assert await asyncio.to_thread(behind.result) is True
+        assert slots.holders("k") == 2 and slots.stats().waiting == 0
+        for giver in (behind_worker, holders[1]):
+            await asyncio.to_thread(giver.run, lambda: slots.release("k"))
+
+    run(main)
+    assert len(slots) == 0
