@@ -167,7 +167,7 @@ import sys
 import threading
 from types import GenericAlias
 
-from lockmgr._aio import AsyncLockManager, AsyncRWLockManager
+from lockmgr._aio import AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager
 from lockmgr._aio import _wait_for_grant as wait_for_grant
 from lockmgr._observe import (
     HISTOGRAM_BOUNDS,
@@ -184,6 +184,7 @@ from lockmgr._args import (
     many_items,
     restored_count,
     rw_items,
+    slot_limit,
     stripe_count,
     wait_seconds,
 )
@@ -210,7 +211,15 @@ from lockmgr._owners import (
     not_in_task,
 )
 from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table
-from lockmgr._views import PICKLE_ERROR, LockStats, key_lock_repr, manager_repr, synchronized
+from lockmgr._views import (
+    PICKLE_ERROR,
+    KeySemaphore,
+    LockStats,
+    key_lock_repr,
+    manager_repr,
+    semaphore_repr,
+    synchronized,
+)
 
 cdef object DEFAULT_TIMEOUT = -1  # the acquiring methods' default (a cached int: told by identity)
 

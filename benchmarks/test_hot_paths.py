@@ -119,3 +119,45 @@ def test_manager_key_per_thread(benchmark, locks, threads) -> None:  # type: ign
         return (lambda: locks.acquire(key)), (lambda: locks.release(key))
 
     benchmark(_spread(own, threads))
+
+
+# -- SemaphoreManager: a limit of 1 is the exclusive lock's path -----------------------------
+
+
+@pytest.fixture(params=ENGINES, ids=["cython", "python"])
+def engine(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    return importlib.import_module(request.param)
+
+
+@pytest.mark.benchmark(group="limit 1 acquire+release x1000")
+def test_lock_manager_pair_beside_limit_one(benchmark, engine) -> None:  # type: ignore[no-untyped-def]
+    locks = engine.LockManager()
+    benchmark(_pairs(locks.acquire, locks.release, KEY))
+
+
+@pytest.mark.benchmark(group="limit 1 acquire+release x1000")
+def test_semaphore_limit_one_pair(benchmark, engine) -> None:  # type: ignore[no-untyped-def]
+    slots = engine.SemaphoreManager(1)
+    benchmark(_pairs(slots.acquire, slots.release, KEY))
+
+
+@pytest.mark.benchmark(group="limit 4 acquire+release x1000")
+def test_bounded_semaphore_from_a_dict_pair(benchmark) -> None:  # type: ignore[no-untyped-def]
+    semaphores: dict[str, threading.BoundedSemaphore] = {}
+
+    def acquire(key: str) -> None:
+        semaphore = semaphores.get(key)
+        if semaphore is None:
+            semaphore = semaphores.setdefault(key, threading.BoundedSemaphore(4))
+        semaphore.acquire()
+
+    def release(key: str) -> None:
+        semaphores[key].release()
+
+    benchmark(_pairs(acquire, release, KEY))
+
+
+@pytest.mark.benchmark(group="limit 4 acquire+release x1000")
+def test_semaphore_limit_four_pair(benchmark, engine) -> None:  # type: ignore[no-untyped-def]
+    slots = engine.SemaphoreManager(4)
+    benchmark(_pairs(slots.acquire, slots.release, KEY))

@@ -8,6 +8,7 @@ difference between two builds show, where wall-clock timings on a shared machine
     python3 scripts/pair-instructions.py --src OTHER/src      # another checkout's build
     python3 scripts/pair-instructions.py --loop aio-block     # async with aio[k] (a task)
     python3 scripts/pair-instructions.py --loop asyncio-lock-block  # the same, asyncio.Lock
+    python3 scripts/pair-instructions.py --semaphore-limit 1  # SemaphoreManager(1) instead
 
 ``--loop``: ``sync`` (the default), ``aio-block`` / ``aio-pair`` (``async with aio[k]`` /
 ``await aio.acquire(k)`` + ``aio.release(k)`` in one task), and ``asyncio-lock-block`` /
@@ -48,9 +49,11 @@ if sys.argv[4] in ("postgres", "libpq"):  # the server-pairs worker's pair, its 
         for key in keys:
             acquire(key); release(key)
     sys.exit()
-from lockmgr._core import LockManager
+from lockmgr._core import LockManager, SemaphoreManager
 after = float(sys.argv[2])
-locks = LockManager(log_waits_after=after) if after >= 0 else LockManager()
+options = {"log_waits_after": after} if after >= 0 else {}
+limit = int(sys.argv[6])  # 0: a LockManager; else a SemaphoreManager with that limit
+locks = SemaphoreManager(limit, **options) if limit else LockManager(**options)
 
 def run(iterations, acquire=locks.acquire, release=locks.release):
     for _ in range(iterations):
@@ -93,13 +96,14 @@ PG_LOOPS = ["postgres", "libpq"]  # (through --pg-dsn's server)
 
 
 def instructions(src: str, after: float, iterations: int, loop: str = "sync",
-                 dsn: str = "") -> int:
+                 dsn: str = "", limit: int = 0) -> int:
     with tempfile.TemporaryDirectory() as work:
         script = Path(work) / "loop.py"
         script.write_text(LOOP)
         done = subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={work}/out",
-             sys.executable, str(script), src, str(after), str(iterations), loop, dsn],
+             sys.executable, str(script), src, str(after), str(iterations), loop, dsn,
+             str(limit)],
             capture_output=True, text=True, check=True,
             env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict probes every run
     return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
@@ -113,13 +117,16 @@ def main() -> None:
                         help="pairs of the loop (default 100,000; through a server, 800)")
     parser.add_argument("--loop", choices=LOOPS + PG_LOOPS, default="sync")
     parser.add_argument("--pg-dsn", default="", help="the server of the postgres and libpq loops")
+    parser.add_argument("--semaphore-limit", type=int, default=0,
+                        help="a SemaphoreManager with this limit instead of a LockManager")
     args = parser.parse_args()
     if (args.loop in PG_LOOPS) != bool(args.pg_dsn):
         parser.error("--pg-dsn goes with --loop postgres or libpq, and they with it")
     iterations = args.iterations or (800 if args.loop in PG_LOOPS else 100_000)
-    once = instructions(args.src, args.log_waits_after, iterations, args.loop, args.pg_dsn)
+    once = instructions(args.src, args.log_waits_after, iterations, args.loop, args.pg_dsn,
+                        args.semaphore_limit)
     twice = instructions(args.src, args.log_waits_after, 2 * iterations, args.loop,
-                         args.pg_dsn)
+                         args.pg_dsn, args.semaphore_limit)
     what = "block" if args.loop.endswith("block") else "acquire + release"
     print(f"{(twice - once) / iterations:.1f} instructions per {what} "
           f"({args.loop}, the loop included)")

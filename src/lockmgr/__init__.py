@@ -17,7 +17,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING
 
-from ._aio import AsyncLockManager, AsyncRWLockManager
+from ._aio import AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager
 from ._errors import (
     AbandonedLockWarning,
     DeadlockError,
@@ -28,7 +28,7 @@ from ._errors import (
     NestedWaitError,
     NotOwnedError,
 )
-from ._views import LockStats
+from ._views import KeySemaphore, LockStats
 from ._flight_aio import AsyncSingleflight
 from ._singleflight import Singleflight
 from ._observe import Histogram, Holder, HotKey, KeyState, LockMetrics, Waiter
@@ -38,6 +38,7 @@ __all__ = [
     "AsyncKeyLock",
     "AsyncLockManager",
     "AsyncRWLockManager",
+    "AsyncSemaphoreManager",
     "AsyncSingleflight",
     "DeadlockError",
     "FlightAbortedError",
@@ -45,6 +46,7 @@ __all__ = [
     "Holder",
     "HotKey",
     "KeyLock",
+    "KeySemaphore",
     "KeyState",
     "LockError",
     "LockLost",
@@ -55,6 +57,7 @@ __all__ = [
     "NestedWaitError",
     "NotOwnedError",
     "RWLockManager",
+    "SemaphoreManager",
     "Singleflight",
     "Waiter",
     "implementation",
@@ -84,7 +87,7 @@ def _in_subinterpreter() -> bool:
 
 
 if TYPE_CHECKING or NO_EXTENSIONS:
-    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
     implementation = "python"
     implementation_reason = "LOCKMGR_NO_EXTENSIONS is set: the pure-Python twin was asked for"
@@ -94,7 +97,7 @@ elif _in_subinterpreter():
     # CPython refuses it in an isolated subinterpreter; in a legacy one Cython would load it
     # into whichever interpreter imports it first, and refuse it everywhere else, the main
     # interpreter included. Choosing here keeps it the main interpreter's, always.
-    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+    from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
     implementation = "python"
     implementation_reason = (
@@ -103,9 +106,9 @@ elif _in_subinterpreter():
     )
 else:
     try:
-        from ._core import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+        from ._core import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
     except ImportError as error:  # pragma: no cover - built without a compiler, or on PyPy
-        from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager
+        from ._pure import AsyncKeyLock, KeyLock, LockManager, RWLockManager, SemaphoreManager
 
         implementation = "python"
         implementation_reason = (
@@ -117,10 +120,10 @@ else:
         implementation_reason = "the compiled core lockmgr._core"
 
 for _exported in (
-    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, AsyncSingleflight, DeadlockError,
-    FlightAbortedError,
-    LockError, LockLost, LockStats, LockTimeout, NestedWaitError, NotOwnedError, Histogram, Holder,
-    HotKey, KeyState, LockMetrics, Singleflight, Waiter,
+    AbandonedLockWarning, AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager,
+    AsyncSingleflight, DeadlockError, FlightAbortedError, KeySemaphore, LockError, LockLost,
+    LockStats, LockTimeout, NestedWaitError, NotOwnedError, Histogram, Holder, HotKey, KeyState,
+    LockMetrics, Singleflight, Waiter,
 ):
     _exported.__module__ = __name__
 del _exported

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
         Items,
         LockEngine,
         RWLockEngine,
+        SemaphoreEngine,
         TaskWait,
     )
 
@@ -83,7 +84,7 @@ P = ParamSpec("P")
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
-__all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager"]
+__all__ = ["AsyncKeyLock", "AsyncLockManager", "AsyncRWLockManager", "AsyncSemaphoreManager"]
 
 
 async def _wait_for_grant(wait: TaskWait) -> bool:
@@ -480,11 +481,100 @@ class AsyncRWLockManager(_AsyncEngineView, Generic[K]):
         return f"<lockmgr.AsyncRWLockManager of {self._manager!r}>"
 
 
-def _synchronized(view: _AsyncEngineView, key_func: Callable[..., Hashable]
+class AsyncSemaphoreManager(_AsyncEngineView, Generic[K]):
+    """``SemaphoreManager.aio``: slots of the manager's keys with the current asyncio task as
+    owner, in the same queues as its threads (names, arguments and errors of
+    ``SemaphoreManager``; ``acquire`` is a coroutine function, ``release`` a plain one
+    answering an awaitable done already, as ``AsyncLockManager``'s)."""
+
+    _manager: SemaphoreEngine[K]
+
+    if TYPE_CHECKING:  # what they are; at run time, the engine's methods (below)
+        __slots__ = ()
+
+        async def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+            ...
+
+        def release(self, key: K) -> Awaitable[None]:
+            ...
+    else:
+        __slots__ = ("acquire", "release")
+
+        def __init__(self, manager: SemaphoreEngine[K]) -> None:
+            super().__init__(manager)
+            if manager._slot_mode == WRITE:
+                self.acquire = manager._task_acquire
+                self.release = manager._task_release_write
+            else:
+                self.acquire = manager._task_acquire_read
+                self.release = manager._task_release_read
+
+    def hold(self, key: K, timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.hold(key, timeout=...)``: a slot of ``key`` for the block; raises
+        what ``AsyncLockManager.hold`` raises."""
+        manager = self._manager
+        return manager._task_hold(key, hold_seconds(timeout), manager._slot_mode)
+
+    def __getitem__(self, key: K) -> AsyncBlock:
+        """``async with aio[key]``: a slot of ``key`` for the block, waiting as long as it
+        takes (``hold(key, timeout)`` bounds the wait)."""
+        manager = self._manager
+        hash(key)
+        return manager._task_hold(key, -1.0, manager._slot_mode)
+
+    def _items(self, keys: Iterable[K], releasing: bool = False) -> Items:
+        manager = self._manager
+        if manager._slot_mode == WRITE:
+            return many_items(keys, manager._table_key, releasing)
+        return rw_items(keys, (), manager._table_key, releasing)
+
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True,
+                     timeout: float = -1) -> Coroutine[Any, Any, bool]:
+        """A slot of every key of ``keys`` at once, or none: a coroutine; raises what
+        ``AsyncLockManager.acquire_many`` raises."""
+        return self._manager._task_acquire_many(lambda: self._items(keys), blocking, timeout)
+
+    def release_many(self, keys: Iterable[K]) -> Awaitable[None]:
+        """Undo one ``acquire_many``, at the call; raises what
+        ``AsyncLockManager.release_many`` raises."""
+        return self._manager._task_release_many(self._items(keys, True))
+
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> AsyncBlock:
+        """``async with aio.hold_many(keys, timeout=...)``: a slot of each for the block;
+        raises what ``AsyncLockManager.hold`` raises."""
+        return self._manager._task_hold_many(self._items(keys), hold_seconds(timeout))
+
+    def holders(self, key: K) -> int:
+        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
+        unhashable key."""
+        return int(self._manager.holders(key))
+
+    def available(self, key: K) -> int:
+        """How many more holders ``key`` admits now. Raises TypeError for an unhashable
+        key."""
+        return int(self._manager.available(key))
+
+    def owned(self, key: K) -> bool:
+        """Whether the current task holds a slot of ``key``. Raises RuntimeError outside a
+        running asyncio task."""
+        write, read = self._manager._task_levels(key)
+        return bool(write or read)
+
+    def synchronized(self, key_func: Callable[..., Hashable]
+                     ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
+                                   Callable[P, Coroutine[Any, Any, T]]]:
+        """As ``AsyncLockManager.synchronized``, holding a slot of the key; raises what it
+        raises."""
+        return _synchronized(self, key_func, self._manager._slot_mode)
+
+    def __repr__(self) -> str:
+        return f"<lockmgr.AsyncSemaphoreManager of {self._manager!r}>"
+
+
+def _synchronized(view: _AsyncEngineView, key_func: Callable[..., Hashable], mode: int = WRITE
                   ) -> Callable[[Callable[P, Coroutine[Any, Any, T]]],
                                 Callable[P, Coroutine[Any, Any, T]]]:
     key_func = checked_key_func(key_func, "aio.synchronized")
-    mode = WRITE
     manager = view._manager
 
     def decorate(*args: Any, **kwargs: Any) -> Callable[P, Coroutine[Any, Any, T]]:

@@ -117,6 +117,20 @@ def rw_items(
     return items
 
 
+def slot_limit(limit: object, key: object = None, computed: bool = False) -> int:
+    """A ``SemaphoreManager``'s limit per key, checked: an int from 1 to ``sys.maxsize``
+    (not a bool). ``computed``: what ``limit(key)`` returned for ``key``."""
+    where = f"limit({key!r}) returned" if computed else "limit must be"
+    if type(limit) is bool or not isinstance(limit, int):
+        raise TypeError(f"SemaphoreManager: {where} an int >= 1 (holders per key at once)"
+                        + ("" if computed else " or a callable(key) returning one")
+                        + f", not {type(limit).__name__}")
+    if not 1 <= limit <= MAX_COUNT:
+        raise ValueError(f"SemaphoreManager: {where} an int from 1 to sys.maxsize (holders "
+                         f"per key at once), not {limit!r}")
+    return int(limit)
+
+
 #: The highest recursion level of one key for one thread (a C ``Py_ssize_t`` in the core).
 MAX_COUNT = sys.maxsize
 

@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
-    from ._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, _AsyncEngineView
+    from ._aio import (
+        AsyncKeyLock,
+        AsyncLockManager,
+        AsyncRWLockManager,
+        AsyncSemaphoreManager,
+        _AsyncEngineView,
+    )
     from ._observe import KeyState, LockMetrics
     from ._owners import Waker
     from ._views import LockStats
@@ -49,7 +55,7 @@ if TYPE_CHECKING:
     AsyncBlock = AbstractAsyncContextManager[bool]
 
 __all__ = ["BlockRecord", "Engine", "EngineModule", "Items", "LockEngine", "RWLockEngine",
-           "TaskWait"]
+           "SemaphoreEngine", "TaskWait"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -171,6 +177,31 @@ class RWLockEngine(Engine, Protocol[K]):
     def _read_count(self, key: K) -> int: ...
 
 
+class SemaphoreEngine(Engine, Protocol[K]):
+    """A ``SemaphoreManager[K]``: at most ``limit`` holders per key. ``_slot_mode`` is how
+    its holders hold a key: WRITE for a fixed limit of 1 (the exclusive lock), READ above or
+    with a ``limit(key)`` callable (read holds, at most the entry's limit of them, set when
+    the key enters the table; the engine calls ``limit(key)`` before every section that may
+    insert a semaphore's key)."""
+
+    @property
+    def aio(self) -> AsyncSemaphoreManager[K]: ...
+    @property
+    def limit(self) -> int | Callable[[K], int]: ...
+    @property
+    def fair(self) -> bool: ...
+    @property
+    def _slot_mode(self) -> int: ...
+    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool: ...
+    def release(self, key: K) -> None: ...
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True,
+                     timeout: float = -1) -> bool: ...
+    def release_many(self, keys: Iterable[K]) -> None: ...
+    def holders(self, key: K) -> int: ...
+    def available(self, key: K) -> int: ...
+    def owned(self, key: K) -> bool: ...
+
+
 class MakesLockManager(Protocol):
     def __call__(self, *, fair: bool = True, stripes: int | None = None,
                  log_waits_after: float | None = None) -> LockEngine[Hashable]: ...
@@ -181,6 +212,11 @@ class MakesRWLockManager(Protocol):
                  log_waits_after: float | None = None) -> RWLockEngine[Hashable]: ...
 
 
+class MakesSemaphoreManager(Protocol):
+    def __call__(self, limit: int | Callable[[Hashable], int], *, fair: bool = True,
+                 log_waits_after: float | None = None) -> SemaphoreEngine[Hashable]: ...
+
+
 class EngineModule(Protocol):
     """The engine module's names the Python layers use."""
 
@@ -188,6 +224,8 @@ class EngineModule(Protocol):
     def LockManager(self) -> MakesLockManager: ...  # noqa: N802 - the module's class
     @property
     def RWLockManager(self) -> MakesRWLockManager: ...  # noqa: N802
+    @property
+    def SemaphoreManager(self) -> MakesSemaphoreManager: ...  # noqa: N802
     @property
     def KeyLock(self) -> type: ...  # noqa: N802
     @property
@@ -199,6 +237,7 @@ class EngineModule(Protocol):
 IMPLEMENTED_BY: dict[str, type] = {
     "LockManager": LockEngine,
     "RWLockManager": RWLockEngine,
+    "SemaphoreManager": SemaphoreEngine,
     "_TaskWait": TaskWait,
     "_BlockRecord": BlockRecord,
 }
@@ -212,6 +251,8 @@ if TYPE_CHECKING:
     _TWIN: EngineModule = _pure
 
     def _twin_classes(locks: _pure.LockManager[K], rw: _pure.RWLockManager[K],
-                      wait: _pure._TaskWait, record: _pure._BlockRecord
-                      ) -> tuple[LockEngine[K], RWLockEngine[K], TaskWait, BlockRecord]:
-        return locks, rw, wait, record
+                      slots: _pure.SemaphoreManager[K], wait: _pure._TaskWait,
+                      record: _pure._BlockRecord
+                      ) -> tuple[LockEngine[K], RWLockEngine[K], SemaphoreEngine[K], TaskWait,
+                                 BlockRecord]:
+        return locks, rw, slots, wait, record

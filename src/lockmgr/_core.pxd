@@ -168,6 +168,9 @@ cdef struct Entry:
     Entry *held_next             # lists
     Hold *readers                # shard: read holds, one per reading thread (newest first)
     Py_ssize_t nreaders          # shard: how many read holds
+    Py_ssize_t limit             # set when inserted (the lookup's, else the table's
+                                 # slot_limit): a SemaphoreManager's key admits at most this
+                                 # many read holds (its slots); 0: any number
     Request *head                # engine + shard: oldest waiting request (an upgrade goes
                                  # first); fast paths read it to leave queued keys to sections
     Request *tail                # engine + shard: newest waiting request
@@ -223,6 +226,8 @@ cdef struct Table:
     void *shard_memory           # the allocation ``shards`` lies in
     size_t shard_mask            # shard count - 1 (a power of two: module ``shard_count``)
     bint fair                    # set at creation: strict FIFO hand-off, or eventual fairness
+    Py_ssize_t slot_limit        # set at creation: a SemaphoreManager's limit per key (the
+                                 # ``limit`` of the entries it inserts); 0: none
     Py_ssize_t waiting           # engine: requests (a set counts once) queued in its entries
     Table *previous_table        # engine: neighbour in the list of live tables (for fork)
     Table *next_table            # engine
@@ -273,6 +278,8 @@ cdef struct Lookup:
     Compared *compared           # answers so far (prepare's memory)
     Py_ssize_t ncompared         # how many answers
     Py_ssize_t room              # room in ``compared``
+    Py_ssize_t limit             # a semaphore's limit for the key, should it be inserted
+                                 # (from its manager's limit(key)); 0: the table's slot_limit
 
 
 cdef enum:

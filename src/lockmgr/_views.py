@@ -8,7 +8,7 @@ import inspect
 import reprlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -42,6 +42,13 @@ def manager_repr(manager: object, fair: bool, held: int, waiting: int) -> str:
     return f"<lockmgr.{name}{option} held={held} waiting={waiting} at {id(manager):#x}>"
 
 
+def semaphore_repr(manager: object, limit: object, fair: bool, held: int, waiting: int) -> str:
+    if callable(limit):
+        limit = getattr(limit, "__qualname__", limit)
+    return (f"<lockmgr.SemaphoreManager limit={limit} fair={fair} held={held} "
+            f"waiting={waiting} at {id(manager):#x}>")
+
+
 def key_lock_repr(view: object, key: object, owner: int | None, count: int) -> str:
     state = "unlocked" if owner is None else "locked"
     return (
@@ -51,6 +58,78 @@ def key_lock_repr(view: object, key: object, owner: int | None, count: int) -> s
 
 
 PICKLE_ERROR = "lock managers and their views cannot be pickled: locks belong to one process"
+
+
+K = TypeVar("K", bound=Hashable)
+K_contra = TypeVar("K_contra", bound=Hashable, contravariant=True)
+
+
+class _Semaphores(Protocol[K_contra]):
+    def acquire(self, key: K_contra, blocking: bool = True, timeout: float = -1) -> bool: ...
+    def release(self, key: K_contra) -> None: ...
+    def holders(self, key: K_contra) -> int: ...
+    def available(self, key: K_contra) -> int: ...
+
+
+class KeySemaphore(Generic[K]):
+    """One key of a ``SemaphoreManager`` (``manager[key]``): its ``acquire``, ``release``,
+    ``holders``, ``available``, and ``with`` for a slot held over a block (waiting as long
+    as it takes; ``manager.hold(key, timeout)`` bounds the wait).
+
+    Views are cheap and not cached: two views of one key of one manager are the same
+    semaphore (and compare equal). A view keeps its manager alive."""
+
+    __slots__ = ("_key", "_manager")
+
+    def __init__(self, manager: _Semaphores[K], key: K) -> None:
+        self._manager = manager
+        self._key = key
+
+    @property
+    def key(self) -> K:
+        return self._key
+
+    @property
+    def manager(self) -> _Semaphores[K]:
+        return self._manager
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """``manager.acquire(key, ...)``: raises what it raises."""
+        return self._manager.acquire(self._key, blocking, timeout)
+
+    def release(self) -> None:
+        """``manager.release(key)``: raises what it raises."""
+        self._manager.release(self._key)
+
+    def holders(self) -> int:
+        """``manager.holders(key)``. Raises nothing."""
+        return self._manager.holders(self._key)
+
+    def available(self) -> int:
+        """``manager.available(key)``. Raises nothing."""
+        return self._manager.available(self._key)
+
+    def __enter__(self) -> bool:
+        self._manager.acquire(self._key)
+        return True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._manager.release(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KeySemaphore):
+            return NotImplemented
+        return self._manager is other._manager and bool(self._key == other._key)
+
+    def __hash__(self) -> int:
+        return hash((id(self._manager), self._key))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_ERROR)
+
+    def __repr__(self) -> str:
+        return (f"<lockmgr.KeySemaphore key={_short.repr(self._key)} "
+                f"holders={self.holders()} at {id(self):#x}>")
 
 
 class _Holder(Protocol):

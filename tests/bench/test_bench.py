@@ -428,3 +428,20 @@ def test_the_singleflight_scenario_makes_one_call_per_stampede(name: str) -> Non
                            "stampede per caller", "task stampede per caller"}
     assert values["calls for 20 callers"] == 1
     assert all(value > 0 for value in values.values())
+
+
+@pytest.mark.compiled
+def test_the_limits_scenario_sets_lockmgr_beside_the_hand_written_versions(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    assert bench.main(["--quick", "--scenario", "limits", "--impl", "lockmgr",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {row["impl"] for row in rows} == {"lockmgr", "hand-written"}
+    metrics = {(row["impl"], row["metric"]): row["value"] for row in rows}
+    assert len(metrics) == 8 and all(
+        value > 0 for (_, metric), value in metrics.items() if "overtakes" not in metric)
+    assert metrics["lockmgr", "overtakes of those tasks"] == 0
+    table = capsys.readouterr().out
+    assert "| limits | pair, limit 1 (reference: LockManager) (ns) |" in table
+    assert "| lockmgr | hand-written |" in table

@@ -31,7 +31,8 @@ def test_public_names() -> None:
     assert set(lockmgr.__all__) >= {
         "LockManager", "KeyLock", "LockStats", "LockError", "LockTimeout",
         "NotOwnedError", "DeadlockError", "implementation", "Singleflight",
-        "AsyncSingleflight", "FlightAbortedError",
+        "AsyncSingleflight", "FlightAbortedError", "SemaphoreManager",
+        "KeySemaphore", "AsyncSemaphoreManager",
     }
     assert issubclass(LockTimeout, TimeoutError) and issubclass(LockTimeout, LockError)
     assert issubclass(NotOwnedError, RuntimeError) and issubclass(NotOwnedError, LockError)

@@ -180,8 +180,8 @@ def test_engine_classes_keep_the_contract(impl: ModuleType, class_name: str) -> 
 
 def test_engine_module_keeps_the_contract(impl: ModuleType) -> None:
     declared = members(_contract.EngineModule)
-    assert set(declared) == {"LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock",
-                             "end_stranded_task"}
+    assert set(declared) == {"LockManager", "RWLockManager", "SemaphoreManager", "KeyLock",
+                             "AsyncKeyLock", "end_stranded_task"}
     for name, member in declared.items():
         got = getattr(impl, name)
         if isinstance(member, property):
@@ -221,6 +221,17 @@ def test_constructors_keep_the_contract(impl: ModuleType, class_name: str,
     assert type(made) is cls
     with pytest.raises(TypeError):
         cls(True)
+
+
+def test_the_semaphore_constructor_keeps_the_contract(impl: ModuleType) -> None:
+    """``limit`` is its one positional parameter (a keyword too); the rest are keywords."""
+    params = parameters(_contract.MakesSemaphoreManager.__call__)
+    assert [param.kind for param in params] == ["either", "keyword", "keyword"]
+    made = impl.SemaphoreManager(limit=2, fair=False, log_waits_after=None)
+    assert (made.limit, made.fair, made.log_waits_after) == (2, False, None)
+    assert impl.SemaphoreManager(3).limit == 3
+    with pytest.raises(TypeError):
+        impl.SemaphoreManager(2, True)
 
 
 # -- the comparison finds what departs from the contract -----------------------------------

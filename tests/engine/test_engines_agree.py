@@ -2,15 +2,18 @@
 threads and asyncio tasks on one manager, and both engines run each program side by side, step
 by step. The managers: ``RWLockManager()`` (read, write, try, timeout, upgrade, downgrade,
 ``*_many``, release, ``release_all``; tasks' ``aio.read``/``write``/``hold_many`` objects),
-and ``LockManager(fair=True)`` and ``LockManager(fair=False)`` (acquire, release, ``*_many``,
-``release_all``; tasks' ``aio.hold``/``hold_many`` objects and ``aio[key]``). A task's
+``LockManager(fair=True)`` and ``LockManager(fair=False)`` (acquire, release, ``*_many``,
+``release_all``; tasks' ``aio.hold``/``hold_many`` objects and ``aio[key]``), and
+``SemaphoreManager`` with 2 slots per key, fair and not, and with a limit per key (1, 2 and 3:
+the exclusive path and the shared one in one table), with the LockManager's programs. A task's
 ``async with`` object sits in a slot that any task may enter or exit. After every step the
 engines must agree on what each call returned or raised (the exception's type; its message
 with owners named by actor; a DeadlockError's ``cycle`` as (actor, key) pairs), which actors
 are still waiting, ``snapshot()``, ``stats()``, the metrics' counts and ``len()``. At the end
 of a program every actor that is not waiting releases what it holds, until nobody is waiting:
 a waiter left when nobody else can release anything is a deadlock that went undetected (both
-engines may agree on that).
+engines may agree on that), unless it waits on semaphore slots held only by waiters, a cycle
+the deadlock search leaves alone by design (docs/semaphores.md).
 
 How a step is observed, without sleeps: a call that may wait (no timeout) ends the step once
 it returned or its actor shows among the snapshot's waiters; a call with a timeout or a
@@ -31,7 +34,7 @@ on which side of ``HANDOFF_AFTER`` the head's wait fell (both grant it, counted 
 are slower than 1 ms, so a head has mostly waited longer by the next release: a woken head
 shows in about one program in a thousand, the unfair manager otherwise hands off directly.
 
-``LOCKMGR_FUZZ_EXAMPLES`` sets how many programs run, spread over the three managers (CI's
+``LOCKMGR_FUZZ_EXAMPLES`` sets how many programs run, spread over the managers (CI's
 long run sets it; the default is a short run for the suite).
 """
 
@@ -187,6 +190,11 @@ def _program(steps: st.SearchStrategy[Step]) -> st.SearchStrategy[list[Step]]:
 
 _LOCK_PROGRAMS = _program(_steps(_lock_ops(), _LOCK_BLOCKS))
 
+
+def limit_by_key(key: str) -> int:
+    """A semaphore's limit per key: "a" is exclusive, "b" has 2 slots, "c" 3."""
+    return KEYS.index(key) + 1
+
 #: The managers a program runs on, by name: how to make one, and its programs.
 #:
 #: ``RWLockManager`` programs come in two shapes: flat lists of a handful of steps, each kind
@@ -202,6 +210,12 @@ MANAGERS: dict[str, tuple[Callable[[Any], Any], st.SearchStrategy[list[Step]]]] 
         _program(_steps(_rw_ops(_mostly_acquiring), _RW_BLOCKS))),
     "LockManager(fair=True)": (lambda engine: engine.LockManager(fair=True), _LOCK_PROGRAMS),
     "LockManager(fair=False)": (lambda engine: engine.LockManager(fair=False), _LOCK_PROGRAMS),
+    # A semaphore's calls are a LockManager's: the same programs.
+    "SemaphoreManager(2)": (lambda engine: engine.SemaphoreManager(2), _LOCK_PROGRAMS),
+    "SemaphoreManager(2, fair=False)": (lambda engine: engine.SemaphoreManager(2, fair=False),
+                                        _LOCK_PROGRAMS),
+    "SemaphoreManager(limit_by_key)": (lambda engine: engine.SemaphoreManager(limit_by_key),
+                                       _LOCK_PROGRAMS),
 }
 
 programs = st.sampled_from(list(MANAGERS)).flatmap(
@@ -471,6 +485,23 @@ def listing(manager: str, program: list[Step]) -> str:
     return "\n  ".join([f"manager = {manager}", *map(repr, program)])
 
 
+def _stuck_on_slots(arena: Arena) -> bool:
+    """Whether the waiters left wait on a semaphore's slots held only by waiters: a cycle
+    through slots, which the deadlock search does not follow (docs/semaphores.md says why:
+    one holder outside a cycle ends a slot wait, so it raises nothing for slot waits)."""
+    if not hasattr(arena.manager, "available"):
+        return False
+    for key, holders, waiters in arena.snapshot():
+        if not waiters:
+            continue
+        if waiters[0][0] in arena.waiting_many and arena.manager.available(key) > 0:
+            continue  # a set at the head, waiting for another of its keys
+        if arena.manager.available(key) > 0 or any(
+                mode != "read" or holder not in arena.waiting for holder, _, mode, _ in holders):
+            return False
+    return True
+
+
 def run_program(core: Arena, twin: Arena, manager: str, program: list[Step]) -> None:
     def agree(what: str, in_core: object, in_twin: object, at: int) -> None:
         if in_core != in_twin:
@@ -491,7 +522,7 @@ def run_program(core: Arena, twin: Arena, manager: str, program: list[Step]) -> 
     end = len(program) - 1
     agree("releasing everything at the end", core.release_everything(), twin.release_everything(), end)
     for arena in (core, twin):
-        if arena.waiting:
+        if arena.waiting and not _stuck_on_slots(arena):
             raise AssertionError(
                 f"an undetected deadlock on {arena.engine.__name__}: {sorted(arena.waiting)} still "
                 f"wait once everyone else released everything:\n  {listing(manager, program)}\n"

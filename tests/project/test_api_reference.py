@@ -143,14 +143,16 @@ def _engine_calls(engine: ModuleType) -> Iterator[tuple[str, object]]:
                     inspect.isfunction(member) or inspect.ismethoddescriptor(member)):
                 yield f"{class_name}.{name}", member
     for view_name, view in (("LockManager.aio", engine.LockManager().aio),
-                            ("RWLockManager.aio", engine.RWLockManager().aio)):
+                            ("RWLockManager.aio", engine.RWLockManager().aio),
+                            ("SemaphoreManager(1).aio", engine.SemaphoreManager(1).aio),
+                            ("SemaphoreManager(2).aio", engine.SemaphoreManager(2).aio)):
         for name in view.__slots__:  # the engine's methods, bound (see lockmgr._aio)
             yield f"{view_name}.{name}", getattr(view, name)
 
 
 #: The engines' public classes: the compiled core's and the pure twin's (whose AsyncKeyLock
 #: is lockmgr._aio's).
-ENGINE_CLASSES = ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock")
+ENGINE_CLASSES = ("LockManager", "RWLockManager", "SemaphoreManager", "KeyLock", "AsyncKeyLock")
 
 
 def _silent(calls: Iterator[tuple[str, object]]) -> list[str]:
@@ -168,8 +170,8 @@ def test_every_public_call_in_python_says_what_it_raises() -> None:
 
 
 def test_every_public_call_of_an_engine_says_what_it_raises(impl: ModuleType) -> None:
-    """The same for each engine: LockManager, RWLockManager, KeyLock, AsyncKeyLock and the
-    methods the ``aio`` views bind."""
+    """The same for each engine: LockManager, RWLockManager, SemaphoreManager, KeyLock,
+    AsyncKeyLock and the methods the ``aio`` views bind."""
     calls = list(_engine_calls(impl))
     assert len(calls) > 40, calls  # the walk found the classes' methods
     silent = _silent(iter(calls))

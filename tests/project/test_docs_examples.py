@@ -101,8 +101,8 @@ def test_every_file_has_its_examples_found() -> None:
     """The pages with code still have it, as fences this module reads."""
     with_examples = {example.path.name for example in EXAMPLES}
     expected = {"README.md", "getting-started.md", "asyncio.md", "readers-writers.md",
-                "many-keys.md", "postgres.md", "contention.md", "recipes.md", "host.md",
-                "singleflight.md"}
+                "semaphores.md", "many-keys.md", "postgres.md", "contention.md", "recipes.md",
+                "host.md", "singleflight.md"}
     assert expected <= with_examples, expected - with_examples
 
 
@@ -119,7 +119,7 @@ def pg_dsn() -> Iterator[str]:
 def public_engine(impl: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The public names, and lockmgr.postgres's and lockmgr.host's in-process engine, are
     ``impl``'s."""
-    for name in ("LockManager", "RWLockManager", "KeyLock", "AsyncKeyLock"):
+    for name in ("LockManager", "RWLockManager", "SemaphoreManager", "KeyLock", "AsyncKeyLock"):
         monkeypatch.setattr(lockmgr, name, getattr(impl, name))
     # (a Singleflight made now takes its engine from lockmgr.RWLockManager: impl's)
     if sys.platform != "win32":  # (lockmgr.host is not there: its examples are skipped)

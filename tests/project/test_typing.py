@@ -207,3 +207,40 @@ def test_singleflight_checks_the_function_s_arguments(tmp_path: Path) -> None:
     refused (they go through functools.partial); a shared function keeps its signature."""
     done = _check_errors(SINGLEFLIGHT, tmp_path)
     assert _revealed(done) == ["def (user: str) -> int"]
+
+
+SEMAPHORES = """
+import asyncio
+from lockmgr import AsyncSemaphoreManager, KeySemaphore, SemaphoreManager
+
+exports: SemaphoreManager[str] = SemaphoreManager(limit=3)
+per_plan: SemaphoreManager[str] = SemaphoreManager(lambda tenant: len(tenant))
+view: KeySemaphore[str] = exports["tenant"]
+aio: AsyncSemaphoreManager[str] = exports.aio
+
+with exports.hold("tenant", timeout=1.0), view, exports.hold_many(["a", "b"]):
+    left: int = exports.available("tenant") + view.holders()
+
+@exports.synchronized(lambda tenant: tenant)
+def export(tenant: str) -> bytes:
+    return b""
+
+async def main() -> None:
+    got: bool = await aio.acquire("tenant", timeout=0.5)
+    async with aio.hold("tenant"), aio["tenant"]:
+        pass
+    await aio.acquire(42)  # E: Argument 1 to "acquire" of "AsyncSemaphoreManager" has incompatible type "int"
+
+exports.acquire(42)  # E: Argument 1 to "acquire" of "SemaphoreManager" has incompatible type "int"
+export(7)  # E: Argument 1 to "export" has incompatible type "int"
+SemaphoreManager(limit="3")  # E: Argument "limit" to "SemaphoreManager" has incompatible type "str"
+reveal_type(export)
+"""
+
+
+def test_semaphore_managers_are_generic_in_the_key(tmp_path: Path) -> None:
+    """A ``SemaphoreManager[K]``, its views and ``aio`` take keys of type K only; ``limit``
+    is an int or a callable; ``synchronized`` keeps the function's signature."""
+    done = _check_errors(SEMAPHORES, tmp_path)
+    assert "Untyped decorator" not in done.stdout, done.stdout
+    assert _revealed(done) == ["def (tenant: str) -> bytes"], done.stdout

@@ -260,6 +260,8 @@ cdef class _Engine:
                                           # striped one's stripes are ``table.stripes``)
     cdef tuple observers                  # callables told of each granted wait (lockmgr.otel);
                                           # read and replaced with engine_mutex held
+    cdef object limit_of                  # a SemaphoreManager's limit(key), or None; set at
+                                          # creation
     cdef object __weakref__
 
     def __cinit__(self, *args, **kwargs):
@@ -406,6 +408,14 @@ cdef class _Engine:
         """``_lock_key`` for Python callers (the multi-key argument normalisers)."""
         cdef Py_hash_t h = lockmgr_hash(key)
         return <object>self._lock_key(key, &h)
+
+    cdef int _limit_lookup(self, Lookup *lookup) except -1:
+        """Prepare: the limit a semaphore's key gets if it enters the table, from the
+        manager's ``limit(key)`` (checked: ValueError/TypeError, nothing changed)."""
+        if self.limit_of is not None:
+            lookup.limit = slot_limit(self.limit_of(<object>lookup.key), <object>lookup.key,
+                                      True)
+        return 0
 
     cdef int _peek(self, object key, Peek *seen) except -1:
         return self._peek_as(existing_token(), key, seen)
@@ -609,6 +619,7 @@ cdef class _Engine:
         if seconds != 0:
             wakeup_lock(token)
         lookup_init(&lookup, key, h)
+        self._limit_lookup(&lookup)
         op_init(&op, ACQUIRE_READ, &self.table, token, &lookup, 1)
         op.try_only = seconds == 0
         op.request = &request
@@ -658,6 +669,7 @@ cdef class _Engine:
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
                 lookup_init(lookups + i, <PyObject*>key, lockmgr_hash(key))
+                self._limit_lookup(lookups + i)
                 nodes[i].token = token
                 nodes[i].lead = nodes
                 nodes[i].count = 1
@@ -1064,6 +1076,8 @@ cdef class _Engine:
         if mode == READ:
             ensure_memory(<void**>&token.spare_hold, sizeof(Hold))
         lookup_init(&lookup, key, h)
+        if mode == READ:
+            self._limit_lookup(&lookup)
         after_init(&op.after, NULL, 0)
         shard = shard_for(&self.table, h)
         lockmgr_spin_lock(&shard.mutex)
@@ -1114,6 +1128,7 @@ cdef class _Engine:
             for i in range(n):
                 key, mode = items[i]  # ``items`` keeps the keys alive
                 lookup_init(lookups + i, <PyObject*>key, lockmgr_hash(key))
+                self._limit_lookup(lookups + i)
                 wait.request[i].token = token
                 wait.request[i].lead = wait.request
                 wait.request[i].count = 1

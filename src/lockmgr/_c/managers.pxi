@@ -279,22 +279,171 @@ cdef class RWLockManager(_Engine):
         return seen.my_reads
 
     cdef _Holding _holding(self, key, timeout, Mode mode):
-        cdef _Holding holding = _Holding.__new__(_Holding)
+        return make_holding(self, key, timeout, mode)
+
+
+@cython.final
+cdef class SemaphoreManager(_Engine):
+    """SemaphoreManager(limit, *, fair=True, log_waits_after=None)
+--
+
+    At most ``limit`` holders (threads or tasks) per key at once, FIFO, in one table.
+
+    A holder's ``acquire`` of a key it holds re-enters its slot (as ``threading.RLock``;
+    one ``release`` per ``acquire``). A limit of 1 is ``LockManager``'s exclusive lock;
+    above it, each holder is a read hold of the key, admitted while the key has fewer than
+    ``limit`` holders and nobody queued ahead (``fair=False``: past a queue too).
+    Memory grows only with the keys currently held or waited on.
+    """
+    cdef Mode mode  # how a holder holds a key: WRITE (a limit of 1) or READ
+
+    def __cinit__(self, limit, *, fair=True, log_waits_after=None):
+        cdef Py_ssize_t checked = 0 if callable(limit) else slot_limit(limit)
+        self.table.fair = bool(fair)
+        self.table.log_after = log_waits_after_seconds(log_waits_after)
+        self.mode = WRITE if checked == 1 else READ
+        self.table.slot_limit = 0 if checked == 1 else checked
+        self.limit_of = None if checked else limit
+
+    @property
+    def _slot_mode(self):
+        """How a slot is held: WRITE (a limit of 1: the exclusive lock) or READ."""
+        return <int>self.mode
+
+    @property
+    def limit(self):
+        """Holders admitted per key at once, or the ``limit(key)`` that says so for each key
+        (called at each acquisition: its answer for a key that enters the table is that
+        key's limit while it is in use)."""
+        return self.limit_of or self.table.slot_limit or 1
+
+    @property
+    def fair(self):
+        """True: no waiter is overtaken; False: a free slot goes to whoever asks first."""
+        return self.table.fair
+
+    @property
+    def aio(self):
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncSemaphoreManager(self)
+
+    def acquire(self, key, blocking=True, timeout=-1):
+        """Take a slot of ``key`` for the calling thread (re-enter its own, if it holds
+        one): True once held, False if ``blocking`` is false or ``timeout`` (seconds, -1 =
+        forever) ran out first. Raises what ``LockManager.acquire`` raises, nothing taken."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
         cdef Py_hash_t h = lockmgr_hash(key)
-        holding.seconds = hold_seconds(timeout)
-        holding.key = key
-        holding.lock_key = self._lock_key(key, &h)  # borrowed: see _Holding.lock_key
-        holding.hash = h
-        holding.manager = self
-        holding.mode = mode
-        return holding
+        if self.mode == WRITE:
+            return self._acquire_write(<PyObject*>key, h, seconds, 1)
+        return self._acquire_read(<PyObject*>key, h, seconds)
+
+    def release(self, key):
+        """Undo one ``acquire`` of ``key``. Raises NotOwnedError if the calling thread holds
+        no slot of it, TypeError for an unhashable key."""
+        cdef Py_hash_t h = lockmgr_hash(key)
+        if self.mode == WRITE:
+            self._release_write(<PyObject*>key, h, False)
+        else:
+            self._release_read(<PyObject*>key, h)
+
+    def hold(self, key, timeout=None):
+        """A context manager holding a slot of ``key`` for its block; raises what
+        ``LockManager.hold`` raises."""
+        return make_holding(self, key, timeout, self.mode)
+
+    def __getitem__(self, key):
+        """The per-key view: ``acquire``/``release`` and ``with`` for this one key."""
+        lockmgr_hash(key)
+        return KeySemaphore(self, key)
+
+    def synchronized(self, key_func):
+        """Decorator: the call holds a slot of ``key_func(*args, **kwargs)`` while it runs;
+        raises what ``LockManager.synchronized`` raises."""
+        return synchronized(self, key_func)
+
+    def _items(self, keys, releasing=False):
+        if self.mode == WRITE:
+            return many_items(keys, self._table_key, releasing)
+        return rw_items(keys, (), self._table_key, releasing)
+
+    def acquire_many(self, keys, blocking=True, timeout=-1):
+        """A slot of every key of ``keys`` at once, or none: True, or False on timeout; raises
+        what ``LockManager.acquire_many`` raises, nothing taken."""
+        cdef double seconds = -1.0
+        if blocking is not True or timeout is not FOREVER:
+            seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(self._items(keys), seconds)
+
+    def release_many(self, keys):
+        """Undo one ``acquire_many(keys)``; raises what ``LockManager.release_many`` raises,
+        nothing released."""
+        self._release_many(self._items(keys, True))
+
+    def hold_many(self, keys, timeout=None):
+        """A context manager holding a slot of every key of ``keys`` for its block; raises
+        what ``LockManager.hold_many`` raises."""
+        return _HoldingMany(self, self._items(keys), hold_seconds(timeout))
+
+    def holders(self, key):
+        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
+        unhashable key."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.readers + (seen.owner != 0)
+
+    def available(self, key):
+        """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
+        TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
+        the table."""
+        cdef Peek seen
+        cdef Lookup lookup
+        if self.mode == WRITE:
+            return 1 - self.holders(key)
+        self._peek(key, &seen)
+        if not seen.limit:
+            lookup_init(&lookup, <PyObject*>key, 0)
+            self._limit_lookup(&lookup)
+            seen.limit = lookup.limit or self.table.slot_limit
+        return seen.limit - seen.readers
+
+    def owned(self, key):
+        """Whether the calling thread holds a slot of ``key``. Raises TypeError for an
+        unhashable key."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.mine or seen.my_reads > 0
+
+    def __contains__(self, key):
+        """Whether ``key`` has any holder."""
+        cdef Peek seen
+        self._peek(key, &seen)
+        return seen.owner != 0 or seen.readers > 0
+
+    def __repr__(self):
+        stats = self.stats()
+        return semaphore_repr(self, self.limit, self.table.fair, stats.held, stats.waiting)
+
+
+cdef _Holding make_holding(_Engine manager, key, timeout, Mode mode):
+    cdef _Holding holding = _Holding.__new__(_Holding)
+    cdef Py_hash_t h = lockmgr_hash(key)
+    holding.seconds = hold_seconds(timeout)
+    holding.key = key
+    holding.lock_key = manager._lock_key(key, &h)  # borrowed: see _Holding.lock_key
+    holding.hash = h
+    holding.manager = manager
+    holding.mode = mode
+    return holding
 
 
 @cython.final
 @cython.freelist(16)
 cdef class _Holding:
-    """What ``RWLockManager.read()`` and ``write()`` return: holds the key for a block."""
-    cdef RWLockManager manager  # whose key
+    """What ``RWLockManager.read()`` and ``write()`` and ``SemaphoreManager.hold()`` return:
+    holds the key for a block."""
+    cdef _Engine manager        # whose key
     cdef object key             # the key as given
     cdef PyObject *lock_key     # the key the table uses, borrowed: ``key`` itself, or its
                                 # stripe, which ``manager`` keeps (no shared reference count

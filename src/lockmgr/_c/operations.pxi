@@ -46,10 +46,13 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     ``group_grantable`` in table.pxi) make a request wait for:
 
     - the key's writer, unless it is the request's own thread (a re-entry), and, for a
-      write, every other reader: to release the key (they must run on);
+      write or a read of a key with one slot (a semaphore's limit of 1: its one reader is
+      what the wait waits for), every other reader: to release the key (they must run on).
+      A read of a key with more slots waits for *any* of its holders to leave: no edge
+      (one edge per holder would make cycles of holders that another holder frees);
     - unless it is an upgrade (queued at the head, nothing is ahead of it), every request
-      ahead of it when either of the two is a write (a write is granted alone): to be
-      granted and release the key again (it must run on);
+      ahead of it when either of the two is a write (a write is granted alone), or the key
+      has one slot: to be granted and release the key again (it must run on);
     - and, ahead of a read, a set's read node: a set is granted only once its node heads
       every queue it is in, so a read behind one waits until the whole set is granted, but
       not for its owner to run (``pass_on`` grants it whether its task runs or not);
@@ -67,9 +70,10 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     cdef Request *ahead = waits_for.head
     cdef Request *own_place = node if enqueued else NULL
     cdef bint conflicting
+    cdef bint exclusive = node.mode == WRITE or waits_for.limit == 1  # one slot: as a write
     if reach(search, thread, waits_for.owner, waits_for, True):
         return True
-    if node.mode == WRITE:
+    if exclusive:
         while hold is not NULL:
             if reach(search, thread, hold.token, waits_for, True):
                 return True
@@ -79,7 +83,7 @@ cdef bint reach_waited_for(Search *search, Token *thread, Request *node, bint en
     if node.at_head:
         return False
     while ahead is not NULL and ahead != own_place:
-        conflicting = node.mode == WRITE or ahead.mode == WRITE
+        conflicting = exclusive or ahead.mode == WRITE
         if (conflicting or ahead.lead is not NULL) and reach(
                 search, thread, ahead.token, waits_for, conflicting):
             return True
@@ -246,7 +250,8 @@ cdef Outcome fast_acquire_read(Table *table, Shard *shard, Lookup *lookup, Token
             hold.count += 1
             shard.acquisitions += 1
             return DONE
-        if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token):
+        if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token) \
+                or not has_slot(entry):
             return SECTION
     else:
         entry = insert(table, lookup, token.spare_entry, after)
@@ -327,7 +332,8 @@ cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_o
     if entry is NULL:
         entry = insert(table, lookup, token.spare_entry, after)
         token.spare_entry = NULL
-    if entry.owner == token or (entry.owner is NULL and entry.head is NULL):
+    if entry.owner == token or (entry.owner is NULL and has_slot(entry) and (
+            entry.head is NULL or not table.fair)):  # fair=False: a free slot past a queue
         add_read(entry, token, token.spare_hold, 1)
         token.spare_hold = NULL
         return DONE
@@ -468,7 +474,7 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
         elif entry.owner == token or read_hold(entry, token) is not NULL:
             node.queued = False
         else:
-            ready = ready and entry.owner is NULL and entry.head is NULL
+            ready = ready and entry.owner is NULL and entry.head is NULL and has_slot(entry)
     if ready:
         grant_nodes(nodes, False)
         return DONE
@@ -997,6 +1003,7 @@ cdef void look_at(Entry *entry, Token *token, Peek *seen) noexcept nogil:
         seen.count = entry.count
         seen.mine = entry.owner == token
     seen.readers = entry.nreaders
+    seen.limit = entry.limit
     if token is not NULL:
         hold = read_hold(entry, token)
         if hold is not NULL:

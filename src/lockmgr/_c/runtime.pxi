@@ -146,6 +146,7 @@ cdef inline void lookup_init(Lookup *lookup, PyObject *key, Py_hash_t h) noexcep
     lookup.compared = NULL
     lookup.ncompared = 0
     lookup.room = 0
+    lookup.limit = 0
 
 
 cdef int compare_candidate(Lookup *lookup) except -1:

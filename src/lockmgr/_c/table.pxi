@@ -107,6 +107,7 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.pinned = 0
     entry.readers = NULL
     entry.nreaders = 0
+    entry.limit = lookup.limit if lookup.limit else table.slot_limit
     entry.head = NULL
     entry.tail = NULL
     entry.inflight = 0
@@ -350,6 +351,11 @@ cdef inline void dequeue(Entry *entry, Request *request) noexcept nogil:
 
 # -- grants -------------------------------------------------------------------------------
 
+cdef inline bint has_slot(Entry *entry) noexcept nogil:
+    """Whether ``entry`` admits one more read holder: a semaphore's key below its limit."""
+    return entry.limit == 0 or entry.nreaders < entry.limit
+
+
 cdef bint grantable(Entry *entry, Request *request) noexcept nogil:
     """Whether ``request`` may take ``entry`` now (queue position aside)."""
     cdef Hold *hold
@@ -360,7 +366,9 @@ cdef bint grantable(Entry *entry, Request *request) noexcept nogil:
         return hold is NULL or room_for(hold.count, request.count)
     if entry.owner is not NULL:
         return False
-    return request.mode == READ or entry.nreaders == 0 or (
+    if request.mode == READ:
+        return has_slot(entry) or read_hold(entry, request.token) is not NULL
+    return entry.nreaders == 0 or (
         entry.nreaders == 1 and entry.readers.token == request.token)
 
 

@@ -6,9 +6,11 @@ core is available (PyPy, no compiler), and what type checkers read.
 The engine (the compiled core follows it name for name): a manager keeps a table of
 *entries*, one per key that is held or waited on. An entry has a write holder (a per-thread
 *token*, never the integer ident) with its recursion count, read holders with theirs
-(RWLockManager), and a FIFO queue of *requests*. A request belongs to one waiting thread,
-which sleeps on its token's ``wakeup`` lock. When a holder or a request leaves, ``_pass_on``
-grants what the head of the queue allows: a run of readers together, or one writer (strict
+(RWLockManager; a SemaphoreManager's slot holders, at most the entry's ``limit`` of them,
+set when the entry is made), and a FIFO queue of *requests*. A request belongs to one
+waiting thread, which sleeps on its token's ``wakeup`` lock. When a holder or a request
+leaves, ``_pass_on`` grants what the head of the queue allows: a run of readers together (up
+to the limit), or one writer (strict
 FIFO: the head becomes the holder before ``release`` returns; with ``fair=False`` and a head
 that has waited less than ``HANDOFF_AFTER``, the key is freed and the head woken to race for
 it).
@@ -117,10 +119,12 @@ from ._managers import _HoldingMany as _HoldingMany
 from ._managers import KeyLock as KeyLock
 from ._managers import LockManager as LockManager
 from ._managers import RWLockManager as RWLockManager
+from ._managers import SemaphoreManager as SemaphoreManager
 
-__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "end_stranded_task"]
+__all__ = ["AsyncKeyLock", "KeyLock", "LockManager", "RWLockManager", "SemaphoreManager",
+           "end_stranded_task"]
 
-for _class in (LockManager, RWLockManager, KeyLock, _Engine, _Holding, _HoldingMany, _TaskWait,
+for _class in (LockManager, RWLockManager, SemaphoreManager, KeyLock, _Engine, _Holding, _HoldingMany, _TaskWait,
                _BlockRecord):
     _class.__module__ = __name__  # reprs, messages and pickles name lockmgr._pure, as before
 del _class

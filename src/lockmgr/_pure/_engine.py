@@ -38,6 +38,8 @@ class _Engine(_Tasks):
         # striped: one Stripe key per stripe; None: exact keys
         self._stripe_keys = None if count is None else tuple(map(Stripe, range(count)))
         self._fair = True
+        self._slot_limit = 0
+        self._limit_of = None
         self._table: dict[int, _Entry] = {}  # key hash -> first entry of its chain
         self._held = 0  # entries with a write or read holder
         self._waiting = 0

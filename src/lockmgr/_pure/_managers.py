@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, final
 
-from .._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager
-from .._args import hold_seconds, many_items, restored_count, rw_items, wait_seconds
+from .._aio import AsyncKeyLock, AsyncLockManager, AsyncRWLockManager, AsyncSemaphoreManager
+from .._args import hold_seconds, many_items, restored_count, rw_items, slot_limit, wait_seconds
 from .._errors import timed_out
-from .._views import PICKLE_ERROR, key_lock_repr, synchronized
+from .._views import PICKLE_ERROR, KeySemaphore, key_lock_repr, semaphore_repr, synchronized
 from ._state import K, _NOT_OWNED, P, _PINNED, _READ, T, _WRITE, _Entry, _Token, _failure
 from ._runtime import _existing_token
 from ._table import (
     _has_holder,
+    _holders_and_limit,
     _owner_and_count,
     _read_level,
     _reader_count,
@@ -272,6 +273,140 @@ class RWLockManager(_Engine, Generic[K]):
         """How many times the calling thread reads ``key``."""
         return self._run_on_key(
             _read_level, self._table_key(key), _existing_token())
+
+
+@final
+class SemaphoreManager(_Engine, Generic[K]):
+    """At most ``limit`` holders (threads or tasks) per key at once, FIFO, in one table.
+
+    A holder's ``acquire`` of a key it holds re-enters its slot (as ``threading.RLock``;
+    one ``release`` per ``acquire``). A limit of 1 is ``LockManager``'s exclusive lock;
+    above it, each holder is a read hold of the key, admitted while the key has fewer than
+    ``limit`` holders and nobody queued ahead (``fair=False``: past a queue too).
+    Memory grows only with the keys currently held or waited on.
+    """
+
+    __slots__ = ("_mode",)
+
+    def __init__(self, limit: int | Callable[[K], int], *, fair: bool = True,
+                 log_waits_after: float | None = None) -> None:
+        limit_of = limit if callable(limit) else None
+        checked = 0 if limit_of is not None else slot_limit(limit)
+        super().__init__(None, log_waits_after)
+        self._fair = bool(fair)
+        self._mode = _WRITE if checked == 1 else _READ
+        self._slot_limit = 0 if checked == 1 else checked
+        self._limit_of = limit_of
+
+    @property
+    def _slot_mode(self) -> int:
+        """How a slot is held: WRITE (a limit of 1: the exclusive lock) or READ."""
+        return self._mode
+
+    @property
+    def limit(self) -> int | Callable[[K], int]:
+        """Holders admitted per key at once, or the ``limit(key)`` that says so for each key
+        (called at each acquisition: its answer for a key that enters the table is that
+        key's limit while it is in use)."""
+        return self._limit_of or self._slot_limit or 1
+
+    @property
+    def fair(self) -> bool:
+        """True: no waiter is overtaken; False: a free slot goes to whoever asks first."""
+        return self._fair
+
+    @property
+    def aio(self) -> AsyncSemaphoreManager[K]:
+        """This manager's table for asyncio tasks: the current task owns what it acquires."""
+        return AsyncSemaphoreManager(self)
+
+    def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take a slot of ``key`` for the calling thread (re-enter its own, if it holds
+        one): True once held, False if ``blocking`` is false or ``timeout`` (seconds, -1 =
+        forever) ran out first. Raises what ``LockManager.acquire`` raises, nothing taken."""
+        seconds = wait_seconds(blocking, timeout)
+        if self._mode == _WRITE:
+            return self._acquire_write(key, seconds, 1)
+        return self._acquire_read(key, seconds)
+
+    def release(self, key: K) -> None:
+        """Undo one ``acquire`` of ``key``. Raises NotOwnedError if the calling thread holds
+        no slot of it, TypeError for an unhashable key."""
+        if self._mode == _WRITE:
+            self._release_write(key)
+        else:
+            self._release_read(key)
+
+    def hold(self, key: K, timeout: float | None = None) -> _Holding:
+        """A context manager holding a slot of ``key`` for its block; raises what
+        ``LockManager.hold`` raises."""
+        seconds = hold_seconds(timeout)
+        hash(key)
+        return _Holding(self, key, seconds, self._mode)
+
+    def __getitem__(self, key: K) -> KeySemaphore[K]:
+        """The per-key view: ``acquire``/``release`` and ``with`` for this one key."""
+        hash(key)
+        return KeySemaphore(self, key)
+
+    def synchronized(
+        self, key_func: Callable[..., K]
+    ) -> Callable[[Callable[P, T]], Callable[P, T]]:
+        """Decorator: the call holds a slot of ``key_func(*args, **kwargs)`` while it runs;
+        raises what ``LockManager.synchronized`` raises."""
+        return synchronized(self, key_func)
+
+    def _items(self, keys: Iterable[K], releasing: bool = False) -> list[tuple[Hashable, int]]:
+        if self._mode == _WRITE:
+            return many_items(keys, self._table_key, releasing)
+        return rw_items(keys, (), self._table_key, releasing)
+
+    def acquire_many(self, keys: Iterable[K], blocking: bool = True, timeout: float = -1) -> bool:
+        """A slot of every key of ``keys`` at once, or none: True, or False on timeout; raises
+        what ``LockManager.acquire_many`` raises, nothing taken."""
+        seconds = wait_seconds(blocking, timeout)
+        return self._acquire_many(self._items(keys), seconds)
+
+    def release_many(self, keys: Iterable[K]) -> None:
+        """Undo one ``acquire_many(keys)``; raises what ``LockManager.release_many`` raises,
+        nothing released."""
+        self._release_many(self._items(keys, True))
+
+    def hold_many(self, keys: Iterable[K], timeout: float | None = None) -> _HoldingMany:
+        """A context manager holding a slot of every key of ``keys`` for its block; raises
+        what ``LockManager.hold_many`` raises."""
+        return _HoldingMany(self, self._items(keys), hold_seconds(timeout))
+
+    def holders(self, key: K) -> int:
+        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
+        unhashable key."""
+        if self._mode == _WRITE:
+            return int(self._run_on_key(_written, self._table_key(key)))
+        return self._run_on_key(_reader_count, self._table_key(key))
+
+    def available(self, key: K) -> int:
+        """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
+        TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
+        the table."""
+        if self._mode == _WRITE:
+            return 1 - self.holders(key)
+        holders, limit = self._run_on_key(_holders_and_limit, self._table_key(key))
+        return (limit or self._limit_for(key) or self._slot_limit) - holders
+
+    def owned(self, key: K) -> bool:
+        """Whether the calling thread holds a slot of ``key``. Raises TypeError for an
+        unhashable key."""
+        token = _existing_token()
+        if self._mode == _WRITE:
+            return self._run_on_key(_written_by, self._table_key(key), token)
+        return self._run_on_key(_read_level, self._table_key(key), token) > 0
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has any holder."""
+        return self._run_on_key(_has_holder, self._table_key(key))
+
+    def __repr__(self) -> str:
+        return semaphore_repr(self, self.limit, self._fair, self._held, self._waiting)
 
 
 @final

@@ -36,7 +36,7 @@ from ._state import (
     _section,
 )
 from ._runtime import _current_token, _existing_token, _thread_tokens
-from ._table import _Table, _Unsure, _time_grant, _time_holds
+from ._table import _has_slot, _Table, _Unsure, _time_grant, _time_holds
 
 
 class _Operations(_Table):
@@ -115,14 +115,14 @@ class _Operations(_Table):
     def _acquire_read(self, key: Hashable, seconds: float) -> bool:
         token = _current_token()
         return self._acquire(token, seconds, self._run_on_key, self._take_read, key, token,
-                             seconds)
+                             seconds, self._limit_for(key))
 
     def _take_read(
         self, entry: _Entry | None, key: Hashable, key_hash: int, plain: bool, token: _Token,
-        seconds: float,
+        seconds: float, limit: int = 0,
     ) -> object:
         if entry is None:
-            entry = self._new_entry(key, key_hash, plain)
+            entry = self._new_entry(key, key_hash, plain, limit)
             self._add_read(entry, token, 1)
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
@@ -133,7 +133,8 @@ class _Operations(_Table):
             entry.readers[token] = level + 1
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
-        if entry.owner is token or (entry.owner is None and not entry.queue):
+        if entry.owner is token or (entry.owner is None and _has_slot(entry) and (
+                not entry.queue or not self._fair)):  # fair=False: a free slot past a queue
             self._add_read(entry, token, 1)
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
@@ -175,9 +176,10 @@ class _Operations(_Table):
         hashes = [hash(key) for key, _ in items]
         plains = [_is_plain(key) for key, _ in items]
         known: list[tuple[_Entry, _Entry | None] | None] = [None] * len(items)
+        limits = [self._limit_for(key) for key, _ in items]
         while True:
             verdict = _section(self._take_many_section, items, hashes, plains, known, token,
-                               seconds)
+                               seconds, limits)
             if type(verdict) is not tuple:
                 return verdict
             index, what = verdict
@@ -190,6 +192,7 @@ class _Operations(_Table):
     def _take_many_section(
         self, items: list[tuple[Hashable, int]], hashes: list[int], plains: list[bool],
         known: list[tuple[_Entry, _Entry | None] | None], token: _Token, seconds: float,
+        limits: list[int],
     ) -> object:
         """A request, True, False, or ``(index of a key, what about it)``: an _Unsure or
         the verdict to raise for it."""
@@ -216,7 +219,8 @@ class _Operations(_Table):
                     return index, _OVERFLOW
                 continue
             else:
-                free = entry.owner is token or (entry.owner is None and not entry.queue)
+                free = entry.owner is token or (
+                    entry.owner is None and not entry.queue and _has_slot(entry))
             if not free and blocked is None:
                 blocked = index
         if blocked is not None:
@@ -228,7 +232,7 @@ class _Operations(_Table):
         nodes = []
         for index, ((key, mode), entry) in enumerate(zip(items, entries, strict=True)):
             if entry is None:
-                entry = self._new_entry(key, hashes[index], plains[index])
+                entry = self._new_entry(key, hashes[index], plains[index], limits[index])
             node = _Request(token, self, entry, mode, 1)
             nodes.append(node)
             if mode == _WRITE:
@@ -341,7 +345,8 @@ class _Operations(_Table):
         ) -> bool:
             if reach(thread, waits_for.owner, waits_for, True):
                 return True
-            if mode == _WRITE:  # newest first, as in _core
+            exclusive = mode == _WRITE or waits_for.limit == 1  # one slot: as a write
+            if exclusive:  # newest first, as in _core
                 if any(reach(thread, reader, waits_for, True)
                        for reader in reversed(waits_for.readers)):
                     return True
@@ -351,7 +356,7 @@ class _Operations(_Table):
                 for ahead in waits_for.queue:
                     if ahead is own:
                         break
-                    conflicting = mode == _WRITE or ahead.mode == _WRITE
+                    conflicting = exclusive or ahead.mode == _WRITE
                     if (conflicting or ahead.lead is not None) and reach(
                             thread, ahead.token, waits_for, conflicting):
                         return True
@@ -721,8 +726,9 @@ class _Operations(_Table):
         if owner is not None:
             return owner is request.token  # its thread took the key meanwhile: re-entry
         readers = entry.readers
-        return request.mode == _READ or not readers or (
-            len(readers) == 1 and request.token in readers)
+        if request.mode == _READ:
+            return _has_slot(entry) or request.token in readers
+        return not readers or (len(readers) == 1 and request.token in readers)
 
     def _grant(self, entry: _Entry, request: _Request) -> None:
         entry.queue.remove(request)

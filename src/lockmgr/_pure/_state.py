@@ -267,8 +267,8 @@ class _Request:
 
 
 class _Entry:
-    __slots__ = ("count", "hash", "key", "owner", "plain", "queue", "read_since", "readers",
-                 "same_hash", "since")
+    __slots__ = ("count", "hash", "key", "limit", "owner", "plain", "queue", "read_since",
+                 "readers", "same_hash", "since")
 
     def __init__(self, key: Hashable, key_hash: int, plain: bool) -> None:
         self.key = key  # the key as first given
@@ -278,6 +278,8 @@ class _Entry:
         self.owner: _Token | None = None  # the write holder
         self.count = 0  # the write holder's recursion level
         self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
+        # A SemaphoreManager's key: how many read holders (slots) it admits; 0: any number.
+        self.limit = 0
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first
         # When the write hold was granted to a request that waited, or else when the first
         # request queued behind it (0.0: not timed; see lockmgr._observe); the same for

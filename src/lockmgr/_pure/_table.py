@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, final
 
-from .._args import Stripe, stripe_index
+from .._args import Stripe, slot_limit, stripe_index
 from .._observe import (
     HISTOGRAM_BOUNDS,
     HOT_KEY_SLOTS,
@@ -174,9 +174,11 @@ class _Table:
         "_held",
         "_holds",
         "_hot",
+        "_limit_of",
         "_log_after",
         "_observers",
         "_ref",
+        "_slot_limit",
         "_stripe_keys",
         "_table",
         "_timeouts",
@@ -190,6 +192,8 @@ class _Table:
     _observers: tuple[Callable[[float], object], ...]
     _stripe_keys: tuple[Stripe, ...] | None
     _fair: bool
+    _slot_limit: int  # a SemaphoreManager's limit per key (0: none, or ``_limit_of``'s)
+    _limit_of: Callable[[Any], int] | None  # a SemaphoreManager's limit(key)
     _table: dict[int, _Entry]
     _held: int
     _waiting: int
@@ -334,8 +338,17 @@ class _Table:
             entry = entry.same_hash
         return None if unsure is None else _Unsure(first, unsure)  # type: ignore[arg-type]
 
-    def _new_entry(self, key: Hashable, key_hash: int, plain: bool) -> _Entry:
+    def _limit_for(self, key: Hashable) -> int:
+        """Outside sections: the limit a semaphore's ``key`` gets if it enters the table now,
+        from the manager's ``limit(key)`` (checked: ValueError/TypeError, nothing changed);
+        0: the table's own (``_slot_limit``)."""
+        if self._limit_of is None:
+            return 0
+        return slot_limit(self._limit_of(key), key, computed=True)
+
+    def _new_entry(self, key: Hashable, key_hash: int, plain: bool, limit: int = 0) -> _Entry:
         entry = _Entry(key, key_hash, plain)
+        entry.limit = limit or self._slot_limit
         entry.same_hash = self._table.get(key_hash)
         self._table[key_hash] = entry
         return entry
@@ -444,6 +457,11 @@ class _Table:
             token.reads.clear()  # dicts never shrink on delete; this frees a grown one
 
 
+def _has_slot(entry: _Entry) -> bool:
+    """Whether ``entry`` admits one more read holder: a semaphore's key below its limit."""
+    return not entry.limit or len(entry.readers) < entry.limit
+
+
 # Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.
 
 def _levels_of(entry: _Entry | None, key: object, key_hash: int, plain: bool,
@@ -474,6 +492,10 @@ def _write_level(entry: _Entry | None, key: object, key_hash: int, plain: bool,
 def _read_level(entry: _Entry | None, key: object, key_hash: int, plain: bool,
                 token: _Token | None) -> int:
     return 0 if entry is None or token is None else entry.readers.get(token, 0)
+
+
+def _holders_and_limit(entry: _Entry | None, *_: object) -> tuple[int, int]:
+    return (0, 0) if entry is None else (len(entry.readers), entry.limit)
 
 
 def _reader_count(entry: _Entry | None, *_: object) -> int:

@@ -534,7 +534,8 @@ class _Tasks(_Operations):
             got = self._task_wait(token, self._run_on_key, self._take_write, key, token,
                                   seconds, count)
         else:
-            got = self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds)
+            got = self._task_wait(token, self._run_on_key, self._take_read, key, token, seconds,
+                                  self._limit_for(key))
         if type(got) is _TaskWait:
             got.taken = lambda: self._task_release(key, mode, token)
         return got

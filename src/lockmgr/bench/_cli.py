@@ -19,6 +19,8 @@ from typing import Any
 
 from ._asyncio import ASYNC_BASELINE, ASYNC_SCENARIOS, async_implementations
 from ._host import HOST_BASELINE, HOST_SUBJECTS, host
+from ._limits import REFERENCE as LIMITS_REFERENCE
+from ._limits import limits, limits_subjects
 from ._measure import Progress, Results, Settings, progress
 from ._output import contention_report, contention_runs, header, machine, plot, report_lines, table
 from ._servers import PAIRS_BASELINE, postgres_processes, redis_server, server_pairs
@@ -41,7 +43,7 @@ def parse_args(argv: list[str] | None, impl_names: list[str]) -> argparse.Namesp
     parser.add_argument("--quick", action="store_true", help="short runs: the whole suite in about 2 minutes on a 2-core "
                              "machine (more when it is busy)")
     parser.add_argument("--scenario", action="append",
-                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "host", "singleflight",
+                        choices=[*SCENARIOS, *ASYNC_SCENARIOS, "host", "limits", "singleflight",
                                  "server-pairs", "distributed"],
                         help="run only this scenario (repeatable; default: all but "
                              "distributed, which runs only when named: it needs --pg-dsn, "
@@ -120,12 +122,17 @@ def _plan(args: argparse.Namespace, impls: list[str], available: dict[str, Any],
     found before anything is measured."""
     steps: list[Step] = []
     servers = args.pg_dsn or args.redis
-    for scenario in args.scenario or [*SCENARIOS, "host", "singleflight",
+    for scenario in args.scenario or [*SCENARIOS, "host", "limits", "singleflight",
                                       *(["server-pairs"] if servers else []), *ASYNC_SCENARIOS]:
         if scenario == "singleflight":
             steps += [(f"singleflight: {name}", functools.partial(singleflight, name, settings,
                                                                   results))
                       for name in SINGLEFLIGHT_SUBJECTS if name in impls]
+        elif scenario == "limits":
+            steps += [(f"limits: {name}", functools.partial(limits, name, engine, settings,
+                                                            results))
+                      for name, engine in limits_subjects().items()
+                      if not args.impl or name in args.impl]
         elif scenario == "host":
             steps += [(f"host: {name}", functools.partial(host, name, args.pg_dsn, settings,
                                                           results))
@@ -247,6 +254,7 @@ def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> 
     for scenarios, baseline in ((set(SCENARIOS), BASELINE),
                                 ({"host"}, HOST_BASELINE),
                                 ({"singleflight"}, SINGLEFLIGHT_BASELINE),
+                                ({"limits"}, LIMITS_REFERENCE),
                                 ({"server-pairs"}, PAIRS_BASELINE),
                                 (set(ASYNC_SCENARIOS), ASYNC_BASELINE),
                                 ({"distributed"}, "lockmgr")):
@@ -256,7 +264,7 @@ def _print_tables(about: dict[str, Any], results: Results, impls: list[str]) -> 
         print()
         # The host table's columns in its own order: lockmgr.host first, its ratios' base.
         order = [name for name in HOST_SUBJECTS if name in impls] if "host" in scenarios \
-            else impls
+            else [*impls, LIMITS_REFERENCE] if "limits" in scenarios else impls
         print("\n".join(table(results, _measured_in_order(Results(rows), order), baseline,
                               scenarios)))
     if results.notes:
