@@ -8,12 +8,15 @@ both engines (``impl``) and both kernel mechanisms."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from types import ModuleType
 from typing import Any
 
 import pytest
 
 from lockmgr.host import HostLockManager, HostRWLockManager
+from lockmgr.host._fences import FENCE_SLOTS, FENCES
 from lockmgr.host._kernel import place
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.posix_only]
@@ -246,4 +249,93 @@ def test_a_wait_let_in_after_the_engines_sections_answers_ctrl_c(
         host_engine: ModuleType, children: Any) -> None:
     child = children(_WAIT_AFTER_SECTIONS)
     assert child.ask("interrupted_where()") == "in the wait"
+    assert child.finish() == 0
+
+
+# A handler let in while the main thread waits for a key that another manager of the same
+# directory in this process holds may call a manager of that directory itself: it is
+# answered, and the wait goes on (the hang bound: the child's answer within its patience).
+_HANDLER_CALLS_A_MANAGER = r"""
+def a_handler_calls_a_manager_during_a_wait():
+    holder = HostLockManager(locks.directory, mechanism=locks.mechanism)
+    taken, done = threading.Event(), threading.Event()
+    def hold():
+        holder.acquire("a")
+        taken.set()
+        done.wait()
+        holder.release("a")
+    threading.Thread(target=hold).start()
+    taken.wait()
+    answers = []
+    def handler(signum, frame):
+        answers.append(locks.acquire("b", timeout=5))
+        locks.release("b")
+        done.set()  # the holder gives "a" back: the wait ends
+    def signal_the_wait():
+        while not locks._shared._waiting and not done.is_set():  # (the main thread's wait)
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Thread(target=signal_the_wait).start()
+        got = locks.acquire("a", timeout=30)
+        locks.release("a")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        done.set()
+    holder.close()
+    return [got, answers]
+"""
+
+
+def test_a_handler_run_during_a_wait_may_call_a_manager_of_the_directory(
+        host_engine: ModuleType, children: Any) -> None:
+    child = children(_HANDLER_CALLS_A_MANAGER)
+    assert child.ask("a_handler_calls_a_manager_during_a_wait()") == [True, [True]]
+    assert child.finish() == 0
+
+
+# A handler let in while its thread waits for another process's fence counter, asking for a
+# fence of the same directory itself, is refused at once (it would wait for its own thread).
+_HANDLER_ASKS_FOR_A_FENCE = r"""
+def a_handler_asks_for_a_fence_during_a_fence_wait():
+    fenced = HostLockManager(locks.directory, mechanism=locks.mechanism, fencing=True)
+    answers = []
+    def handler(signum, frame):
+        try:
+            answers.append(fenced.acquire("g", timeout=5))
+        except RuntimeError as error:
+            answers.append(str(error))
+    def signal_the_wait():
+        while not fenced._shared.fences._taker:  # (the main thread waits for the counter)
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        threading.Thread(target=signal_the_wait).start()
+        got = fenced.acquire("f", timeout=3)  # the parent keeps the counter locked
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    left = [len(fenced), len(fenced._shared._idents)]
+    fenced.close()
+    return [got, answers, left]
+"""
+
+
+def test_a_handler_asking_for_a_fence_while_its_thread_waits_for_one_is_refused(
+        host_engine: ModuleType, children: Any, lock_dir: str, mechanism: str) -> None:
+    manager: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism, fencing=True)
+    offset = (manager.host_key("f") % FENCE_SLOTS) * 8
+    with manager.hold("f"):  # (the counters' file made)
+        pass
+    fd = os.open(os.path.join(lock_dir, FENCES), os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 8, offset)  # another process's take
+        child = children(_HANDLER_ASKS_FOR_A_FENCE)
+        got, answers, left = child.ask("a_handler_asks_for_a_fence_during_a_fence_wait()")
+    finally:
+        os.close(fd)
+        manager.close()
+    assert got is False and left == [0, 0]
+    assert len(answers) == 1 and "asked for a fence while its thread" in answers[0]
     assert child.finish() == 0

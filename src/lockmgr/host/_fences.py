@@ -49,9 +49,11 @@ class Fences:
         self._ofd = ofd
         # POSIX record locks do not exclude the threads of one process: this does.
         self._in_process = threading.Lock()
+        self._taker = 0  # the thread taking a fence (under _in_process): 0, none
 
     def after_fork(self) -> None:
         self._in_process = threading.Lock()
+        self._taker = 0
 
     def next(self, ident: int, deadline: float | None) -> int | None:
         """The next fence of ``ident``, durable before it is returned; None if another
@@ -60,8 +62,16 @@ class Fences:
         refused (nothing is handed out then)."""
         offset = (ident % FENCE_SLOTS) * 8
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._taker == threading.get_ident():
+            # A signal handler, let in while this thread waits for another process's
+            # counter: it would wait for its own thread for ever.
+            raise RuntimeError(
+                "lockmgr.host: a signal handler asked for a fence while its thread was "
+                "taking one in the same directory; the call was refused (it cannot wait "
+                "for itself)")
         if not self._in_process.acquire(timeout=-1 if left is None else left):
             return None
+        self._taker = threading.get_ident()
         try:
             try:
                 fd = self._directory.open_file(FENCES)
@@ -84,6 +94,7 @@ class Fences:
             finally:
                 os.close(fd)
         finally:
+            self._taker = 0
             self._in_process.release()
         return fence
 

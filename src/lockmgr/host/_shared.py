@@ -163,7 +163,9 @@ class ProcessDirectory:
         """Wait (the guard held) until an identity changes, ``seconds`` at most (None: no
         limit). In a quiet call (``lockmgr._quiet``) on the main thread, a ``SLICE`` at
         most, then the handlers of signals that arrived are let in, if ``interruptible``:
-        what they raise propagates from here."""
+        what they raise propagates from here. They run with the guard let go (and taken
+        again after): a handler may call a manager of this directory itself, which takes
+        the guard; the caller reads the identities again."""
         interrupts = interruptible and held_off()
         if interrupts and (seconds is None or seconds > SLICE):
             seconds = SLICE
@@ -173,7 +175,11 @@ class ProcessDirectory:
         finally:
             self._waiting -= 1
         if interrupts:
-            let_pending_in()
+            self._guard.release()
+            try:
+                let_pending_in()
+            finally:
+                self._guard.acquire()  # (held off again: no handler can stop it)
 
     def _notify(self) -> None:
         if self._waiting:  # (the guard held)
