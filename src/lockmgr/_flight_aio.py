@@ -81,9 +81,9 @@ class AsyncSingleflight(Generic[K, V]):
 
     async def _call(self, key: K, coro_fn: Callable[..., Awaitable[V]], args: tuple[Any, ...],
                     seconds: float, cancel_when_abandoned: bool) -> V:
-        flights = self._table.flights
+        table = self._table
         while True:
-            flight = flights.get(key)
+            flight = table.current(key)
             if flight is None:
                 flight = await self._start(key, coro_fn, args, cancel_when_abandoned)
             elif flight.task is not None and not flight.join(cancel_when_abandoned):
@@ -174,8 +174,14 @@ class AsyncSingleflight(Generic[K, V]):
                 published.set_exception(error)
             raise
         finally:
-            table.retire(mine)
-            await locks.release_write(mine)
+            try:
+                table.retire(mine)
+            finally:
+                # A loop closed with the runner pending closes its coroutine: nothing can be
+                # awaited then, and the engine gives the hold back as the task goes (with an
+                # AbandonedLockWarning).
+                if not isinstance(mine.aborted, GeneratorExit):
+                    await locks.release_write(mine)
 
     async def _wait(self, flight: Flight[V], seconds: float) -> V:
         """Waits (counted in, for a task's flight) for ``flight``'s outcome."""

@@ -163,6 +163,35 @@ class FlightTable(Generic[K, V]):
         """``flight`` if it is now the key's flight, else the flight that was first."""
         return self.flights.setdefault(flight.key, flight)  # type: ignore[arg-type]
 
+    def current(self, key: K) -> Flight[V] | None:
+        """The key's flight, if any that can still answer: one whose runner's loop was
+        closed with the runner pending never will (it is retired, and a caller starts a
+        new one)."""
+        flight = self.flights.get(key)
+        if flight is not None and flight.task is not None and flight.task.get_loop().is_closed():
+            self.retire(flight)
+            return None
+        return flight
+
+    def open(self, mine: Flight[V]) -> Flight[V]:
+        """A thread's call: holds ``mine`` for writing (its own key: granted at once) and
+        publishes it; the key's flight, ``mine`` or the one that was first. One step for
+        ``quietly``: nothing stays held if it fails."""
+        self.locks.acquire_write(mine)
+        try:
+            return self.publish(mine)
+        except BaseException:
+            self.locks.release_write(mine)
+            raise
+
+    def close(self, mine: Flight[V]) -> None:
+        """A thread's call ended: ``mine`` retired (if published) and let go, even if the
+        key's ``__eq__`` raises. One step for ``quietly``."""
+        try:
+            self.retire(mine)
+        finally:
+            self.locks.release_write(mine)
+
     def retire(self, flight: Flight[V]) -> None:
         """Takes ``flight`` out of the table, unless ``forget`` already did."""
         with self._retire:

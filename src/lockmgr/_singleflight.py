@@ -17,6 +17,7 @@ from typing import Any, ClassVar, cast, Generic, ParamSpec, TypeVar, TypeVarTupl
 from ._args import hold_seconds
 from ._flight_aio import AsyncSingleflight
 from ._flights import Flight, FlightTable, checked_callable, flight_timed_out, recursion
+from ._quiet import quietly
 from ._views import checked_key_func, function_to_wrap
 
 K = TypeVar("K", bound=Hashable)
@@ -82,13 +83,15 @@ class Singleflight(Generic[K, V]):
               seconds: float) -> V:
         table = self._table
         while True:
-            flight = table.flights.get(key)
+            flight = table.current(key)
             if flight is None:
                 mine: Flight[V] = Flight(key, threading.get_ident(), threading.get_ident())
-                locks = table.locks
-                locks.acquire_write(mine)  # its own key: granted at once
+                opened = None
                 try:
-                    flight = table.publish(mine)
+                    # Taking and publishing, then retiring and letting go, each one step no
+                    # signal handler splits (a hold left would keep the waiters for ever).
+                    opened = flight = quietly(table.open, mine,
+                                              undo=lambda _: table.close(mine))
                     if flight is mine:
                         value = fn(*args, **kwargs)
                         mine.finish(value)
@@ -100,8 +103,8 @@ class Singleflight(Generic[K, V]):
                     mine.aborted = error
                     raise
                 finally:
-                    table.retire(mine)
-                    locks.release_write(mine)
+                    if opened is not None:
+                        quietly(table.close, mine)
             if flight.task is None:  # a thread's call: no waiter count to keep
                 return self._wait(flight, seconds)
             if flight.join(False):

@@ -427,3 +427,32 @@ def test_many_tasks_and_threads_make_one_call(flight: Singleflight[str, Any]) ->
 
     assert run(main) == ["payload"] * 54 and runs == [1]
     wait_until(lambda: len(flight._table.locks) == 0, "nothing is left in the lock table")
+
+
+def test_a_flight_whose_loop_closed_with_its_call_pending_is_started_anew(
+        flight: Singleflight[Any, Any]) -> None:
+    """A loop stopped and closed with a runner pending (a framework shutting down, not
+    ``asyncio.run``): its call will never answer; the next caller, a thread or a task of
+    another loop, starts a new one, and nothing of the old flight stays published."""
+    async def never() -> str:
+        await asyncio.Event().wait()
+        return "never"
+
+    async def fresh() -> str:
+        return "fresh"
+
+    async def starter() -> None:
+        with pytest.raises(LockTimeout):
+            await flight.aio.call("k", never, timeout=0.05)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(starter())
+    assert "k" in flight  # (its runner pending)
+    loop.close()
+    assert flight.call("k", lambda: "fresh", timeout=PATIENCE) == "fresh"
+    assert "k" not in flight
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(starter())
+    loop.close()
+    assert run(lambda: flight.aio.call("k", fresh)) == "fresh"
+    assert len(flight) == 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -405,3 +407,68 @@ def test_a_mix_of_callers_timeouts_failures_and_forgets_leaves_nothing_behind(
     join(*threads)
     assert not problems
     assert len(flight) == 0 and len(flight._table.locks) == 0
+
+
+# A storm of real SIGINTs against calls on the main thread, each joined by another thread:
+# wherever one lands, the call's hold and its flight go (its joiner gets an answer, never
+# its timeout), and the private table ends empty.
+_INTERRUPT_STORM = r"""
+import random, signal, sys, threading, time
+import lockmgr
+from lockmgr._singleflight import singleflight_on
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
+flight = singleflight_on(__import__(sys.argv[1], fromlist=["_"]))()
+armed, calm, stuck = [False], threading.Event(), []
+
+def interrupt(signum, frame):
+    if armed[0]:
+        raise KeyboardInterrupt
+
+def kick():
+    main = threading.main_thread().ident
+    while not calm.is_set():
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(random.random() * 0.0002)
+
+def join(key):
+    try:
+        flight.call(key, lambda: "joined", timeout=30)
+    except lockmgr.LockTimeout:
+        stuck.append(key)
+    except Exception:
+        pass
+
+signal.signal(signal.SIGINT, interrupt)
+kicker = threading.Thread(target=kick)
+kicker.start()
+interrupted = 0
+for index in range(int(sys.argv[2])):
+    joiners = []
+    def call(key=f"k{index}"):
+        joiner = threading.Thread(target=join, args=(key,))
+        joiner.start()
+        joiners.append(joiner)
+        return key
+    try:
+        armed[0] = True
+        flight.call(f"k{index}", call)
+    except KeyboardInterrupt:
+        interrupted += 1
+    finally:
+        armed[0] = False
+    for joiner in joiners:
+        joiner.join()
+calm.set()
+kicker.join()
+print(interrupted, len(flight), len(flight._table.locks), len(stuck))
+"""
+
+
+def test_a_storm_of_interrupts_on_callers_leaves_no_flight_and_no_hold(impl: ModuleType) -> None:
+    done = subprocess.run([sys.executable, "-c", _INTERRUPT_STORM, impl.__name__, "1500"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    interrupted, flights, holds, stuck = map(int, done.stdout.split())
+    assert interrupted > 0  # (the storm reached the calls)
+    assert (flights, holds, stuck) == (0, 0, 0)
