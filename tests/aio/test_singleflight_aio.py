@@ -7,32 +7,15 @@ import asyncio
 import functools
 import gc
 import threading
-import time
-from collections.abc import Callable, Coroutine
 from types import ModuleType
 from typing import Any
 
 import pytest
 from conftest import PATIENCE, wait_until
+from test_aio import run, until
 
 from lockmgr import DeadlockError, FlightAbortedError, LockTimeout, Singleflight
 from lockmgr._singleflight import singleflight_on
-
-
-def run(main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-    """Run ``main()`` as the task of a fresh event loop, bounded in time."""
-    async def bounded() -> Any:
-        return await asyncio.wait_for(main(), PATIENCE)
-    return asyncio.run(bounded())
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Let the loop run until ``condition`` (a real state: a queue length) holds."""
-    deadline = time.monotonic() + PATIENCE
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.001)
 
 
 @pytest.fixture
