@@ -328,9 +328,12 @@ class _Link:
                         deadline = self._past_deadline()
                 while True:
                     if pgconn.is_busy():
-                        # (``_wait`` for reading, one call less: the usual round trip's wait)
-                        while not _ready_by(self.poller, deadline, True):
-                            deadline = self._past_deadline()
+                        # (``_wait`` for reading, one call less: the usual round trip's wait;
+                        # its first slice without ``_ready_by`` when the deadline is further)
+                        if not ((deadline is None or deadline - time.monotonic() > MAIN_THREAD_SLICE)
+                                and _poll(self.poller, _SLICE_MS)):
+                            while not _ready_by(self.poller, deadline, True):
+                                deadline = self._past_deadline()
                         pgconn.consume_input()
                         continue
                     result = pgconn.get_result()
@@ -342,7 +345,10 @@ class _Link:
                 raise
         finally:
             self.talking = False  # no call before it: nothing can skip it
-        return _checked(results, self.conn, self.cancelled_late)
+        for result in results:  # (the usual: no error, and no call to ``_checked``)
+            if result.status == _FATAL_ERROR:
+                return _checked(results, self.conn, self.cancelled_late)
+        return results
 
     def _past_deadline(self) -> float:
         """The round trip passed its deadline: cancel its statement, and give the cancel
