@@ -98,6 +98,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._fence_table = _FenceTable(fence_table)
         self._fence_table_made = False  # set once this manager has made sure it exists
         self._idents = KeyIdents(namespace)
+        self._params: dict[str, list[bytes]] = {}  # recent str keys' (``_protocol._params_of``)
         self._on_lost = on_lost
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _parked, _sessions and loss reports
@@ -462,7 +463,10 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``; LockLost (after undoing it) if any was lost."""
-        session = _holding(self._session_or_none(), items, threading.get_ident())
+        end: _ThreadEnd | None = getattr(self._local, "end", None)  # (``_session_or_none``)
+        session = None if end is None else end.session
+        if session is None or len(items) != 1 or not session.levels.get(items[0]):
+            session = _holding(session, items, threading.get_ident())  # (else, it holds it)
         last = ([items[0]] if session.levels.get(items[0]) == 1 else []) if len(items) == 1 \
             else [item for item in items if session.levels.get(item) == 1]
         # No round trip to the server will tell whether the connection lives, or an earlier

@@ -20,6 +20,7 @@ from psycopg import errors as pg_errors
 
 from .._args import WRITE
 from .._errors import DeadlockError
+from .._keyhash import REMEMBERED_KEYS
 from ._fences import _fence_table_steps, _fences_from, _not_durable
 from ._link import (
     _ANSWER_WITHIN,
@@ -64,8 +65,9 @@ def _lock_at_once(manager: _PgEngine[Any], session: _Session, items: list[tuple[
     statement = _LOCK[mode] if seconds < 0 else _TRY_LOCK[mode]
     if statement not in link.prepared:
         return None
+    params = manager._params.get(key) if type(key) is str else None
     return (link, None if seconds < 0 else _round_trip_deadline("try", None), statement,
-            [b"%d" % manager._idents.of(key)])
+            _params_of(manager, key) if params is None else params)
 
 
 def _at_once(link: _Link, deadline: float | None, statement: bytes, params: list[bytes]
@@ -187,7 +189,21 @@ def _unlock_at_once(manager: _PgEngine[Any], session: _Session,
     statement = _UNLOCK[mode]
     if statement not in link.prepared:
         return None
-    return link, time.monotonic() + _ANSWER_WITHIN, statement, [b"%d" % manager._idents.of(key)]
+    params = manager._params.get(key) if type(key) is str else None
+    return (link, time.monotonic() + _ANSWER_WITHIN, statement,
+            _params_of(manager, key) if params is None else params)
+
+
+def _params_of(manager: _PgEngine[Any], key: Hashable) -> list[bytes]:
+    """The parameters of ``key``'s single-key statements (its advisory key, as libpq sends
+    it), made once for recent str keys as ``KeyIdents`` keeps their identities (the manager's
+    ``_params``, emptied when full). Lists only read by psycopg: shared by every thread."""
+    params = [b"%d" % manager._idents.of(key)]
+    if type(key) is str:
+        if len(manager._params) >= REMEMBERED_KEYS:
+            manager._params.clear()
+        manager._params[key] = params
+    return params
 
 
 def _unlocked(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
