@@ -27,6 +27,7 @@ from ._deadlock import (
     Look,
     Lookout,
     Waiting,
+    alone,
     deadlock_through_server,
     managers_after_fork,
     register,
@@ -97,6 +98,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         self._fence_table = _FenceTable(fence_table)
         self._fence_table_made = False  # set once this manager has made sure it exists
         self._idents = KeyIdents(namespace)
+        self._params: dict[str, list[bytes]] = {}  # recent str keys' (``_protocol._params_of``)
         self._on_lost = on_lost
         self._local = threading.local()
         self._guard = threading.Lock()  # guards _idle, _parked, _sessions and loss reports
@@ -329,26 +331,35 @@ class _PgEngine(_Inspecting, Generic[K]):
         """Take ``items`` ((key, mode) pairs) in-process, then in PostgreSQL, within
         ``seconds``: all of them, or none."""
         started = time.monotonic()
-        tasks = self._tasks
+        tasks = None if self._tasks_ref is None else self._tasks  # (the usual: no call)
         if tasks is not None:
             tasks.sweep_closed_loops()  # a stranded task may hold one of the keys in process
         session = self._session()
         # (a parked connection stays parked while the call waits in process: ``_lock``
-        # takes it back once the keys are the thread's in process, if nobody took it)
-        self._settle(session, _call_deadline(started, seconds))
-        session.refuse_lost(items)
-        refuse_own_xact_lock(self, items)
-        if seconds != 0:  # (a try never waits: it finds the key taken)
+        # takes it back once the keys are the thread's in process, if nobody took it;
+        # a parked session holds nothing, and has nothing to settle or refuse: the checks
+        # are skipped by their own first tests, here without a call each)
+        if not session.parked:
+            self._settle(session, _call_deadline(started, seconds))
+            session.refuse_lost(items)
+        if self._local.__dict__.get("xact_locks"):  # (no AttributeError made when missing)
+            refuse_own_xact_lock(self, items)
+        if seconds != 0 and not alone():  # (a try never waits: it finds the key taken;
+            # alone: no other manager holds anything)
             try:
                 refuse_own_locks_elsewhere(self, session, items, *attach_bounds(started, seconds))
             except _CLIENT_TIMEOUTS:
                 if seconds < 0:
                     raise
                 return False  # no connection in time: timed out, holding nothing
-            if tasks is not None:
-                tasks.refuse_unfinished_releases(items)
-        before = {item: session.levels.get(item, 0) for item in items}
-        fresh = [item for item, levels in before.items() if not levels]
+        if seconds != 0 and tasks is not None:
+            tasks.refuse_unfinished_releases(items)
+        if len(items) == 1:  # (the usual: one key, without a comprehension's call)
+            levels = session.levels.get(items[0], 0)
+            before, fresh = {items[0]: levels}, [] if levels else [items[0]]
+        else:
+            before = {item: session.levels.get(item, 0) for item in items}
+            fresh = [item for item, levels in before.items() if not levels]
         acquired = taken = False
         try:
             acquired = self._acquire_in_process(items, seconds, local_acquire)
@@ -359,9 +370,10 @@ class _PgEngine(_Inspecting, Generic[K]):
             fences = self._lock(session, fresh, left) if fresh else {}
             # A connection lost on the way lost the keys this call re-entered too: the
             # call fails, whatever a fresh connection then gave (the clean-up drops it).
-            session.refuse_lost(items)
+            if session.lost:
+                session.refuse_lost(items)
             if fences is not None:
-                session.granted(items, self._fences_of(fresh, fences))
+                session.granted(items, self._fences_of(fresh, fences) if fences else {})
             # No check point from the last call to the end of the block: answered, counted.
             session.unsure, session.taking = [], None
             taken = fences is not None  # last: an interrupt before it finds the counts undone below
@@ -451,8 +463,12 @@ class _PgEngine(_Inspecting, Generic[K]):
     def _give(self, items: Sequence[tuple[Hashable, int]],
               local_release: Callable[[], None]) -> None:
         """Undo one ``_take`` of ``items``; LockLost (after undoing it) if any was lost."""
-        session = _holding(self._session_or_none(), items, threading.get_ident())
-        last = [item for item in items if session.levels.get(item) == 1]
+        end: _ThreadEnd | None = getattr(self._local, "end", None)  # (``_session_or_none``)
+        session = None if end is None else end.session
+        if session is None or len(items) != 1 or not session.levels.get(items[0]):
+            session = _holding(session, items, threading.get_ident())  # (else, it holds it)
+        last = ([items[0]] if session.levels.get(items[0]) == 1 else []) if len(items) == 1 \
+            else [item for item in items if session.levels.get(item) == 1]
         # No round trip to the server will tell whether the connection lives, or an earlier
         # clean-up was interrupted: settle first.
         if (not last or session.unsure or session.link is None or session.taking is not None
@@ -489,7 +505,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         results, tried = None, None
         if need is not None:  # (the usual: one round trip, no step driver)
             session.unsure = items  # as the steps set it
-            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            results, tried = _at_once(*need)  # (a failure is answered by the steps)
             if results is not None:
                 return _locked_at_once(results, seconds)
         return _drive(_lock_steps(self, session, items, seconds, started), self._attach,
@@ -502,7 +518,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         need = _unlock_at_once(self, session, items)
         results, tried = None, None
         if need is not None:  # (the usual: one round trip, no step driver)
-            results, tried = _at_once(need)  # (a failure is answered by the steps)
+            results, tried = _at_once(*need)  # (a failure is answered by the steps)
             if results is not None:
                 _unlocked(self, session, items, results[-1])
                 return
@@ -571,7 +587,7 @@ class _PgEngine(_Inspecting, Generic[K]):
         for its next call (a thread using the manager again and again goes through no idle
         list), while any thread or task that needs a connection takes it first
         (``_pop_idle``); closed if someone waits for a place under ``max_connections``."""
-        if session.holds_anything():
+        if session.levels or session.lost or session.unsure:  # (``holds_anything``)
             return
         with self._guard:
             if session.parked:
@@ -579,7 +595,8 @@ class _PgEngine(_Inspecting, Generic[K]):
             link, session.link = session.link, None
             self._sessions.discard(session)
             session.reported.clear()
-            if link is not None and not session.dead and not link.broken() and not crowded(self):
+            if (link is not None and not session.dead and not link.broken()
+                    and (self._capacity is None or not crowded(self))):
                 session.link, session.parked = link, True  # checked again before its next use
                 self._parked.add(session)
                 return

@@ -28,6 +28,9 @@ from ._server import (
 
 
 _FATAL_ERROR = int(ExecStatus.FATAL_ERROR)
+# (as ints: compared on every round trip and check, without an enum member's lookup)
+_CONNECTION_OK = int(ConnStatus.OK)
+_IDLE = int(TransactionStatus.IDLE)
 _SLICE_MS = int(MAIN_THREAD_SLICE * 1000)
 # Every round trip has a client-side deadline, whatever the server does (a stopped backend,
 # a stuck proxy, a half-open network, a table locked by a migration): a round trip that
@@ -328,9 +331,12 @@ class _Link:
                         deadline = self._past_deadline()
                 while True:
                     if pgconn.is_busy():
-                        # (``_wait`` for reading, one call less: the usual round trip's wait)
-                        while not _ready_by(self.poller, deadline, True):
-                            deadline = self._past_deadline()
+                        # (``_wait`` for reading, one call less: the usual round trip's wait;
+                        # its first slice without ``_ready_by`` when the deadline is further)
+                        if not ((deadline is None or deadline - time.monotonic() > MAIN_THREAD_SLICE)
+                                and _poll(self.poller, _SLICE_MS)):
+                            while not _ready_by(self.poller, deadline, True):
+                                deadline = self._past_deadline()
                         pgconn.consume_input()
                         continue
                     result = pgconn.get_result()
@@ -342,7 +348,10 @@ class _Link:
                 raise
         finally:
             self.talking = False  # no call before it: nothing can skip it
-        return _checked(results, self.conn, self.cancelled_late)
+        for result in results:  # (the usual: no error, and no call to ``_checked``)
+            if result.status == _FATAL_ERROR:
+                return _checked(results, self.conn, self.cancelled_late)
+        return results
 
     def _past_deadline(self) -> float:
         """The round trip passed its deadline: cancel its statement, and give the cancel
@@ -424,7 +433,7 @@ class _Link:
 
     def _idle(self) -> bool:
         pgconn = self.pgconn
-        if pgconn.status != ConnStatus.OK:
+        if pgconn.status != _CONNECTION_OK:
             return False
         for _ in range(3):  # the goodbye message first, the end of the stream next
             if not _poll(self.poller, 0):
@@ -434,11 +443,11 @@ class _Link:
             except psycopg.OperationalError:
                 return False
             pgconn.is_busy()  # parses what arrived: a FATAL error goes to _note_ending
-        return (not self.ended and pgconn.status == ConnStatus.OK
-                and pgconn.transaction_status == TransactionStatus.IDLE)
+        return (not self.ended and pgconn.status == _CONNECTION_OK
+                and pgconn.transaction_status == _IDLE)
 
     def broken(self) -> bool:
-        return self.pgconn.status != ConnStatus.OK
+        return self.pgconn.status != _CONNECTION_OK
 
     def close(self) -> None:
         """End the session (and so every lock it holds). In a forked child, the socket is

@@ -105,7 +105,7 @@ class PgLockManager(_PgEngine[K]):
         not done by its deadline returns False instead) or UnsafeServerError (a standby, a
         pooler)."""
         seconds = wait_seconds(blocking, timeout)
-        self.advisory_key(key)  # a key PostgreSQL cannot take fails before anything changes
+        self._idents.of(key)  # a key PostgreSQL cannot take fails before anything changes
         return self._take([(key, WRITE)], seconds,
                           lambda left: self._engine.acquire(key, timeout=left),
                           lambda: self._engine.release(key))

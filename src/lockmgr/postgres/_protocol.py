@@ -20,11 +20,14 @@ from psycopg import errors as pg_errors
 
 from .._args import WRITE
 from .._errors import DeadlockError
+from .._keyhash import REMEMBERED_KEYS
 from ._fences import _fence_table_steps, _fences_from, _not_durable
 from ._link import (
+    _ANSWER_WITHIN,
     _Attach,
     _RoundTrip,
     _Drop,
+    _Link,
     _Lose,
     _Overdue,
     _TRY_CONNECTS_WITHIN,
@@ -42,9 +45,13 @@ if TYPE_CHECKING:
     from ._engine import _PgEngine
     from ._session import _Session
 
+# A round trip made at once: on the link, by the deadline, the prepared statement, its
+# parameters (``_at_once``'s arguments).
+_AtOnce = tuple[_Link, float | None, bytes, list[bytes]]
+
 
 def _lock_at_once(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
-                  seconds: float) -> _RoundTrip | None:
+                  seconds: float) -> _AtOnce | None:
     """The round trip of ``_lock_steps`` when it is all they would do: one key, no fence,
     a try or a wait (no timeout), on the session's connection, its statement prepared;
     else None. Its caller sets ``session.unsure`` to ``items`` first, as the steps do,
@@ -58,22 +65,29 @@ def _lock_at_once(manager: _PgEngine[Any], session: _Session, items: list[tuple[
     statement = _LOCK[mode] if seconds < 0 else _TRY_LOCK[mode]
     if statement not in link.prepared:
         return None
-    return _prepared_call(link, statement, manager.advisory_key(key),
-                          None if seconds < 0 else _round_trip_deadline("try", None))
+    params = manager._params.get(key) if type(key) is str else None
+    return (link, None if seconds < 0 else _round_trip_deadline("try", None), statement,
+            _params_of(manager, key) if params is None else params)
 
 
-def _at_once(call: _RoundTrip) -> tuple[list[Any] | None, BaseException | None]:
-    """Make ``call`` (``_lock_at_once``'s, ``_unlock_at_once``'s) in the calling thread: its
-    results, or the exception that the steps then answer (``_drive``'s ``tried``)."""
+def _at_once(link: _Link, deadline: float | None, statement: bytes, params: list[bytes]
+             ) -> tuple[list[Any] | None, BaseException | None]:
+    """Make the round trip ``_lock_at_once`` or ``_unlock_at_once`` gave (the prepared
+    ``statement`` with ``params``, by ``deadline``) in the calling thread, as
+    ``_prepared_call``'s: its results, or the exception that the steps then answer
+    (``_drive``'s ``tried``)."""
     try:
-        return call.link._round_trip(call.deadline, call.send, *call.args), None
+        return link._round_trip(deadline, link.pgconn.send_query_prepared, statement, params), None
     except BaseException as error:
         return None, error
 
 
 def _locked_at_once(results: list[Any], seconds: float) -> dict[int, int] | None:
-    """What ``_lock_steps`` answer for the results of ``_lock_at_once``'s round trip."""
-    return _fences_from(results, [], "wait" if seconds < 0 else "try", False)
+    """What ``_lock_steps`` answer for the results of ``_lock_at_once``'s round trip
+    (``_fences_from`` without fences: a refused try None, else no fence)."""
+    if seconds < 0 or results[-1].get_value(0, 0) == b"t":
+        return {}
+    return None
 
 
 def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
@@ -164,7 +178,7 @@ def _lock_steps(manager: _PgEngine[Any], session: _Session, items: list[tuple[Ha
 
 
 def _unlock_at_once(manager: _PgEngine[Any], session: _Session,
-                    items: list[tuple[Hashable, int]]) -> _RoundTrip | None:
+                    items: list[tuple[Hashable, int]]) -> _AtOnce | None:
     """The round trip of ``_unlock_steps`` when it is all they would do: one key, its
     statement prepared on the session's connection; else None. ``_unlocked`` reads its
     answer."""
@@ -175,7 +189,21 @@ def _unlock_at_once(manager: _PgEngine[Any], session: _Session,
     statement = _UNLOCK[mode]
     if statement not in link.prepared:
         return None
-    return _prepared_call(link, statement, manager.advisory_key(key), _answer_by())
+    params = manager._params.get(key) if type(key) is str else None
+    return (link, time.monotonic() + _ANSWER_WITHIN, statement,
+            _params_of(manager, key) if params is None else params)
+
+
+def _params_of(manager: _PgEngine[Any], key: Hashable) -> list[bytes]:
+    """The parameters of ``key``'s single-key statements (its advisory key, as libpq sends
+    it), made once for recent str keys as ``KeyIdents`` keeps their identities (the manager's
+    ``_params``, emptied when full). Lists only read by psycopg: shared by every thread."""
+    params = [b"%d" % manager._idents.of(key)]
+    if type(key) is str:
+        if len(manager._params) >= REMEMBERED_KEYS:
+            manager._params.clear()
+        manager._params[key] = params
+    return params
 
 
 def _unlocked(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hashable, int]],
@@ -183,6 +211,8 @@ def _unlocked(manager: _PgEngine[Any], session: _Session, items: list[tuple[Hash
     """The server answered the release of ``items`` with ``result``: none is unsure any
     more, and one it no longer had is lost, though the connection lives."""
     session.unsure = []
+    if len(items) == 1 and result.get_value(0, 0) == b"t":
+        return  # (the usual: released; ``_not_released`` without a call)
     gone = _not_released(result, items)
     if gone:
         manager._report(session, items=gone)
