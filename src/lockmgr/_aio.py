@@ -545,12 +545,12 @@ class AsyncSemaphoreManager(_AsyncEngineView, Generic[K]):
         return self._manager._task_hold_many(self._items(keys), hold_seconds(timeout))
 
     def holders(self, key: K) -> int:
-        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
-        unhashable key."""
+        """How many slots of ``key`` are held (an owner holding two counts twice). Raises
+        TypeError for an unhashable key."""
         return int(self._manager.holders(key))
 
     def available(self, key: K) -> int:
-        """How many more holders ``key`` admits now. Raises TypeError for an unhashable
+        """How many slots of ``key`` are free now. Raises TypeError for an unhashable
         key."""
         return int(self._manager.available(key))
 

@@ -168,6 +168,8 @@ cdef struct Entry:
     Entry *held_next             # lists
     Hold *readers                # shard: read holds, one per reading thread (newest first)
     Py_ssize_t nreaders          # shard: how many read holds
+    Py_ssize_t slots             # shard: the read levels held, all holds together (a
+                                 # semaphore's taken slots: each acquire takes one)
     Py_ssize_t limit             # set when inserted (the lookup's, else the table's
                                  # slot_limit): a SemaphoreManager's key admits at most this
                                  # many read holds (its slots); 0: any number
@@ -228,6 +230,8 @@ cdef struct Table:
     bint fair                    # set at creation: strict FIFO hand-off, or eventual fairness
     Py_ssize_t slot_limit        # set at creation: a SemaphoreManager's limit per key (the
                                  # ``limit`` of the entries it inserts); 0: none
+    bint counts_slots            # set at creation: a SemaphoreManager's (each acquire takes
+                                 # one more slot: a holder's write never re-enters)
     Py_ssize_t waiting           # engine: requests (a set counts once) queued in its entries
     Table *previous_table        # engine: neighbour in the list of live tables (for fork)
     Table *next_table            # engine

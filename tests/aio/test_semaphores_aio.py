@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from conftest import PATIENCE, abandoned_warnings
-from lockmgr import AsyncSemaphoreManager, LockTimeout, NotOwnedError
+from lockmgr import AsyncSemaphoreManager, DeadlockError, LockTimeout, NotOwnedError
 from test_aio import joined, run, until
 
 LIMITS = pytest.mark.parametrize("limit", [1, 3], ids=["limit-1", "limit-3"])
@@ -41,12 +41,12 @@ def test_tasks_take_at_most_limit_slots_and_give_them_back(impl, limit) -> None:
         leave.set()
         await asyncio.gather(*tasks)
         assert await slots.aio.acquire("k") is True
-        assert await slots.aio.acquire("k") is True  # re-entered
         slots.aio.release("k")
+        assert await slots.aio.acquire("k") is True
         await slots.aio.release("k")
         with pytest.raises(NotOwnedError):
             slots.aio.release("k")
-        async with slots.aio["k"], slots.aio.hold_many(["k", "j"]):
+        async with slots.aio["k"], slots.aio.hold_many(["i", "j"]):
             assert slots.aio.holders("j") == 1
         assert await slots.aio.acquire_many(["a", "b"]) is True
         await slots.aio.release_many(["a", "b"])
@@ -105,6 +105,31 @@ def test_tasks_and_threads_queue_together_in_arrival_order(impl, limit, workers)
     assert len(slots) == 0
 
 
+@LIMITS
+def test_a_task_takes_a_slot_for_each_acquire_and_never_waits_for_its_own(impl, limit) -> None:
+    """A task's acquires each take one more slot; once every slot is its own, a try gives
+    up and a wait is a DeadlockError; a release gives back one."""
+    slots = impl.SemaphoreManager(limit)
+
+    async def main() -> None:
+        for taken in range(1, limit + 1):
+            assert await slots.aio.acquire("k", timeout=0) is True
+            assert slots.aio.holders("k") == taken
+        assert await slots.aio.acquire("k", timeout=0) is False
+        for wait in (lambda: slots.aio.acquire("k"), lambda: slots.aio.acquire_many(["j", "k"])):
+            with pytest.raises(DeadlockError) as refused:
+                await wait()
+            assert [key for _, key in refused.value.cycle] == ["k"]
+        assert "j" not in slots and slots.stats().deadlocks == 2
+        await slots.aio.release("k")
+        assert slots.aio.available("k") == 1 and slots.aio.owned("k") is (limit > 1)
+        for _ in range(limit - 1):
+            await slots.aio.release("k")
+
+    run(main)
+    assert len(slots) == 0
+
+
 def _holds(slots: Any, task: asyncio.Task[None]) -> bool:
     """Whether ``task`` holds a slot of "k" (the snapshot names each holder)."""
     return any(holder.owner is task for state in slots.snapshot() for holder in state.holders)
@@ -114,18 +139,34 @@ async def _set(event: asyncio.Event) -> None:
     event.set()
 
 
-@LIMITS
-def test_a_task_that_ends_holding_a_slot_gives_it_up_with_a_warning(impl, limit) -> None:
-    slots = impl.SemaphoreManager(limit)
+@pytest.mark.parametrize("taken", [[1], [2, 1]], ids=["limit-1", "limit-3"])
+def test_tasks_that_end_holding_slots_give_them_all_up_with_a_warning_per_key(
+        impl, taken) -> None:
+    """Tasks end holding every slot of "k" (one of them two): all are released, and each
+    task warns once for "k", however many slots it held."""
+    slots = impl.SemaphoreManager(sum(taken))
+
+    async def take(count: int, entered: asyncio.Event, leave: asyncio.Event) -> bool:
+        assert all([await slots.aio.acquire("k") for _ in range(count)])
+        entered.set()
+        await leave.wait()
+        return True
 
     async def main() -> None:
-        taken = [asyncio.create_task(slots.aio.acquire("k")) for _ in range(limit)]
-        assert all(await asyncio.gather(*taken))  # each task ended holding its slot
+        leave = asyncio.Event()
+        entered = [asyncio.Event() for _ in taken]
+        tasks = [asyncio.create_task(take(count, event, leave))
+                 for count, event in zip(taken, entered)]
+        for event in entered:
+            await event.wait()
+        assert slots.aio.holders("k") == sum(taken) and slots.aio.available("k") == 0
+        leave.set()
+        assert all(await asyncio.gather(*tasks))  # each task ended holding its slots
         await until(lambda: slots.holders("k") == 0, "the ended tasks' slots are released")
 
     with abandoned_warnings() as caught:
         run(main)
-    assert len(slots) == 0 and len(caught) == limit
+    assert len(slots) == 0 and len(caught) == len(taken)
     assert all(str(w.message).endswith("ended holding key 'k'; released it") for w in caught)
 
 

@@ -183,9 +183,12 @@ def _steps(common: st.SearchStrategy[Op], blocks: st.SearchStrategy[tuple[Any, .
 
 def _program(steps: st.SearchStrategy[Step]) -> st.SearchStrategy[list[Step]]:
     """Up to 36 steps, in runs of a few: a flat list of steps would mostly be a handful long
-    (hypothesis' usual list lengths), too short for cycles of waits to form."""
-    return st.lists(st.lists(steps, min_size=1, max_size=6), max_size=6).map(
-        lambda runs: [step for run in runs for step in run])
+    (hypothesis' usual list lengths), too short for cycles of waits to form. Some runs are
+    one step two or three times: an owner taking a key again (a lock's re-entry, one more
+    slot of a semaphore's key, up to all of them and a wait for its own)."""
+    repeated = st.builds(lambda step, times: [step] * times, steps, st.integers(2, 3))
+    return st.lists(st.one_of(st.lists(steps, min_size=1, max_size=6), repeated),
+                    max_size=6).map(lambda runs: [step for run in runs for step in run])
 
 
 _LOCK_PROGRAMS = _program(_steps(_lock_ops(), _LOCK_BLOCKS))

@@ -1,5 +1,6 @@
-"""SemaphoreManager: at most ``limit`` holders per key, reentrant per holder, strict FIFO,
-ownership, abandonment, bad input, and no false deadlock, on both engines."""
+"""SemaphoreManager: at most ``limit`` slots per key, one more for each acquire (a holder's
+too), strict FIFO, ownership, abandonment, bad input, and no false deadlock, on both
+engines."""
 
 from __future__ import annotations
 
@@ -53,23 +54,69 @@ def test_at_most_limit_holders_at_once(impl, limit, workers) -> None:
     assert len(slots) == 0
 
 
-@LIMITS
-def test_a_holder_re_enters_its_own_slot(impl, limit, workers) -> None:
+@pytest.mark.parametrize("limit", [3, lambda key: 3], ids=["limit-3", "limit-callable-3"])
+def test_each_acquire_takes_one_more_slot_also_by_a_holder(impl, limit, workers) -> None:
     slots = impl.SemaphoreManager(limit)
-    others = [workers(f"other{i}") for i in range(limit - 1)]
-    for other in others:
-        other.run(lambda: slots.acquire("k"))
-    assert slots.acquire("k") and slots.acquire("k", timeout=0)  # full, yet re-entered
-    assert slots.holders("k") == limit
-    slots.release("k")
-    assert slots.owned("k") and slots.holders("k") == limit
+    assert slots.acquire("k") and slots.acquire("k", timeout=0)  # two slots of one owner
+    assert slots.holders("k") == 2 and slots.available("k") == 1
+    (state,) = slots.snapshot()  # an owner once, with the slots it holds
+    assert [(h.owner, h.count) for h in state.holders] == [(threading.get_ident(), 2)]
+    other = workers("other")
+    assert other.run(lambda: slots.acquire("k", timeout=0)) is True
+    assert other.run(lambda: slots.acquire("k", timeout=0)) is False  # the 3 are taken
+    slots.release("k")  # gives back one of its two
+    assert slots.owned("k") and slots.holders("k") == 2 and slots.available("k") == 1
     slots.release("k")
     assert not slots.owned("k")
     with pytest.raises(NotOwnedError):
         slots.release("k")
-    assert slots.holders("k") == limit - 1
-    for other in others:
-        other.run(lambda: slots.release("k"))
+    assert slots.holders("k") == 1
+    other.run(lambda: slots.release("k"))
+    assert len(slots) == 0 and slots.stats().acquisitions == 3
+
+
+@pytest.mark.parametrize("limit", [1, 3, lambda key: 1, lambda key: 3],
+                         ids=["limit-1", "limit-3", "limit-callable-1", "limit-callable-3"])
+def test_a_holder_asking_for_a_slot_only_it_could_free_is_a_deadlock_error(impl, limit) -> None:
+    """Every slot of "k" is the caller's own: a try gives up, a wait (with or without a
+    timeout, one key or a set) is refused at once, nothing changed; a limit of 1 included:
+    a holder's second acquire is no re-entry."""
+    slots = impl.SemaphoreManager(limit)
+    count = limit if isinstance(limit, int) else limit("k")
+    for _ in range(count):
+        assert slots.acquire("k", timeout=0) is True
+    assert slots.acquire("k", timeout=0) is False
+    for wait in (lambda: slots.acquire("k"), lambda: slots.acquire("k", timeout=PATIENCE),
+                 lambda: slots.hold("k").__enter__(),
+                 lambda: slots.acquire_many(["other", "k"])):
+        with pytest.raises(DeadlockError) as refused:
+            wait()
+        assert refused.value.cycle == [(threading.get_ident(), "k")]
+    assert slots.acquire_many(["other", "k"], timeout=0) is False
+    assert slots.holders("k") == count and "other" not in slots and len(slots) == 1
+    assert slots.stats().deadlocks == 4 and slots.stats().timeouts == 2
+    for _ in range(count):
+        slots.release("k")
+    assert len(slots) == 0
+
+
+def test_a_holder_asking_for_another_slot_waits_in_line(impl, workers) -> None:
+    """A and B hold the two slots of "k"; C asks first, then A asks for a second slot: a
+    slot B gives back goes to C, the next one (C's) to A."""
+    slots = impl.SemaphoreManager(2)
+    a, b, c = workers("a"), workers("b"), workers("c")
+    a.run(lambda: slots.acquire("k"))
+    b.run(lambda: slots.acquire("k"))
+    c_waits = c.submit(lambda: slots.acquire("k"))
+    wait_until(lambda: slots.stats().waiting == 1, "c queued")
+    a_waits = a.submit(lambda: slots.acquire("k"))
+    wait_until(lambda: slots.stats().waiting == 2, "a queued behind c")
+    b.run(lambda: slots.release("k"))
+    assert c_waits.result() is True and not a_waits.done()
+    c.run(lambda: slots.release("k"))
+    assert a_waits.result() is True
+    assert slots.holders("k") == 2 and slots.stats().deadlocks == 0
+    a.run(lambda: (slots.release("k"), slots.release("k")))
     assert len(slots) == 0
 
 
@@ -191,18 +238,21 @@ def test_many_keys_all_or_nothing(impl, limit, workers) -> None:
     assert len(slots) == 0
 
 
-@LIMITS
-def test_a_thread_that_ends_holding_a_slot_gives_it_up_with_a_warning(impl, limit) -> None:
-    slots = impl.SemaphoreManager(limit)
+@pytest.mark.parametrize("taken", [[1], [2, 1]], ids=["limit-1", "limit-3"])
+def test_a_thread_that_ends_holding_slots_gives_them_all_up_with_a_warning_per_key(
+        impl, taken) -> None:
+    """Threads that end holding every slot of "k" (one of them two) release them all: the
+    waiter gets one; each thread warns once for "k", however many slots it held."""
+    slots = impl.SemaphoreManager(sum(taken))
     took, end = threading.Event(), threading.Event()
 
-    def holder() -> None:
-        slots.acquire("k")
-        slots.acquire("k")
+    def holder(count: int) -> None:
+        for _ in range(count):
+            slots.acquire("k")
         took.set()
         end.wait(PATIENCE)
 
-    fill = [threading.Thread(target=holder) for _ in range(limit)]
+    fill = [threading.Thread(target=holder, args=(count,)) for count in taken]
     waiting = threading.Thread(target=lambda: (slots.acquire("k"), slots.release("k")),
                                daemon=True)
     with abandoned_warnings() as warned:

@@ -287,12 +287,14 @@ cdef class SemaphoreManager(_Engine):
     """SemaphoreManager(limit, *, fair=True, log_waits_after=None)
 --
 
-    At most ``limit`` holders (threads or tasks) per key at once, FIFO, in one table.
+    At most ``limit`` slots per key held at once (by threads or tasks), FIFO, in one table.
 
-    A holder's ``acquire`` of a key it holds re-enters its slot (as ``threading.RLock``;
-    one ``release`` per ``acquire``). A limit of 1 is ``LockManager``'s exclusive lock;
-    above it, each holder is a read hold of the key, admitted while the key has fewer than
-    ``limit`` holders and nobody queued ahead (``fair=False``: past a queue too).
+    Each ``acquire`` takes one more slot, also by an owner holding slots of the key (no
+    re-entry); each ``release`` gives back one of the caller's. A wait only the caller's
+    own release could end (every slot of the key is its own) is a DeadlockError. A limit
+    of 1 is ``LockManager``'s exclusive lock; above it, each owner has a read hold of the
+    key counting its slots, admitted while fewer than ``limit`` slots are taken and nobody
+    is queued ahead (``fair=False``: past a queue too).
     Memory grows only with the keys currently held or waited on.
     """
     cdef Mode mode  # how a holder holds a key: WRITE (a limit of 1) or READ
@@ -303,6 +305,7 @@ cdef class SemaphoreManager(_Engine):
         self.table.log_after = log_waits_after_seconds(log_waits_after)
         self.mode = WRITE if checked == 1 else READ
         self.table.slot_limit = 0 if checked == 1 else checked
+        self.table.counts_slots = True
         self.limit_of = None if checked else limit
 
     @property
@@ -328,9 +331,10 @@ cdef class SemaphoreManager(_Engine):
         return AsyncSemaphoreManager(self)
 
     def acquire(self, key, blocking=True, timeout=-1):
-        """Take a slot of ``key`` for the calling thread (re-enter its own, if it holds
-        one): True once held, False if ``blocking`` is false or ``timeout`` (seconds, -1 =
-        forever) ran out first. Raises what ``LockManager.acquire`` raises, nothing taken."""
+        """Take one more slot of ``key`` for the calling thread: True once held, False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first. Raises
+        what ``LockManager.acquire`` raises, and DeadlockError (without waiting) if every
+        slot of ``key`` is the caller's own, nothing taken."""
         cdef double seconds = -1.0
         if blocking is not True or timeout is not FOREVER:
             seconds = wait_seconds(blocking, timeout)
@@ -387,14 +391,15 @@ cdef class SemaphoreManager(_Engine):
         return _HoldingMany(self, self._items(keys), hold_seconds(timeout))
 
     def holders(self, key):
-        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
-        unhashable key."""
+        """How many slots of ``key`` are held (an owner holding two counts twice). Raises
+        TypeError for an unhashable key."""
         cdef Peek seen
         self._peek(key, &seen)
-        return seen.readers + (seen.owner != 0)
+        return seen.slots + (seen.owner != 0)  # a limit of 1's holder has its one slot
 
     def available(self, key):
-        """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
+        """How many slots of ``key`` are free now (``limit - holders(key)``; waiters queued
+        ahead aside). Raises
         TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
         the table."""
         cdef Peek seen
@@ -406,7 +411,7 @@ cdef class SemaphoreManager(_Engine):
             lookup_init(&lookup, <PyObject*>key, 0)
             self._limit_lookup(&lookup)
             seen.limit = lookup.limit or self.table.slot_limit
-        return seen.limit - seen.readers
+        return seen.limit - seen.slots
 
     def owned(self, key):
         """Whether the calling thread holds a slot of ``key``. Raises TypeError for an

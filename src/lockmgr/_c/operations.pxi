@@ -200,7 +200,7 @@ cdef inline Outcome fast_acquire_write(Table *table, Shard *shard, Lookup *looku
         token.spare_entry = NULL
         own(entry, token, count)
         return DONE
-    if entry.owner == token and room_for(entry.count, count):
+    if entry.owner == token and room_for(entry.count, count) and not table.counts_slots:
         entry.count += count
         shard.acquisitions += 1
         return DONE
@@ -244,15 +244,21 @@ cdef Outcome fast_acquire_read(Table *table, Shard *shard, Lookup *lookup, Token
         return SECTION
     if entry is not NULL:
         hold = read_hold(entry, token)
-        if hold is not NULL:
+        if hold is not NULL and entry.limit == 0:  # an RWLockManager's read re-enters
             if not room_for(hold.count, 1):
                 return SECTION
             hold.count += 1
+            entry.slots += 1
             shard.acquisitions += 1
             return DONE
         if entry.head is not NULL or (entry.owner is not NULL and entry.owner != token) \
                 or not has_slot(entry):
             return SECTION
+        if hold is not NULL:  # a semaphore's holder takes one more slot
+            hold.count += 1
+            entry.slots += 1
+            shard.acquisitions += 1
+            return DONE
     else:
         entry = insert(table, lookup, token.spare_entry, after)
         token.spare_entry = NULL
@@ -274,8 +280,9 @@ cdef Outcome fast_release_read(Shard *shard, Lookup *lookup, Token *token,
     hold = read_hold(entry, token)
     if hold is NULL:
         return SECTION
-    if hold.count > 1:
-        hold.count -= 1
+    if hold.count > 1 and (entry.limit == 0 or entry.head is NULL):
+        hold.count -= 1  # (a semaphore's slot given back with a queue: passed on, below)
+        entry.slots -= 1
         return DONE
     if entry.head is not NULL:
         return SECTION
@@ -299,6 +306,8 @@ cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py
         own(entry, token, count)
         return DONE
     if entry.owner == token:
+        if table.counts_slots:  # a semaphore's one slot, held by the caller itself
+            return refuse_own_wait(entry, token, try_only, after)
         if not room_for(entry.count, count):
             return OVERFLOW
         entry.count += count
@@ -318,15 +327,18 @@ cdef inline Outcome acquire_write(Table *table, Lookup *lookup, Token *token, Py
 cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_only,
                           Request *request, After *after) noexcept nogil:
     cdef Entry *entry = find(table, lookup)
-    cdef Hold *hold
+    cdef Hold *hold = NULL
     if lookup.candidate is not NULL:
         return COMPARE
     if entry is not NULL:
         hold = read_hold(entry, token)
-        if hold is not NULL:  # reentrant, even past queued writers (else it self-deadlocks)
+        if hold is not NULL and entry.limit == 0:
+            # an RWLockManager's read: reentrant, even past queued writers (else it
+            # self-deadlocks)
             if not room_for(hold.count, 1):
                 return OVERFLOW
             hold.count += 1
+            entry.slots += 1
             entry.shard.acquisitions += 1
             return DONE
     if entry is NULL:
@@ -334,10 +346,36 @@ cdef Outcome acquire_read(Table *table, Lookup *lookup, Token *token, bint try_o
         token.spare_entry = NULL
     if entry.owner == token or (entry.owner is NULL and has_slot(entry) and (
             entry.head is NULL or not table.fair)):  # fair=False: a free slot past a queue
+        if hold is not NULL:  # a semaphore's holder takes one more slot
+            hold.count += 1
+            entry.slots += 1
+            entry.shard.acquisitions += 1
+            return DONE
         add_read(entry, token, token.spare_hold, 1)
         token.spare_hold = NULL
         return DONE
+    if hold is not NULL and hold.count == entry.slots and not has_slot(entry):
+        return refuse_own_wait(entry, token, try_only, after)  # every slot is the caller's
     return queue_single(table, entry, token, READ, 1, False, try_only, request, after)
+
+
+cdef Outcome refuse_own_wait(Entry *entry, Token *token, bint try_only,
+                             After *after) noexcept nogil:
+    """A semaphore's key whose every slot the caller holds: only its own release could
+    give it one more, so a try gives up (BUSY) and a wait is refused as the cycle of one
+    step it would be (DEADLOCK), nothing changed."""
+    if try_only:
+        entry.shard.timeouts += 1
+        return BUSY
+    after.cycle_length = 1
+    if after.cycle_room < 1:
+        return LONG_CYCLE
+    after.cycle[0].ident = token.ident
+    after.cycle[0].is_task = token.is_task
+    after.cycle[0].key = entry.key
+    lockmgr_incref(entry.key)
+    entry.shard.deadlocks += 1
+    return DEADLOCK
 
 
 cdef Outcome queue_single(Table *table, Entry *entry, Token *token, Mode mode, Py_ssize_t count,
@@ -411,6 +449,7 @@ cdef void pin(Request *node) noexcept nogil:
         node.hold = NULL
         hold = node.entry.readers
     hold.count += 1
+    node.entry.slots += 1
     hold.pinned += 1
 
 
@@ -427,6 +466,7 @@ cdef void unpin_and_give_back(Request *node) noexcept nogil:
     hold = read_hold(entry, node.token)
     hold.pinned -= 1
     hold.count -= 1
+    entry.slots -= 1
     if hold.count == 0:
         drop_read(entry, hold)
 
@@ -455,6 +495,14 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
         hold = read_hold(entry, token)
         if nodes[i].mode == READ and hold is not NULL and not room_for(hold.count, 1):
             return OVERFLOW
+    for i in range(n):  # a semaphore's key whose every slot the caller holds: as acquire's
+        entry = nodes[i].entry
+        if entry is not NULL and (
+                (nodes[i].mode == WRITE and entry.owner == token and table.counts_slots)
+                or (nodes[i].mode == READ and entry.limit and not has_slot(entry)
+                    and read_hold(entry, token) is not NULL
+                    and read_hold(entry, token).count == entry.slots)):
+            return refuse_own_wait(entry, token, try_only, after)
     for i in range(n):
         node = nodes + i
         if node.entry is NULL:
@@ -471,8 +519,8 @@ cdef Outcome acquire_many(Table *table, Lookup *lookups, Request *nodes, Py_ssiz
                 ready = ready and entry.owner is NULL and (
                     (entry.nreaders == 0 and entry.head is NULL)
                     or (node.at_head and entry.nreaders == 1))
-        elif entry.owner == token or read_hold(entry, token) is not NULL:
-            node.queued = False
+        elif entry.owner == token or (entry.limit == 0 and read_hold(entry, token) is not NULL):
+            node.queued = False  # re-entered (a semaphore's slot is one more: queued)
         else:
             ready = ready and entry.owner is NULL and entry.head is NULL and has_slot(entry)
     if ready:
@@ -557,6 +605,7 @@ cdef void undo_grant(Table *table, Request *request, After *after) noexcept nogi
                 continue
             levels = min(node.count, hold.count - hold.pinned)
             hold.count -= levels
+            entry.slots -= levels
             if hold.count == 0:
                 drop_read(entry, hold)
         if levels:
@@ -698,8 +747,11 @@ cdef Outcome release_read(Table *table, Lookup *lookup, Token *token, After *aft
     if hold.count == hold.pinned:
         return PINNED
     hold.count -= 1
+    entry.slots -= 1
     if hold.count == 0:
         drop_read(entry, hold)
+        pass_on(table, entry, after)
+    elif entry.limit:  # a semaphore's slot is free for the queue
         pass_on(table, entry, after)
     return DONE
 
@@ -741,6 +793,7 @@ cdef Outcome release_many(Table *table, Lookup *lookups, Mode *modes, Entry **en
         else:
             hold = read_hold(entry, token)
             hold.count -= 1
+            entry.slots -= 1
             if hold.count == 0:
                 drop_read(entry, hold)
         pass_on(table, entry, after)
@@ -767,6 +820,7 @@ cdef Py_ssize_t release_token(Token *token, Table *only, PyObject **keys, Py_ssi
         elif only is NULL or entry.table == only:
             touch(entry.shard)
             if hold.pinned:
+                entry.slots -= hold.count - hold.pinned
                 hold.count = hold.pinned
             else:
                 if entry.owner != token:
@@ -1003,6 +1057,7 @@ cdef void look_at(Entry *entry, Token *token, Peek *seen) noexcept nogil:
         seen.count = entry.count
         seen.mine = entry.owner == token
     seen.readers = entry.nreaders
+    seen.slots = entry.slots
     seen.limit = entry.limit
     if token is not NULL:
         hold = read_hold(entry, token)

@@ -56,5 +56,6 @@ cdef struct Peek:
     bint mine            # the caller is the write holder
     bint task            # the write holder is a task (``owner`` is its id())
     Py_ssize_t readers   # read holds
+    Py_ssize_t slots     # read levels, all holds together (a semaphore's taken slots)
     Py_ssize_t my_reads  # the caller's read level
     Py_ssize_t limit     # the entry's limit of read holders (a semaphore's; 0: none)

@@ -107,6 +107,7 @@ cdef Entry* insert(Table *table, Lookup *lookup, Entry *entry, After *after) noe
     entry.pinned = 0
     entry.readers = NULL
     entry.nreaders = 0
+    entry.slots = 0
     entry.limit = lookup.limit if lookup.limit else table.slot_limit
     entry.head = NULL
     entry.tail = NULL
@@ -226,6 +227,7 @@ cdef void add_read(Entry *entry, Token *token, Hold *hold, Py_ssize_t count) noe
     hold.token = token
     hold.entry = entry
     hold.count = count
+    entry.slots += count
     hold.pinned = 0
     # A section may add a read past a queue (re-entry by a writer, a downgrade): timed.
     hold.held_since = 0.0 if entry.head is NULL else lockmgr_monotonic()
@@ -264,6 +266,7 @@ cdef void drop_read(Entry *entry, Hold *hold) noexcept nogil:
         hold.entry_next.entry_prev = hold.entry_prev
     unlink_read(hold)
     entry.nreaders -= 1
+    entry.slots -= hold.count
     if entry.owner is NULL and entry.nreaders == 0:
         entry.shard.held -= 1
     PyMem_RawFree(hold)
@@ -352,8 +355,8 @@ cdef inline void dequeue(Entry *entry, Request *request) noexcept nogil:
 # -- grants -------------------------------------------------------------------------------
 
 cdef inline bint has_slot(Entry *entry) noexcept nogil:
-    """Whether ``entry`` admits one more read holder: a semaphore's key below its limit."""
-    return entry.limit == 0 or entry.nreaders < entry.limit
+    """Whether ``entry`` admits one more read level: a semaphore's key with a free slot."""
+    return entry.limit == 0 or entry.slots < entry.limit
 
 
 cdef bint grantable(Entry *entry, Request *request) noexcept nogil:
@@ -367,7 +370,9 @@ cdef bint grantable(Entry *entry, Request *request) noexcept nogil:
     if entry.owner is not NULL:
         return False
     if request.mode == READ:
-        return has_slot(entry) or read_hold(entry, request.token) is not NULL
+        # an RWLockManager's entry always has one; a semaphore's slot is one more, also
+        # for a holder of slots
+        return has_slot(entry)
     return entry.nreaders == 0 or (
         entry.nreaders == 1 and entry.readers.token == request.token)
 
@@ -385,6 +390,7 @@ cdef void take(Entry *entry, Request *request) noexcept nogil:
     hold = read_hold(entry, request.token)
     if hold is not NULL:
         hold.count += request.count
+        entry.slots += request.count
         entry.shard.acquisitions += 1
     else:
         add_read(entry, request.token, request.hold, request.count)

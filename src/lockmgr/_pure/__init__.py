@@ -6,14 +6,14 @@ core is available (PyPy, no compiler), and what type checkers read.
 The engine (the compiled core follows it name for name): a manager keeps a table of
 *entries*, one per key that is held or waited on. An entry has a write holder (a per-thread
 *token*, never the integer ident) with its recursion count, read holders with theirs
-(RWLockManager; a SemaphoreManager's slot holders, at most the entry's ``limit`` of them,
-set when the entry is made), and a FIFO queue of *requests*. A request belongs to one
-waiting thread, which sleeps on its token's ``wakeup`` lock. When a holder or a request
-leaves, ``_pass_on`` grants what the head of the queue allows: a run of readers together (up
-to the limit), or one writer (strict
-FIFO: the head becomes the holder before ``release`` returns; with ``fair=False`` and a head
-that has waited less than ``HANDOFF_AFTER``, the key is freed and the head woken to race for
-it).
+(RWLockManager; a SemaphoreManager's slot owners, each level a slot, at most the entry's
+``limit`` levels in all, set when the entry is made; ``entry.slots`` counts them), and a
+FIFO queue of *requests*. A request belongs to one waiting thread, which sleeps on its
+token's ``wakeup`` lock. When a holder or a request leaves (or gives back a slot),
+``_pass_on`` grants what the head of the queue allows: a run of readers together (up to
+the limit), or one writer (strict FIFO: the head becomes the holder before ``release``
+returns; with ``fair=False`` and a head that has waited less than ``HANDOFF_AFTER``, the key
+is freed and the head woken to race for it).
 
 Sections. Every read or write of a table, entry, request, hold or token happens in a
 *section*: a function run by ``_section()`` (directly, or by ``_run_on_key``, which finds

@@ -40,6 +40,7 @@ class _Engine(_Tasks):
         self._fair = True
         self._slot_limit = 0
         self._limit_of = None
+        self._counts_slots = False
         self._table: dict[int, _Entry] = {}  # key hash -> first entry of its chain
         self._held = 0  # entries with a write or read holder
         self._waiting = 0

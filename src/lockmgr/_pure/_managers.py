@@ -277,12 +277,14 @@ class RWLockManager(_Engine, Generic[K]):
 
 @final
 class SemaphoreManager(_Engine, Generic[K]):
-    """At most ``limit`` holders (threads or tasks) per key at once, FIFO, in one table.
+    """At most ``limit`` slots per key held at once (by threads or tasks), FIFO, in one table.
 
-    A holder's ``acquire`` of a key it holds re-enters its slot (as ``threading.RLock``;
-    one ``release`` per ``acquire``). A limit of 1 is ``LockManager``'s exclusive lock;
-    above it, each holder is a read hold of the key, admitted while the key has fewer than
-    ``limit`` holders and nobody queued ahead (``fair=False``: past a queue too).
+    Each ``acquire`` takes one more slot, also by an owner holding slots of the key (no
+    re-entry); each ``release`` gives back one of the caller's. A wait only the caller's
+    own release could end (every slot of the key is its own) is a DeadlockError. A limit
+    of 1 is ``LockManager``'s exclusive lock; above it, each owner has a read hold of the
+    key counting its slots, admitted while fewer than ``limit`` slots are taken and nobody
+    is queued ahead (``fair=False``: past a queue too).
     Memory grows only with the keys currently held or waited on.
     """
 
@@ -297,6 +299,7 @@ class SemaphoreManager(_Engine, Generic[K]):
         self._mode = _WRITE if checked == 1 else _READ
         self._slot_limit = 0 if checked == 1 else checked
         self._limit_of = limit_of
+        self._counts_slots = True
 
     @property
     def _slot_mode(self) -> int:
@@ -321,9 +324,10 @@ class SemaphoreManager(_Engine, Generic[K]):
         return AsyncSemaphoreManager(self)
 
     def acquire(self, key: K, blocking: bool = True, timeout: float = -1) -> bool:
-        """Take a slot of ``key`` for the calling thread (re-enter its own, if it holds
-        one): True once held, False if ``blocking`` is false or ``timeout`` (seconds, -1 =
-        forever) ran out first. Raises what ``LockManager.acquire`` raises, nothing taken."""
+        """Take one more slot of ``key`` for the calling thread: True once held, False if
+        ``blocking`` is false or ``timeout`` (seconds, -1 = forever) ran out first. Raises
+        what ``LockManager.acquire`` raises, and DeadlockError (without waiting) if every
+        slot of ``key`` is the caller's own, nothing taken."""
         seconds = wait_seconds(blocking, timeout)
         if self._mode == _WRITE:
             return self._acquire_write(key, seconds, 1)
@@ -378,14 +382,16 @@ class SemaphoreManager(_Engine, Generic[K]):
         return _HoldingMany(self, self._items(keys), hold_seconds(timeout))
 
     def holders(self, key: K) -> int:
-        """How many threads and tasks hold a slot of ``key``. Raises TypeError for an
-        unhashable key."""
-        if self._mode == _WRITE:
+        """How many slots of ``key`` are held (an owner holding two counts twice). Raises
+        TypeError for an unhashable key."""
+        if self._mode == _WRITE:  # a limit of 1's holder has its one slot
             return int(self._run_on_key(_written, self._table_key(key)))
-        return self._run_on_key(_reader_count, self._table_key(key))
+        slots: int = self._run_on_key(_holders_and_limit, self._table_key(key))[0]
+        return slots
 
     def available(self, key: K) -> int:
-        """How many more holders ``key`` admits now (waiters queued ahead aside). Raises
+        """How many slots of ``key`` are free now (``limit - holders(key)``; waiters queued
+        ahead aside). Raises
         TypeError for an unhashable key, and what ``limit(key)`` raises for a key not in
         the table."""
         if self._mode == _WRITE:

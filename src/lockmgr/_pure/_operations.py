@@ -36,7 +36,7 @@ from ._state import (
     _section,
 )
 from ._runtime import _current_token, _existing_token, _thread_tokens
-from ._table import _has_slot, _Table, _Unsure, _time_grant, _time_holds
+from ._table import _has_slot, _holds_every_slot, _Table, _time_grant, _time_holds, _Unsure
 
 
 class _Operations(_Table):
@@ -96,6 +96,8 @@ class _Operations(_Table):
             self._own(entry, token, count)
             return self._granted_at_once(entry, token, _WRITE, count)
         if entry.owner is token:
+            if self._counts_slots:  # a semaphore's one slot, held by the caller itself
+                return self._refuse_own_wait(key, token, seconds)
             if entry.count > MAX_COUNT - count:
                 return key, _OVERFLOW
             entry.count += count
@@ -127,17 +129,19 @@ class _Operations(_Table):
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
         level = entry.readers.get(token)
-        if level is not None:  # reentrant, even past queued writers
+        if level is not None and not entry.limit:  # RWLockManager: reentrant, past writers
             if level >= MAX_COUNT:
                 return key, _OVERFLOW
-            entry.readers[token] = level + 1
+            self._read(entry, token, 1)
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
         if entry.owner is token or (entry.owner is None and _has_slot(entry) and (
                 not entry.queue or not self._fair)):  # fair=False: a free slot past a queue
-            self._add_read(entry, token, 1)
+            self._read(entry, token, 1)  # a semaphore's holder: one more slot
             self._acquisitions += 1
             return self._granted_at_once(entry, token, _READ, 1)
+        if _holds_every_slot(entry, token):
+            return self._refuse_own_wait(key, token, seconds)
         return self._single(key, entry, token, seconds, 1, _READ, False)
 
     def _granted_at_once(self, entry: _Entry, token: _Token, mode: int, count: int) -> bool:
@@ -203,6 +207,9 @@ class _Operations(_Table):
                 return index, entry
             entries.append(entry)
         blocked = None  # the first key that is not free for this set
+        refused = self._refuse_own_waits(items, entries, token, seconds)
+        if refused is not None:
+            return refused
         for index, ((_, mode), entry) in enumerate(zip(items, entries, strict=True)):
             if entry is None:
                 continue
@@ -214,7 +221,7 @@ class _Operations(_Table):
                 free = entry.owner is None and (
                     (not entry.readers and not entry.queue)
                     or (token in entry.readers and len(entry.readers) == 1))
-            elif token in entry.readers:
+            elif token in entry.readers and not entry.limit:
                 if entry.readers[token] >= MAX_COUNT:
                     return index, _OVERFLOW
                 continue
@@ -240,8 +247,8 @@ class _Operations(_Table):
                     node.queued = False
                 else:
                     node.at_head = token in entry.readers
-            elif token in entry.readers or entry.owner is token:
-                node.queued = False
+            elif entry.owner is token or (token in entry.readers and not entry.limit):
+                node.queued = False  # re-entered (a semaphore's slot is one more: queued)
         lead = nodes[0]
         lead.nodes = nodes
         for node in nodes:
@@ -543,7 +550,7 @@ class _Operations(_Table):
         else:
             level = entry.readers.get(token, 0)
             if level > node.count:
-                entry.readers[token] = level - node.count
+                self._read(entry, token, -node.count)
             elif level:
                 self._drop_read(entry, token)
 
@@ -585,9 +592,10 @@ class _Operations(_Table):
         if token.request is not None and level <= self._pinned(token, entry, _READ):
             return _PINNED
         if level > 1:
-            entry.readers[token] = level - 1
+            self._read(entry, token, -1)
         else:
             self._drop_read(entry, token)
+        if level == 1 or entry.limit:  # a semaphore's slot given back is free for the queue
             self._pass_on(entry)
         return None
 
@@ -642,7 +650,7 @@ class _Operations(_Table):
                 if entry.count == 0:
                     self._disown(entry)
             else:
-                entry.readers[token] -= 1
+                self._read(entry, token, -1)
                 if entry.readers[token] == 0:
                     self._drop_read(entry, token)
             self._pass_on(entry)
@@ -662,7 +670,7 @@ class _Operations(_Table):
                 continue
             keep_read = self._pinned(token, entry, _READ)
             if keep_read:
-                entry.readers[token] = keep_read
+                self._read(entry, token, keep_read - entry.readers[token])
                 continue
             if entry.owner is not token:
                 released.append(entry.key)
@@ -726,8 +734,8 @@ class _Operations(_Table):
         if owner is not None:
             return owner is request.token  # its thread took the key meanwhile: re-entry
         readers = entry.readers
-        if request.mode == _READ:
-            return _has_slot(entry) or request.token in readers
+        if request.mode == _READ:  # a semaphore's slot is one more, also for a holder
+            return _has_slot(entry)
         return not readers or (len(readers) == 1 and request.token in readers)
 
     def _grant(self, entry: _Entry, request: _Request) -> None:
@@ -742,10 +750,7 @@ class _Operations(_Table):
         """Install a queued request's levels (on top of its thread's own, for a re-entry)."""
         token = request.token
         if request.mode == _READ:
-            if token in entry.readers:
-                entry.readers[token] += request.count
-            else:
-                self._add_read(entry, token, request.count)
+            self._read(entry, token, request.count)
         elif entry.owner is token:
             entry.count += request.count
         else:
@@ -779,10 +784,8 @@ class _Operations(_Table):
         entry, token = node.entry, node.token
         if node.mode == _WRITE:
             entry.count += 1
-        elif token not in entry.readers:  # reading a key it writes
-            self._add_read(entry, token, 1)
-        else:
-            entry.readers[token] += 1
+        else:  # on top of its read, or reading a key it writes
+            self._read(entry, token, 1)
 
     def _grant_group(self, lead: _Request, passing: _Entry) -> None:
         """_pass_on found ``lead`` grantable at the head of ``passing``."""

@@ -268,7 +268,7 @@ class _Request:
 
 class _Entry:
     __slots__ = ("count", "hash", "key", "limit", "owner", "plain", "queue", "read_since",
-                 "readers", "same_hash", "since")
+                 "readers", "same_hash", "since", "slots")
 
     def __init__(self, key: Hashable, key_hash: int, plain: bool) -> None:
         self.key = key  # the key as first given
@@ -278,6 +278,7 @@ class _Entry:
         self.owner: _Token | None = None  # the write holder
         self.count = 0  # the write holder's recursion level
         self.readers: dict[_Token, int] = {}  # read holders -> their recursion levels
+        self.slots = 0  # the read levels, all readers together (a semaphore's taken slots)
         # A SemaphoreManager's key: how many read holders (slots) it admits; 0: any number.
         self.limit = 0
         self.queue: deque[_Request] = deque()  # waiting requests, oldest first

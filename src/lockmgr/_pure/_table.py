@@ -169,6 +169,7 @@ class _Table:
     __slots__ = (
         "_acquisitions",
         "_contended",
+        "_counts_slots",
         "_deadlocks",
         "_fair",
         "_held",
@@ -194,6 +195,7 @@ class _Table:
     _fair: bool
     _slot_limit: int  # a SemaphoreManager's limit per key (0: none, or ``_limit_of``'s)
     _limit_of: Callable[[Any], int] | None  # a SemaphoreManager's limit(key)
+    _counts_slots: bool  # a SemaphoreManager's: each acquire takes one more slot (no re-entry)
     _table: dict[int, _Entry]
     _held: int
     _waiting: int
@@ -338,6 +340,29 @@ class _Table:
             entry = entry.same_hash
         return None if unsure is None else _Unsure(first, unsure)  # type: ignore[arg-type]
 
+    def _refuse_own_wait(self, key: Hashable, token: _Token, seconds: float) -> object:
+        """A semaphore's key whose every slot ``token`` holds: only its own release could
+        give it one more, so a try gives up (False) and a wait is refused as the cycle of
+        one step it would be, nothing changed (the core's ``refuse_own_wait``)."""
+        if seconds == 0:
+            self._timeouts += 1
+            return False
+        self._deadlocks += 1
+        return key, [(token.ident, key)]
+
+    def _refuse_own_waits(self, items: list[tuple[Hashable, int]],
+                          entries: list[_Entry | None], token: _Token,
+                          seconds: float) -> object:
+        """``_refuse_own_wait`` for the first key of a set whose every slot ``token`` holds:
+        False (a try) or ``(its index, the cycle)``; None: no such key."""
+        for index, ((key, mode), entry) in enumerate(zip(items, entries, strict=True)):
+            if entry is not None and (
+                    (mode == _WRITE and entry.owner is token and self._counts_slots)
+                    or (mode == _READ and _holds_every_slot(entry, token))):
+                refused = self._refuse_own_wait(key, token, seconds)
+                return refused if refused is False else (index, [(token.ident, key)])
+        return None
+
     def _limit_for(self, key: Hashable) -> int:
         """Outside sections: the limit a semaphore's ``key`` gets if it enters the table now,
         from the manager's ``limit(key)`` (checked: ValueError/TypeError, nothing changed);
@@ -440,14 +465,22 @@ class _Table:
         if entry.owner is None and not entry.readers:
             self._held += 1
         entry.readers[token] = count
+        entry.slots += count
         token.reads[entry] = self._ref
         if entry.queue:  # past a queue (a writer's re-entry, a downgrade): timed
             if entry.read_since is None:
                 entry.read_since = {}
             entry.read_since[token] = time.monotonic()
 
+    def _read(self, entry: _Entry, token: _Token, count: int) -> None:
+        """``count`` read levels more: a new read hold, or on top of ``token``'s own."""
+        if token in entry.readers:
+            _read_more(entry, token, count)
+        else:
+            self._add_read(entry, token, count)
+
     def _drop_read(self, entry: _Entry, token: _Token) -> None:
-        del entry.readers[token]
+        entry.slots -= entry.readers.pop(token)
         del token.reads[entry]
         if entry.owner is None and not entry.readers:
             self._held -= 1
@@ -458,8 +491,20 @@ class _Table:
 
 
 def _has_slot(entry: _Entry) -> bool:
-    """Whether ``entry`` admits one more read holder: a semaphore's key below its limit."""
-    return not entry.limit or len(entry.readers) < entry.limit
+    """Whether ``entry`` admits one more read level: a semaphore's key with a free slot."""
+    return not entry.limit or entry.slots < entry.limit
+
+
+def _read_more(entry: _Entry, token: _Token, count: int) -> None:
+    """``count`` more read levels for a reader of ``entry`` (a semaphore's: more slots)."""
+    entry.readers[token] += count
+    entry.slots += count
+
+
+def _holds_every_slot(entry: _Entry, token: _Token) -> bool:
+    """Whether ``token`` holds every slot of a semaphore's ``entry`` (only its own release
+    could give it one more)."""
+    return bool(entry.limit) and not _has_slot(entry) and entry.readers.get(token) == entry.slots
 
 
 # Questions about one entry (or None), asked inside a section by ``_Engine._run_on_key``.
@@ -495,7 +540,7 @@ def _read_level(entry: _Entry | None, key: object, key_hash: int, plain: bool,
 
 
 def _holders_and_limit(entry: _Entry | None, *_: object) -> tuple[int, int]:
-    return (0, 0) if entry is None else (len(entry.readers), entry.limit)
+    return (0, 0) if entry is None else (entry.slots, entry.limit)
 
 
 def _reader_count(entry: _Entry | None, *_: object) -> int:
