@@ -210,6 +210,7 @@ from lockmgr._owners import (
     awaits_this_thread,
     not_in_task,
 )
+from lockmgr._quiet import BLOCKABLE
 from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table
 from lockmgr._views import (
     PICKLE_ERROR,
@@ -251,3 +252,4 @@ include "src/lockmgr/_c/runtime.pxi"
 include "src/lockmgr/_c/tasks.pxi"
 include "src/lockmgr/_c/engine.pxi"
 include "src/lockmgr/_c/managers.pxi"
+include "src/lockmgr/_c/signals.pxi"

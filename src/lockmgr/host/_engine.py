@@ -30,7 +30,7 @@ from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
-from .._quiet import quietly
+from .._quiet import quietly_for
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._fences import FENCE_PATIENCE
@@ -98,6 +98,8 @@ class _HostEngine(Generic[K]):
             directory, default_mechanism() if mechanism is None else mechanism,
             shared_with_group)
         self._engine = engine
+        # (the compiled core's managers hold the handlers off on C masks: ``lockmgr._quiet``)
+        self._quietly = quietly_for(engine)
         self._namespace = namespace
         self._fencing = fencing
         self._idents = KeyIdents(namespace)
@@ -285,7 +287,7 @@ class _HostEngine(Generic[K]):
         try:
             if not local_acquire(seconds):
                 return False
-            return quietly(self._take_kernel, items, idents, levels, seconds, started,
+            return self._quietly(self._take_kernel, items, idents, levels, seconds, started,
                            local_release, undo=untake)
         except BaseException:
             # A handler raising as the in-process engine granted, or before the kernel part
@@ -293,7 +295,7 @@ class _HostEngine(Generic[K]):
             # begins: retried until one has run; this call raises already.)
             while True:
                 try:
-                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    self._quietly(self._settle_in_process, items[0], levels, local_release)
                     break
                 except BaseException:
                     pass
@@ -364,7 +366,7 @@ class _HostEngine(Generic[K]):
         """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
         back. NotOwnedError, with nothing changed, if the thread holds one of them not.
         With the signal handlers held off (``lockmgr._quiet``): it is done, or not begun."""
-        quietly(self._give_now, items, local_release)
+        self._quietly(self._give_now, items, local_release)
 
     def _give_now(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
         """``_give``'s work, its handlers held off."""
@@ -412,7 +414,7 @@ class _HostEngine(Generic[K]):
     def release_all(self) -> int:
         """Release every key the calling thread holds through this manager, all levels;
         returns how many keys. Raises nothing (but what a signal handler raises after)."""
-        return quietly(self._release_all_now)
+        return self._quietly(self._release_all_now)
 
     def _release_all_now(self) -> int:
         levels = self._levels()
@@ -423,7 +425,7 @@ class _HostEngine(Generic[K]):
         return released
 
     def _thread_ended(self, held: dict[_Item, int]) -> None:
-        quietly(self._give_kernel, list(held))
+        self._quietly(self._give_kernel, list(held))
 
     def _give_kernel(self, items: list[_Item]) -> None:
         for key, mode in items:
