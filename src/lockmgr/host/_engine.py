@@ -224,11 +224,15 @@ class _HostEngine(Generic[K]):
     def _levels(self) -> _Levels:
         levels: _Levels | None = getattr(self._local, "levels", None)
         if levels is None:
-            levels = self._local.levels = _Levels(self)
+            levels = _Levels(self)
             # (references without callbacks: nothing but this thread touches its list)
             mine: list[weakref.ref[_Levels]] = self._shared.thread_levels.__dict__.setdefault(
                 "all", [])
             mine[:] = [ref for ref in mine if ref() is not None] + [weakref.ref(levels)]
+            # Kept only once listed: a signal handler raising between the two statements
+            # leaves a listed reference to levels gone with this frame (skipped), never
+            # levels the deadlock look cannot see (a cycle through them would be missed).
+            self._local.levels = levels
         return levels
 
     def _take_fences(self, levels: _Levels, fresh: list[tuple[int, _Item]],
