@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 
@@ -252,11 +253,10 @@ class _HostEngine(Generic[K]):
         levels.fences.update(fences)  # (one statement: all or none of them)
         return True
 
-    def _looking(self, key: Hashable, ident: int, mode: int,
-                 taken: list[tuple[int, int]]) -> Callable[[], Look]:
-        """What makes the ``Look`` of a wait in the kernel for ``key`` (if it waits)."""
-        return lambda: Look(self._shared.waits, key, ident, mode,
-                            lambda: self._held_idents(taken))
+    def _look(self, key: Hashable, ident: int, mode: int,
+              taken: list[tuple[int, int]]) -> Look:
+        """The ``Look`` of a wait in the kernel for ``key`` (made once it waits)."""
+        return Look(self._shared.waits, key, ident, mode, lambda: self._held_idents(taken))
 
     def _held_idents(self, taking: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The identities the calling thread holds through every manager of the directory,
@@ -276,7 +276,9 @@ class _HostEngine(Generic[K]):
         signal handlers held off but in its waits (``lockmgr._quiet``): a handler that
         raises (Ctrl-C) leaves nothing taken, wherever it lands."""
         started = time.monotonic()
-        idents = [self._check_key(key) for key, _ in items]  # a bad key changes nothing
+        # (a bad key changes nothing; one key: without a comprehension's call)
+        idents = ([self._idents.of(items[0][0])] if len(items) == 1
+                  else [self._idents.of(key) for key, _ in items])
         levels = self._levels()
         if levels.lost:
             for key, mode in items:
@@ -323,7 +325,7 @@ class _HostEngine(Generic[K]):
         try:
             for ident, (key, mode) in fresh:
                 if not self._shared.take(ident, mode, deadline, id(self),
-                                         self._looking(key, ident, mode, taken), ended):
+                                         partial(self._look, key, ident, mode, taken), ended):
                     break
                 taken.append((ident, mode))
             fenced = True

@@ -151,7 +151,7 @@ class _HostTasks:
 
     def looking(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]]) -> _Looking:
         """What makes the ``Look`` of the task's wait in the kernel for an identity of
-        ``fresh`` (as ``_HostEngine._looking``): published by the waiting thread, with the
+        ``fresh`` (as ``_HostEngine._look``): published by the waiting thread, with the
         identities the task holds and ``taken`` (what this call took so far)."""
         waits, idents = self.manager._shared.waits, self.manager._idents
         keys = {ident: key for ident, (key, _) in fresh}
