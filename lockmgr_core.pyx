@@ -163,6 +163,7 @@ from libc.string cimport memcpy, memset
 
 import collections.abc
 import os
+import signal
 import sys
 import threading
 from types import GenericAlias

@@ -16,7 +16,9 @@ cdef extern from "_c/lockmgr_signals.h":
 
 
 cdef lockmgr_sigset _blockable  # lockmgr._quiet.BLOCKABLE
-cdef tuple _valid_signals = tuple(sorted(BLOCKABLE))  # what a mask may name: iterated
+# What a mask may name, iterated: every valid signal (a thread's own mask may block one
+# that BLOCKABLE leaves out, a fault's, and a mask iterated and set again keeps it).
+cdef tuple _valid_signals = tuple(sorted(map(int, signal.valid_signals())))
 
 
 cdef int _fill_sigset(lockmgr_sigset *into, signals) except -1:
@@ -34,7 +36,7 @@ _fill_sigset(&_blockable, BLOCKABLE)
 @cython.freelist(4)
 cdef class SignalMask:
     """A thread's signal mask as ``hold_handlers_off`` found it; iterating gives the
-    blockable signals in it (as ``signal.pthread_sigmask`` takes them)."""
+    signals in it (as ``signal.pthread_sigmask`` takes them)."""
 
     cdef lockmgr_sigset signals
 
