@@ -163,6 +163,7 @@ from libc.string cimport memcpy, memset
 
 import collections.abc
 import os
+import signal
 import sys
 import threading
 from types import GenericAlias
@@ -210,6 +211,7 @@ from lockmgr._owners import (
     awaits_this_thread,
     not_in_task,
 )
+from lockmgr._quiet import BLOCKABLE
 from lockmgr._tuning import HANDOFF_AFTER, MAIN_THREAD_SLICE, shards_per_table
 from lockmgr._views import (
     PICKLE_ERROR,
@@ -251,3 +253,4 @@ include "src/lockmgr/_c/runtime.pxi"
 include "src/lockmgr/_c/tasks.pxi"
 include "src/lockmgr/_c/engine.pxi"
 include "src/lockmgr/_c/managers.pxi"
+include "src/lockmgr/_c/signals.pxi"

@@ -9,10 +9,13 @@ difference between two builds show, where wall-clock timings on a shared machine
     python3 scripts/pair-instructions.py --loop aio-block     # async with aio[k] (a task)
     python3 scripts/pair-instructions.py --loop asyncio-lock-block  # the same, asyncio.Lock
     python3 scripts/pair-instructions.py --semaphore-limit 1  # SemaphoreManager(1) instead
+    python3 scripts/pair-instructions.py --loop host --iterations 5000  # HostLockManager
 
 ``--loop``: ``sync`` (the default), ``aio-block`` / ``aio-pair`` (``async with aio[k]`` /
 ``await aio.acquire(k)`` + ``aio.release(k)`` in one task), and ``asyncio-lock-block`` /
-``asyncio-lock-pair``, the same on one ``asyncio.Lock``, to compare with.
+``asyncio-lock-pair``, the same on one ``asyncio.Lock``, to compare with; ``host``:
+``lockmgr.host.HostLockManager``'s pair on the main thread, in a temporary directory (the
+system calls' kernel side not counted).
 
 Through a PostgreSQL server, ``--pg-dsn DSN --loop postgres`` (``PgLockManager``, the
 server-pairs worker's pair) and ``--loop libpq`` (the bare libpq loop it is compared with):
@@ -48,6 +51,15 @@ if sys.argv[4] in ("postgres", "libpq"):  # the server-pairs worker's pair, its 
     for _ in range(int(sys.argv[3]) // len(keys)):
         for key in keys:
             acquire(key); release(key)
+    sys.exit()
+if sys.argv[4] == "host":  # HostLockManager's pair on the main thread (handlers held off)
+    import shutil, tempfile
+    from lockmgr.host import HostLockManager
+    directory = tempfile.mkdtemp()
+    with HostLockManager(directory) as locks:
+        for _ in range(int(sys.argv[3])):
+            locks.acquire("k"); locks.release("k")
+    shutil.rmtree(directory)
     sys.exit()
 from lockmgr._core import LockManager, SemaphoreManager
 after = float(sys.argv[2])
@@ -91,7 +103,7 @@ else:
 if after >= 0:
     locks.metrics()
 """
-LOOPS = ["sync", "aio-block", "aio-pair", "asyncio-lock-block", "asyncio-lock-pair"]
+LOOPS = ["sync", "aio-block", "aio-pair", "asyncio-lock-block", "asyncio-lock-pair", "host"]
 PG_LOOPS = ["postgres", "libpq"]  # (through --pg-dsn's server)
 
 

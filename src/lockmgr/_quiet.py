@@ -24,6 +24,11 @@ to another thread (a process-directed one, such as a terminal's Ctrl-C, while th
 thread holds it off) still has its handler run on the main thread at its next check point,
 and where ``pthread_sigmask`` does not exist (Windows) nothing is held off.
 
+A manager changes the mask with its engine's calls (``quietly_for``): the compiled core's
+keep masks as C values (``lockmgr._core.hold_handlers_off``), where ``signal.pthread_sigmask``
+converts a set of Python ints each way on every call (the pure twin's: ``quietly``). Both run
+the handlers at the same points, and each takes the other's masks.
+
 ``MAIN_THREAD_MASK`` is the main thread's own mask, as last seen outside these calls and the
 pure engine's sections (which share it): restored if blocking itself raises.
 """
@@ -35,7 +40,8 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 R = TypeVar("R")
 
@@ -50,9 +56,25 @@ BLOCKABLE = frozenset(map(int, _signal.valid_signals())) - {
     if hasattr(_signal, name)
 }
 MAIN_THREAD_MASK: list[Iterable[int]] = [()]
+
+
+class Masks(NamedTuple):
+    """How a quiet call changes the main thread's mask."""
+
+    hold_off: Callable[[], Iterable[int]]  # block BLOCKABLE; the mask before (handlers run)
+    set_mask: Callable[[Iterable[int]], object]  # the mask given (handlers run)
+
+
+#: ``signal.pthread_sigmask``'s: each call converts a set of Python ints to a C mask and
+#: back (the pure engine's). The compiled core has its own (``lockmgr._core``'s
+#: ``hold_handlers_off`` and ``set_signal_mask``), on C masks: ``quietly_for``.
+PYTHON_MASKS = None if _set_mask is None else Masks(
+    partial(_set_mask, _SIG_BLOCK, BLOCKABLE), partial(_set_mask, _SIG_SETMASK))
+
 _get_ident = threading.get_ident
 _main = [threading.main_thread().ident]  # a forked child's is the forking thread
-_quiet = [False]  # the main thread is inside ``quietly`` (its handlers held off)
+# The masks of the quiet call the main thread is inside (its handlers held off), or None.
+_quiet: list[Masks | None] = [None]
 # The main thread's own mask while it is inside ``quietly``, for ``let_in``: the pure engine's
 # sections run inside write the held-off one in MAIN_THREAD_MASK (put back as the call ends).
 _outside: list[Iterable[int]] = [()]
@@ -60,73 +82,108 @@ _outside: list[Iterable[int]] = [()]
 
 def _after_fork_in_child() -> None:
     _main[0] = _get_ident()
-    _quiet[0] = False
+    _quiet[0] = None
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def quietly(run: Callable[..., R], *args: Any, undo: Callable[[R], object] | None = None) -> R:
-    """``run(*args)`` with the main thread's signal handlers held off (see the module
-    docstring); if one raises as they are let in again after it, ``undo(result)`` runs
-    (held off) and the exception propagates."""
-    if _set_mask is None or _quiet[0] or _get_ident() != _main[0]:
-        return run(*args)
-    mask = MAIN_THREAD_MASK[0]
-    _quiet[0] = True
-    try:
-        mask = MAIN_THREAD_MASK[0] = _outside[0] = _set_mask(_SIG_BLOCK, BLOCKABLE)
-        done = run(*args)
-    except BaseException:
-        _let_in_after(mask)  # (a handler raising here replaces the exception: both stop it)
-        raise
-    try:
-        _let_in_after(mask)
-    except BaseException:
-        if undo is None:
-            raise
-        # No check point before the mask is blocked again (a C call, whose handlers run
-        # after the mask changed): nothing can stop the undo from running held off.
-        _quiet[0] = True
+class Quietly(Protocol):
+    def __call__(self, run: Callable[..., R], *args: Any,
+                 undo: Callable[[R], object] | None = None) -> R: ...
+
+
+def quietly_with(masks: Masks | None) -> Quietly:
+    """``quietly`` changing the mask with ``masks`` (None: where nothing can be held off,
+    the call as it is)."""
+    if masks is None:
+        def as_it_is(run: Callable[..., R], *args: Any,
+                     undo: Callable[[R], object] | None = None) -> R:
+            return run(*args)
+        return as_it_is
+    hold_off, set_mask = masks
+
+    def quietly(run: Callable[..., R], *args: Any,
+                undo: Callable[[R], object] | None = None) -> R:
+        """``run(*args)`` with the main thread's signal handlers held off (see the module
+        docstring); if one raises as they are let in again after it, ``undo(result)`` runs
+        (held off) and the exception propagates."""
+        if _quiet[0] is not None or _get_ident() != _main[0]:
+            return run(*args)
+        mask = MAIN_THREAD_MASK[0]
+        _quiet[0] = masks
         try:
+            mask = MAIN_THREAD_MASK[0] = _outside[0] = hold_off()
+            done = run(*args)
+        except BaseException:
+            _let_in_after(mask, set_mask)  # (a handler raising here replaces the exception)
+            raise
+        try:
+            # (``_let_in_after``, inline: the common path's one call fewer)
+            _quiet[0] = None
+            MAIN_THREAD_MASK[0] = mask
+            set_mask(mask)
+        except BaseException:
+            if undo is None:
+                raise
+            # No check point before the mask is blocked again (a C call, whose handlers run
+            # after the mask changed): nothing can stop the undo from running held off.
+            _quiet[0] = masks
             try:
-                _set_mask(_SIG_BLOCK, BLOCKABLE)
+                try:
+                    hold_off()
+                finally:
+                    undo(done)
             finally:
-                undo(done)
-        finally:
-            _let_in_after(mask)
-        raise
-    return done
+                _let_in_after(mask, set_mask)
+            raise
+        return done
+
+    return quietly
 
 
-def _let_in_after(mask: Iterable[int]) -> None:
+def _let_in_after(mask: Iterable[int], set_mask: Callable[[Iterable[int]], object]) -> None:
     """End a quiet call: the main thread's own mask back (its pending handlers run here)."""
-    _quiet[0] = False
+    _quiet[0] = None
     MAIN_THREAD_MASK[0] = mask  # (sections of the pure engine run inside saw the quiet one)
-    assert _set_mask is not None
-    _set_mask(_SIG_SETMASK, mask)
+    set_mask(mask)
+
+
+#: The held-off step with ``signal.pthread_sigmask`` (the pure engine's managers').
+quietly = quietly_with(PYTHON_MASKS)
+
+
+def quietly_for(engine: object) -> Quietly:
+    """The held-off step for the managers of ``engine``: on C masks if it is the compiled
+    core's (``lockmgr._core``), ``quietly`` otherwise. Both run the handlers at the same
+    points (after each change of the mask)."""
+    module = sys.modules.get(type(engine).__module__)
+    hold_off = getattr(module, "hold_handlers_off", None)
+    if PYTHON_MASKS is None or hold_off is None:
+        return quietly
+    return quietly_with(Masks(hold_off, getattr(module, "set_signal_mask")))
 
 
 def let_in(wait: Callable[..., R], *args: Any) -> R:
     """Inside ``quietly``: ``wait(*args)`` with the main thread's handlers let in (its own
     mask back), held off again after, whether it returns or raises. For waits that take
     nothing: a handler raising as it returns would lose what it took."""
-    if not _quiet[0] or _get_ident() != _main[0]:
+    masks = _quiet[0]
+    if masks is None or _get_ident() != _main[0]:
         return wait(*args)
-    assert _set_mask is not None
-    _quiet[0] = False
+    _quiet[0] = None
     try:
-        _set_mask(_SIG_SETMASK, _outside[0])
+        masks.set_mask(_outside[0])
         return wait(*args)
     finally:
-        _quiet[0] = True
-        _set_mask(_SIG_BLOCK, BLOCKABLE)
+        _quiet[0] = masks
+        masks.hold_off()
 
 
 def held_off() -> bool:
     """Whether the calling thread is the main thread inside ``quietly``."""
-    return _quiet[0] and _get_ident() == _main[0]
+    return _quiet[0] is not None and _get_ident() == _main[0]
 
 
 def _nothing() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import wait_until
+from lockmgr._args import WRITE
 from lockmgr.host import HostLockManager
 from lockmgr.host import _waits
 from lockmgr.host._waits import LOOK_EVERY
@@ -169,3 +170,52 @@ def test_an_interrupt_while_a_wait_is_published_leaves_no_publication(
     finally:
         locks.release_all()
         locks.close()
+
+
+def _interrupting_line(code: Any, at: int) -> Any:
+    """A trace function raising KeyboardInterrupt at the ``at``-th line event of ``code``
+    (as a signal handler would there); it then traces no more. ``at`` -1: only counts them,
+    in ``lines``."""
+    lines = [0]
+
+    def trace(frame: Any, event: str, arg: object) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line":
+            lines[0] += 1
+            if lines[0] == at:
+                raise KeyboardInterrupt
+        return trace
+
+    trace.lines = lines  # type: ignore[attr-defined]
+    return trace
+
+
+def test_a_thread_interrupted_making_its_levels_stays_seen_by_the_deadlock_look(
+        host_engine: ModuleType, lock_dir: str, mechanism: str) -> None:
+    """An interrupt at any line of a thread's first call leaves every level it holds after
+    in what the deadlock look reads (``_held_idents``: a cycle through it is found)."""
+    code = HostLockManager._levels.__code__
+    counting = _interrupting_line(code, -1)
+    probe: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+    sys.settrace(counting)
+    try:
+        probe._levels()
+    finally:
+        sys.settrace(None)
+    probe.close()
+    assert counting.lines[0] >= 3
+    for at in range(1, counting.lines[0] + 1):
+        manager: HostLockManager[Any] = HostLockManager(lock_dir, mechanism=mechanism)
+        sys.settrace(_interrupting_line(code, at))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                manager._levels()
+        finally:
+            sys.settrace(None)
+        assert manager.acquire("a") is True
+        try:
+            assert (manager.host_key("a"), WRITE) in manager._held_idents([]), at
+        finally:
+            manager.release("a")
+            manager.close()

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 
@@ -30,7 +31,7 @@ from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
-from .._quiet import quietly
+from .._quiet import quietly_for
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._fences import FENCE_PATIENCE
@@ -98,6 +99,8 @@ class _HostEngine(Generic[K]):
             directory, default_mechanism() if mechanism is None else mechanism,
             shared_with_group)
         self._engine = engine
+        # (the compiled core's managers hold the handlers off on C masks: ``lockmgr._quiet``)
+        self._quietly = quietly_for(engine)
         self._namespace = namespace
         self._fencing = fencing
         self._idents = KeyIdents(namespace)
@@ -222,11 +225,15 @@ class _HostEngine(Generic[K]):
     def _levels(self) -> _Levels:
         levels: _Levels | None = getattr(self._local, "levels", None)
         if levels is None:
-            levels = self._local.levels = _Levels(self)
+            levels = _Levels(self)
             # (references without callbacks: nothing but this thread touches its list)
             mine: list[weakref.ref[_Levels]] = self._shared.thread_levels.__dict__.setdefault(
                 "all", [])
             mine[:] = [ref for ref in mine if ref() is not None] + [weakref.ref(levels)]
+            # Kept only once listed: a signal handler raising between the two statements
+            # leaves a listed reference to levels gone with this frame (skipped), never
+            # levels the deadlock look cannot see (a cycle through them would be missed).
+            self._local.levels = levels
         return levels
 
     def _take_fences(self, levels: _Levels, fresh: list[tuple[int, _Item]],
@@ -246,11 +253,10 @@ class _HostEngine(Generic[K]):
         levels.fences.update(fences)  # (one statement: all or none of them)
         return True
 
-    def _looking(self, key: Hashable, ident: int, mode: int,
-                 taken: list[tuple[int, int]]) -> Callable[[], Look]:
-        """What makes the ``Look`` of a wait in the kernel for ``key`` (if it waits)."""
-        return lambda: Look(self._shared.waits, key, ident, mode,
-                            lambda: self._held_idents(taken))
+    def _look(self, key: Hashable, ident: int, mode: int,
+              taken: list[tuple[int, int]]) -> Look:
+        """The ``Look`` of a wait in the kernel for ``key`` (made once it waits)."""
+        return Look(self._shared.waits, key, ident, mode, lambda: self._held_idents(taken))
 
     def _held_idents(self, taking: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The identities the calling thread holds through every manager of the directory,
@@ -270,7 +276,9 @@ class _HostEngine(Generic[K]):
         signal handlers held off but in its waits (``lockmgr._quiet``): a handler that
         raises (Ctrl-C) leaves nothing taken, wherever it lands."""
         started = time.monotonic()
-        idents = [self._check_key(key) for key, _ in items]  # a bad key changes nothing
+        # (a bad key changes nothing; one key: without a comprehension's call)
+        idents = ([self._idents.of(items[0][0])] if len(items) == 1
+                  else [self._idents.of(key) for key, _ in items])
         levels = self._levels()
         if levels.lost:
             for key, mode in items:
@@ -285,7 +293,7 @@ class _HostEngine(Generic[K]):
         try:
             if not local_acquire(seconds):
                 return False
-            return quietly(self._take_kernel, items, idents, levels, seconds, started,
+            return self._quietly(self._take_kernel, items, idents, levels, seconds, started,
                            local_release, undo=untake)
         except BaseException:
             # A handler raising as the in-process engine granted, or before the kernel part
@@ -293,7 +301,7 @@ class _HostEngine(Generic[K]):
             # begins: retried until one has run; this call raises already.)
             while True:
                 try:
-                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    self._quietly(self._settle_in_process, items[0], levels, local_release)
                     break
                 except BaseException:
                     pass
@@ -317,7 +325,7 @@ class _HostEngine(Generic[K]):
         try:
             for ident, (key, mode) in fresh:
                 if not self._shared.take(ident, mode, deadline, id(self),
-                                         self._looking(key, ident, mode, taken), ended):
+                                         partial(self._look, key, ident, mode, taken), ended):
                     break
                 taken.append((ident, mode))
             fenced = True
@@ -364,7 +372,7 @@ class _HostEngine(Generic[K]):
         """Undo one ``_take`` of ``items``: the last level of each gives its kernel lock
         back. NotOwnedError, with nothing changed, if the thread holds one of them not.
         With the signal handlers held off (``lockmgr._quiet``): it is done, or not begun."""
-        quietly(self._give_now, items, local_release)
+        self._quietly(self._give_now, items, local_release)
 
     def _give_now(self, items: Sequence[_Item], local_release: Callable[[], None]) -> None:
         """``_give``'s work, its handlers held off."""
@@ -412,7 +420,7 @@ class _HostEngine(Generic[K]):
     def release_all(self) -> int:
         """Release every key the calling thread holds through this manager, all levels;
         returns how many keys. Raises nothing (but what a signal handler raises after)."""
-        return quietly(self._release_all_now)
+        return self._quietly(self._release_all_now)
 
     def _release_all_now(self) -> int:
         levels = self._levels()
@@ -423,7 +431,7 @@ class _HostEngine(Generic[K]):
         return released
 
     def _thread_ended(self, held: dict[_Item, int]) -> None:
-        quietly(self._give_kernel, list(held))
+        self._quietly(self._give_kernel, list(held))
 
     def _give_kernel(self, items: list[_Item]) -> None:
         for key, mode in items:

@@ -106,7 +106,7 @@ class Holders:
         """The calling process has just taken ``ident`` for write: record it. Returns the pid
         of the last writer if its record says it ended holding ``ident`` (``abandoned``)."""
         offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
-        mine = self._own(ident)
+        mine = self._mine.get(ident) or self._own(ident)
         found = None if self._registry[offset + 8:offset + 12] == _NO_PID else self._read(offset)
         ended = None
         if found is not None:
@@ -124,7 +124,8 @@ class Holders:
     def clear(self, ident: int) -> None:
         """The calling process gives ``ident``'s write back: its record goes."""
         offset = HOLDERS + (ident % HOLDER_SLOTS) * HOLDER_SLOT
-        if self._registry[offset:offset + HOLDER_SLOT] == self._own(ident):
+        if self._registry[offset:offset + HOLDER_SLOT] == (self._mine.get(ident)
+                                                             or self._own(ident)):
             self._registry[offset:offset + HOLDER_SLOT] = _EMPTY
 
     def writers(self) -> dict[int, int]:

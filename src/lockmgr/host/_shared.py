@@ -91,7 +91,7 @@ class ProcessDirectory:
                 waits_after = deadline is None or deadline > time.monotonic()
                 if self.kernel.try_take(ident, mode == READ, waits_after):
                     first = self._idents[ident] = _Ident()
-                    _count(first, mode, manager, 1)
+                    (first.writers if mode == WRITE else first.readers)[manager] = 1
                     if mode == WRITE:
                         self._record(ident, ended)
                     return True
@@ -152,12 +152,16 @@ class ProcessDirectory:
             _count(state, mode, manager, -1)
             if mode == WRITE and not state.writers:
                 self.holders.clear(ident)  # (first: a record outliving the lock warns)
-            if state.empty():
+            # (not busy: the loop above waited that out, and nobody sets it under the guard
+            # held since; inline, as _forget_if_empty and _notify: the common path's calls)
+            if not state.readers and not state.writers:
                 self.kernel.give(ident)
+                if self._idents.get(ident) is state:
+                    del self._idents[ident]
             elif mode == WRITE and not state.writers:
                 self.kernel.to_shared(ident)
-            self._forget_if_empty(ident, state)
-            self._notify()
+            if self._waiting:
+                self._changed.notify_all()
 
     def _wait(self, seconds: float | None, interruptible: bool = True) -> None:
         """Wait (the guard held) until an identity changes, ``seconds`` at most (None: no

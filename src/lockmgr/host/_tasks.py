@@ -139,7 +139,7 @@ class _HostTasks:
     def task_done(self, task: asyncio.Task[Any]) -> None:
         """A task ended: its kernel locks go back (the in-process engine releases its keys
         in process, with AbandonedLockWarning). Held off, as ``give``."""
-        quietly(self._task_done_now, task)
+        self.manager._quietly(self._task_done_now, task)
 
     def _task_done_now(self, task: asyncio.Task[Any]) -> None:
         levels = self.levels.pop(task, None)
@@ -151,7 +151,7 @@ class _HostTasks:
 
     def looking(self, levels: _TaskLevels, fresh: Sequence[tuple[int, _Item]]) -> _Looking:
         """What makes the ``Look`` of the task's wait in the kernel for an identity of
-        ``fresh`` (as ``_HostEngine._looking``): published by the waiting thread, with the
+        ``fresh`` (as ``_HostEngine._look``): published by the waiting thread, with the
         identities the task holds and ``taken`` (what this call took so far)."""
         waits, idents = self.manager._shared.waits, self.manager._idents
         keys = {ident: key for ident, (key, _) in fresh}
@@ -199,7 +199,7 @@ class _HostTasks:
         except BaseException:  # (a handler raising as the engine granted it: given back)
             while True:  # (a try runs whole, held off, or raises before it begins: retried)
                 try:
-                    quietly(self._settle_in_process, items[0], levels, local_release)
+                    self.manager._quietly(self._settle_in_process, items[0], levels, local_release)
                     break
                 except BaseException:  # (another handler's: this call raises already)
                     pass
@@ -214,19 +214,19 @@ class _HostTasks:
             if (await self.take_kernel(wanted, deadline, ended, self.looking(levels, fresh),
                                        taking.kernel)
                     and await self.take_fences(levels, fresh, deadline)):
-                quietly(self._count_in, levels, items, taking)
+                self.manager._quietly(self._count_in, levels, items, taking)
             if not taking.counted:
-                quietly(self._untake, taking, levels, items, local_release)
+                self.manager._quietly(self._untake, taking, levels, items, local_release)
                 return False
             for ident, pid in ended:  # (a warning made an error fails the call, as below)
                 abandoned(next(key for key_ident, (key, _) in fresh if key_ident == ident), pid)
         except GeneratorExit:  # closed unrun, outside its task: the kernel's part goes back
-            quietly(self._untake, taking, levels, items, None)
+            self.manager._quietly(self._untake, taking, levels, items, None)
             raise
         except BaseException:  # interrupted, failed: nothing stays
             while True:  # (as above)
                 try:
-                    quietly(self._untake, taking, levels, items, local_release)
+                    self.manager._quietly(self._untake, taking, levels, items, local_release)
                     break
                 except BaseException:
                     pass
@@ -298,7 +298,7 @@ class _HostTasks:
         shared, manager = self.manager._shared, id(self.manager)
         task = current_task_or_raise()
         for index, (ident, mode) in enumerate(wanted):
-            if quietly(self._try_kernel, ident, mode, ended, taken):
+            if self.manager._quietly(self._try_kernel, ident, mode, ended, taken):
                 continue
             if deadline is not None and deadline <= time.monotonic():
                 return False
@@ -325,7 +325,7 @@ class _HostTasks:
         in-process release's awaitable (done already). NotOwnedError, nothing changed, if
         the task does not hold one of ``items`` (RuntimeError outside a running task).
         With the signal handlers held off (``lockmgr._quiet``): done, or not begun."""
-        return quietly(self._give_now, items, local_release)
+        return self.manager._quietly(self._give_now, items, local_release)
 
     def _give_now(self, items: Sequence[_Item],
                   local_release: Callable[[], Awaitable[None]]) -> Awaitable[None]:
@@ -348,7 +348,7 @@ class _HostTasks:
     def release_all(self, local_release_all: Callable[[], int]) -> int:
         """Every level the current task holds, in the kernel then in process; how many
         keys (the in-process count). Held off, as ``give``."""
-        return quietly(self._release_all_now, local_release_all)
+        return self.manager._quietly(self._release_all_now, local_release_all)
 
     def _release_all_now(self, local_release_all: Callable[[], int]) -> int:
         levels = self.levels.get(current_task_or_raise())

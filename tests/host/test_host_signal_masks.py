@@ -1,0 +1,89 @@
+"""A host call's held-off step on each engine's masks (``lockmgr._quiet.quietly_for``): the
+compiled core's C masks and the pure twin's ``signal.pthread_sigmask`` block the same
+signals for the call, put the thread's own mask back after it, run the handler of a signal
+arriving meanwhile after it (undoing the call), and take each other's masks."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+from lockmgr import _quiet
+
+pytestmark = pytest.mark.posix_only
+
+
+def _mask_now() -> set[int]:
+    return set(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+
+@pytest.fixture
+def usr1_raises() -> Iterator[None]:
+    """SIGUSR1 raises ``Interrupted`` on the main thread; the mask and handler put back."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handler = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        signal.signal(signal.SIGUSR1, handler)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted
+
+
+def test_a_call_runs_with_the_blockable_signals_blocked_and_the_mask_back_after(
+        impl: ModuleType) -> None:
+    quietly = _quiet.quietly_for(impl.LockManager())
+    own = {int(signal.SIGUSR2)}
+    signal.pthread_sigmask(signal.SIG_SETMASK, own)
+    try:
+        assert quietly(_mask_now) == own | _quiet.BLOCKABLE
+        assert _mask_now() == own
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def test_a_signal_arriving_in_the_call_has_its_handler_run_after_it_and_undo_run(
+        impl: ModuleType, usr1_raises: None) -> None:
+    quietly = _quiet.quietly_for(impl.LockManager())
+    ran, undone = [], []
+
+    def run() -> str:
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # pending: blocked here
+        ran.append(True)
+        return "done"
+
+    with pytest.raises(Interrupted):
+        quietly(run, undo=undone.append)
+    assert ran == [True] and undone == ["done"]
+    assert signal.SIGUSR1 not in _mask_now()
+
+
+@pytest.mark.compiled
+def test_the_compiled_masks_and_pthread_sigmask_take_each_others_masks() -> None:
+    import lockmgr._core as core
+
+    own = {int(signal.SIGUSR2), int(signal.SIGHUP), int(signal.SIGBUS)}  # (not BLOCKABLE's)
+    signal.pthread_sigmask(signal.SIG_SETMASK, own)
+    try:
+        before = core.hold_handlers_off()
+        assert set(before) == own
+        assert _mask_now() == own | _quiet.BLOCKABLE
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a C mask, as signal numbers
+        assert _mask_now() == own
+        core.set_signal_mask([int(signal.SIGHUP)])  # signal numbers, into a C mask
+        assert _mask_now() == {int(signal.SIGHUP)}
+        with pytest.raises(ValueError):
+            core.set_signal_mask([0])
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
