@@ -120,7 +120,7 @@ def rw_items(
 def slot_limit(limit: object, key: object = None, computed: bool = False) -> int:
     """A ``SemaphoreManager``'s limit per key, checked: an int from 1 to ``sys.maxsize``
     (not a bool). ``computed``: what ``limit(key)`` returned for ``key``."""
-    where = f"limit({key!r}) returned" if computed else "limit must be"
+    where = f"limit({key!r}) must return" if computed else "limit must be"
     if type(limit) is bool or not isinstance(limit, int):
         raise TypeError(f"SemaphoreManager: {where} an int >= 1 (holders per key at once)"
                         + ("" if computed else " or a callable(key) returning one")
