@@ -178,11 +178,11 @@ def test_tasks_get_the_limit_callables_limits_and_its_errors(impl) -> None:
         assert await asyncio.create_task(slots.aio.acquire("ab", timeout=0)) is True
         # the second task ended holding its slot: its end gives it back
         await until(lambda: slots.aio.available("ab") == 1, "the ended task's slot is free")
-        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+        with pytest.raises(ValueError, match=r"limit\('bad'\) must return"):
             await slots.aio.acquire("bad")
-        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+        with pytest.raises(ValueError, match=r"limit\('bad'\) must return"):
             await slots.aio.acquire_many(["ab", "bad"])
-        with pytest.raises(ValueError, match=r"limit\('bad'\) returned"):
+        with pytest.raises(ValueError, match=r"limit\('bad'\) must return"):
             async with slots.aio.hold("bad"):
                 pass
         assert slots.holders("ab") == 1 and "bad" not in slots

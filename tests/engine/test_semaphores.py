@@ -329,7 +329,7 @@ def test_a_limit_callable_sets_each_keys_limit_when_it_enters_the_table(impl, wo
 def test_a_bad_limit_from_the_callable_fails_the_acquire_with_nothing_changed(
         impl, answer, error) -> None:
     slots = impl.SemaphoreManager(lambda key: answer if key == "bad" else 2)
-    match = r"limit\('bad'\) returned"
+    match = r"limit\('bad'\) must return"
     for call in (lambda: slots.acquire("bad"), lambda: slots.acquire_many(["good", "bad"]),
                  lambda: slots.hold("bad").__enter__(), lambda: slots.available("bad")):
         with pytest.raises(error, match=match):
