@@ -61,15 +61,34 @@ MAIN_THREAD_MASK: list[Iterable[int]] = [()]
 class Masks(NamedTuple):
     """How a quiet call changes the main thread's mask."""
 
-    hold_off: Callable[[], Iterable[int]]  # block BLOCKABLE; the mask before (handlers run)
+    # Block BLOCKABLE; the mask before. Handlers run after the change: one that raises
+    # leaves the mask as it was (the quiet call has not begun).
+    hold_off: Callable[[], Iterable[int]]
     set_mask: Callable[[Iterable[int]], object]  # the mask given (handlers run)
+    # Block BLOCKABLE again inside a quiet call (after ``let_in``, for an undo): a handler
+    # that raises after the change leaves it blocked.
+    hold_off_again: Callable[[], object]
+
+
+def hold_handlers_off() -> Iterable[int]:
+    """``Masks.hold_off`` on ``signal.pthread_sigmask``: the mask read first (a handler
+    raising there has changed nothing), then blocked, and put back if a handler raises."""
+    assert _set_mask is not None
+    before = _set_mask(_SIG_BLOCK, ())
+    try:
+        _set_mask(_SIG_BLOCK, BLOCKABLE)
+    except BaseException:
+        _set_mask(_SIG_SETMASK, before)
+        raise
+    return before  # type: ignore[no-any-return]
 
 
 #: ``signal.pthread_sigmask``'s: each call converts a set of Python ints to a C mask and
 #: back (the pure engine's). The compiled core has its own (``lockmgr._core``'s
 #: ``hold_handlers_off`` and ``set_signal_mask``), on C masks: ``quietly_for``.
 PYTHON_MASKS = None if _set_mask is None else Masks(
-    partial(_set_mask, _SIG_BLOCK, BLOCKABLE), partial(_set_mask, _SIG_SETMASK))
+    hold_handlers_off, partial(_set_mask, _SIG_SETMASK),
+    partial(_set_mask, _SIG_BLOCK, BLOCKABLE))
 
 _get_ident = threading.get_ident
 _main = [threading.main_thread().ident]  # a forked child's is the forking thread
@@ -102,7 +121,7 @@ def quietly_with(masks: Masks | None) -> Quietly:
                      undo: Callable[[R], object] | None = None) -> R:
             return run(*args)
         return as_it_is
-    hold_off, set_mask = masks
+    hold_off, set_mask, _ = masks
 
     def quietly(run: Callable[..., R], *args: Any,
                 undo: Callable[[R], object] | None = None) -> R:
@@ -111,10 +130,10 @@ def quietly_with(masks: Masks | None) -> Quietly:
         (held off) and the exception propagates."""
         if _quiet[0] is not None or _get_ident() != _main[0]:
             return run(*args)
-        mask = MAIN_THREAD_MASK[0]
+        mask = hold_off()  # (a handler raising here: nothing changed, the mask neither)
+        MAIN_THREAD_MASK[0] = _outside[0] = mask
         _quiet[0] = masks
         try:
-            mask = MAIN_THREAD_MASK[0] = _outside[0] = hold_off()
             done = run(*args)
         except BaseException:
             _let_in_after(mask, set_mask)  # (a handler raising here replaces the exception)
@@ -132,7 +151,7 @@ def quietly_with(masks: Masks | None) -> Quietly:
             _quiet[0] = masks
             try:
                 try:
-                    hold_off()
+                    masks.hold_off_again()
                 finally:
                     undo(done)
             finally:
@@ -162,7 +181,8 @@ def quietly_for(engine: object) -> Quietly:
     hold_off = getattr(module, "hold_handlers_off", None)
     if PYTHON_MASKS is None or hold_off is None:
         return quietly
-    return quietly_with(Masks(hold_off, getattr(module, "set_signal_mask")))
+    return quietly_with(Masks(hold_off, getattr(module, "set_signal_mask"),
+                              getattr(module, "hold_handlers_off_again")))
 
 
 def let_in(wait: Callable[..., R], *args: Any) -> R:
@@ -178,7 +198,7 @@ def let_in(wait: Callable[..., R], *args: Any) -> R:
         return wait(*args)
     finally:
         _quiet[0] = masks
-        masks.hold_off()
+        masks.hold_off_again()
 
 
 def held_off() -> bool:

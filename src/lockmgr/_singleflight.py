@@ -104,7 +104,7 @@ class Singleflight(Generic[K, V]):
                     raise
                 finally:
                     if opened is not None:
-                        quietly(table.close, mine)
+                        _close(table, mine)
             if flight.task is None:  # a thread's call: no waiter count to keep
                 return self._wait(flight, seconds)
             if flight.join(False):
@@ -173,6 +173,26 @@ class Singleflight(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"<lockmgr.Singleflight flights={len(self._table.flights)} at {id(self):#x}>"
+
+
+def _close(table: FlightTable[Any, V], mine: Flight[V]) -> None:
+    """``table.close(mine)`` as one held-off step, made again while a signal handler stops
+    it before it begins (a call's hold must go: its waiters would wait for ever); what a
+    handler or the close raised propagates once it ran."""
+    ran: list[bool] = []
+    stopped: BaseException | None = None
+    while not ran:
+        try:
+            quietly(_closing, table, mine, ran)
+        except BaseException as error:  # (before it began: once more)
+            stopped = stopped or error
+    if stopped is not None:
+        raise stopped
+
+
+def _closing(table: FlightTable[Any, V], mine: Flight[V], ran: list[bool]) -> None:
+    ran.append(True)
+    table.close(mine)
 
 
 @functools.cache

@@ -461,6 +461,9 @@ for index in range(int(sys.argv[2])):
         joiner.join()
 calm.set()
 kicker.join()
+for joiner in threading.enumerate():  # (one started as an interrupt ended its round too)
+    if joiner is not threading.main_thread():
+        joiner.join()
 print(interrupted, len(flight), len(flight._table.locks), len(stuck))
 """
 

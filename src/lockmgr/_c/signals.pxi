@@ -56,10 +56,26 @@ cdef int _mask_changed(int error) except -1:
 
 def hold_handlers_off():
     """Block ``lockmgr._quiet.BLOCKABLE`` on the calling thread; return its mask before
-    (a ``SignalMask``). Handlers of pending signals run after the change."""
+    (a ``SignalMask``). Handlers of pending signals run after the change: if one raises,
+    the mask goes back as it was (the call changed nothing) and the exception propagates."""
     cdef SignalMask before = SignalMask.__new__(SignalMask)
-    _mask_changed(lockmgr_sigmask_block(&_blockable, &before.signals))
+    cdef int error = lockmgr_sigmask_block(&_blockable, &before.signals)
+    if error:
+        raise OSError(error, os.strerror(error))
+    try:
+        PyErr_CheckSignals()
+    except BaseException:
+        lockmgr_sigmask_set(&before.signals)
+        raise
     return before
+
+
+def hold_handlers_off_again():
+    """Block ``lockmgr._quiet.BLOCKABLE`` on the calling thread, inside a held-off call
+    after a wait let the handlers in: pending ones run after the change, and if one
+    raises, the mask stays blocked (the call gives back what it took held off)."""
+    cdef lockmgr_sigset before
+    _mask_changed(lockmgr_sigmask_block(&_blockable, &before))
 
 
 def set_signal_mask(mask):

@@ -22,7 +22,7 @@ from .._args import READ, WRITE
 from .._errors import count_overflow, deadlock, nested_wait, not_owned, pinned
 from .._observe import HOT_KEY_SLOTS
 from .._owners import AWAITED_THREAD, LOOP_THREAD, POST_ATTEMPTS, Waker
-from .._quiet import BLOCKABLE, MAIN_THREAD_MASK
+from .._quiet import MAIN_THREAD_MASK, hold_handlers_off
 from .._tuning import MAIN_THREAD_SLICE
 
 if TYPE_CHECKING:
@@ -80,9 +80,7 @@ _yield_gil = time.sleep  # time.sleep(0): let the section's holder run
 # blocked that may have one (all but those a fault raises synchronously, which cannot wait).
 _signal: Any = sys.modules.get("_signal", signal)  # its C functions take and return ints
 _set_signal_mask = getattr(_signal, "pthread_sigmask", None)  # None: Windows
-_SIG_BLOCK = getattr(_signal, "SIG_BLOCK", 0)
 _SIG_SETMASK = getattr(_signal, "SIG_SETMASK", 0)
-_BLOCKABLE = BLOCKABLE
 _main_thread = [threading.main_thread().ident]  # a forked child's is the forking thread
 # The main thread's mask outside sections, shared with ``lockmgr._quiet``'s calls (which
 # run sections with the handlers held off, and put the thread's own mask back after).
@@ -114,11 +112,10 @@ def _section(run: Callable[..., R], *args: Any) -> R:
         _catch_up_after_fork[0]()
     if ident != _main_thread[0] or _set_signal_mask is None:
         return _run_section(ident, run, args)
-    mask = _main_thread_mask[0]  # the main thread's own mask, as last seen
+    # Blocking runs the handlers of signals already pending, after the mask changed: one
+    # that raises leaves nothing changed, the mask included (``hold_handlers_off``).
+    mask = _main_thread_mask[0] = hold_handlers_off()
     try:
-        # Blocking runs the handlers of signals already pending, after the mask changed:
-        # one that raises leaves nothing changed but the mask, which the finally restores.
-        mask = _main_thread_mask[0] = _set_signal_mask(_SIG_BLOCK, _BLOCKABLE)
         return _run_section(ident, run, args)
     finally:
         # Handlers of signals that arrived meanwhile run here, after the section: one that
