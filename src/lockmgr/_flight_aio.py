@@ -177,10 +177,10 @@ class AsyncSingleflight(Generic[K, V]):
             try:
                 table.retire(mine)
             finally:
-                # A loop closed with the runner pending closes its coroutine: nothing can be
-                # awaited then, and the engine gives the hold back as the task goes (with an
-                # AbandonedLockWarning).
-                if not isinstance(mine.aborted, GeneratorExit):
+                # A loop closed with the runner pending closes its coroutine outside any
+                # loop: nothing can be awaited then, and the engine gives the hold back as
+                # the task goes (with an AbandonedLockWarning).
+                if asyncio._get_running_loop() is not None:
                     await locks.release_write(mine)
 
     async def _wait(self, flight: Flight[V], seconds: float) -> V:

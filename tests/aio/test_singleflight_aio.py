@@ -7,6 +7,7 @@ import asyncio
 import functools
 import gc
 import threading
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -439,3 +440,22 @@ def test_a_flight_whose_loop_closed_with_its_call_pending_is_started_anew(
     loop.close()
     assert run(lambda: flight.aio.call("k", fresh)) == "fresh"
     assert len(flight) == 0
+
+
+def test_a_call_raising_generator_exit_is_aborted_and_leaves_nothing_held(
+        flight: Singleflight[Any, Any]) -> None:
+    async def exits() -> str:
+        raise GeneratorExit
+
+    async def main() -> object:
+        try:
+            return await flight.aio.call("k", exits)
+        except BaseException as error:  # (what the caller gets, whatever it is)
+            return error
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(main)
+        gc.collect()
+    assert [str(w.message) for w in caught if "ended holding" in str(w.message)] == []
+    assert len(flight) == 0 and len(flight._table.locks) == 0
