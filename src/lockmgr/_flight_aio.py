@@ -163,9 +163,11 @@ class AsyncSingleflight(Generic[K, V]):
             table.started(mine.key, published)  # type: ignore[arg-type]
             published.set_result(flight)
             if flight is mine:
-                mine.finish(await coro_fn(*args))
+                mine.value = await coro_fn(*args)
         except Exception as error:
-            mine.fail(error)
+            # (no call before the outcome is set: a handler's exception there would leave
+            # the waiters a result of None)
+            mine.error, mine.traceback = error, error.__traceback__
             if not published.done():
                 published.set_exception(error)
         except BaseException as error:

@@ -60,13 +60,6 @@ class Flight(Generic[V]):
         self.abandoned = False
         self.guard = threading.Lock()
 
-    def finish(self, value: V) -> None:
-        self.value = value
-
-    def fail(self, error: Exception) -> None:
-        self.error = error
-        self.traceback = error.__traceback__
-
     def join(self, cancel_when_abandoned: bool) -> bool:
         """Counts a waiter in (a task's flight): False if the flight was abandoned (its
         task is being cancelled: the caller starts a new one)."""

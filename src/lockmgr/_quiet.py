@@ -201,6 +201,54 @@ def let_in(wait: Callable[..., R], *args: Any) -> R:
         masks.hold_off_again()
 
 
+#: Blocks the handlers as one C call (``functools.partial`` of ``pthread_sigmask``), returning
+#: the mask before; handlers of signals already pending run inside it, after the mask changed.
+#: For a step that must run whatever a handler raises (a close in a ``finally``, the undo of
+#: a grant in an ``except``), called inline there: a Python function's start is a check
+#: point, where a handler's exception would skip the step; a C call has none before its work.
+#: Its result, or the exception a handler raised in it (blocked then too), goes to
+#: ``run_blocked``. (Where nothing can be blocked: ``tuple``, an empty mask.)
+block_handlers: Callable[[], Iterable[int]] = (
+    tuple if _set_mask is None else partial(_set_mask, _SIG_BLOCK, BLOCKABLE))
+
+
+def run_blocked(blocked: Iterable[int] | BaseException, run: Callable[..., object],
+                *args: Any) -> None:
+    """The rest of a step begun by ``block_handlers()`` (its result or its exception):
+    ``run(*args)`` with the handlers blocked, the thread's own mask back after (its pending
+    handlers run then), and the handler's exception from the block raised at the end. A
+    nested ``quietly`` runs as it is. The limits: after a raising handler, one for another
+    signal pending at the same moment runs at this function's start; and a block that a
+    handler stopped returned no mask, so the thread's own is put back as lockmgr last saw
+    it (``MAIN_THREAD_MASK``: a mask changed since by the thread itself is not seen)."""
+    if _set_mask is None or _quiet[0] is not None or _get_ident() != _main[0]:
+        # (a worker thread runs no handler: its block returned; inside ``quietly`` the mask
+        # was blocked already, and stays so)
+        try:
+            run(*args)
+        finally:
+            if _set_mask is not None and not isinstance(blocked, BaseException):
+                _set_mask(_SIG_SETMASK, blocked)
+    else:
+        assert PYTHON_MASKS is not None
+        # (the block raised with the mask changed: the thread's own, as last seen)
+        own = MAIN_THREAD_MASK[0] if isinstance(blocked, BaseException) else blocked
+        MAIN_THREAD_MASK[0] = _outside[0] = own
+        _quiet[0] = PYTHON_MASKS
+        try:
+            run(*args)
+        finally:
+            _let_in_after(own, PYTHON_MASKS.set_mask)
+    if isinstance(blocked, BaseException):
+        raise blocked
+
+
+def handlers_run_here() -> bool:
+    """Whether a signal handler can run on the calling thread now: the main thread, outside
+    ``quietly``, where masks exist (elsewhere a close needs no block)."""
+    return _set_mask is not None and _quiet[0] is None and _get_ident() == _main[0]
+
+
 def held_off() -> bool:
     """Whether the calling thread is the main thread inside ``quietly``."""
     return _quiet[0] is not None and _get_ident() == _main[0]

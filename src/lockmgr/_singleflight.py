@@ -7,18 +7,24 @@ engine's timeouts, wake-ups and deadlock detection serve flights as they serve k
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
-from typing import Any, ClassVar, cast, Generic, ParamSpec, TypeVar, TypeVarTuple, Unpack
+from typing import (Any, ClassVar, cast, Generic, ParamSpec, TYPE_CHECKING, TypeVar, TypeVarTuple,
+                    Unpack)
 
 from ._args import hold_seconds
+from ._errors import NotOwnedError
 from ._flight_aio import AsyncSingleflight
 from ._flights import Flight, FlightTable, checked_callable, flight_timed_out, recursion
-from ._quiet import quietly
+from ._quiet import block_handlers, handlers_run_here, quietly, run_blocked
 from ._views import checked_key_func, function_to_wrap
+
+if TYPE_CHECKING:
+    from ._pure import RWLockManager
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -86,6 +92,7 @@ class Singleflight(Generic[K, V]):
             flight = table.current(key)
             if flight is None:
                 mine: Flight[V] = Flight(key, threading.get_ident(), threading.get_ident())
+                interruptible = handlers_run_here()
                 opened = None
                 try:
                     # Taking and publishing, then retiring and letting go, each one step no
@@ -94,17 +101,28 @@ class Singleflight(Generic[K, V]):
                                               undo=lambda _: table.close(mine))
                     if flight is mine:
                         value = fn(*args, **kwargs)
-                        mine.finish(value)
+                        mine.value = value
                         return value
                 except Exception as error:
-                    mine.fail(error)
+                    # (no call before the outcome is set: a handler's exception there would
+                    # leave the waiters a result of None)
+                    mine.error, mine.traceback = error, error.__traceback__
                     raise
                 except BaseException as error:
                     mine.aborted = error
                     raise
                 finally:
                     if opened is not None:
-                        _close(table, mine)
+                        if interruptible:
+                            # Blocked inline, by a C call: a handler's exception at a check
+                            # point before the close (a Python call's start) would skip it.
+                            try:
+                                blocked: Iterable[int] | BaseException = block_handlers()
+                            except BaseException as stopped:  # (pending: blocked now too)
+                                blocked = stopped
+                            run_blocked(blocked, table.close, mine)
+                        else:
+                            table.close(mine)
             if flight.task is None:  # a thread's call: no waiter count to keep
                 return self._wait(flight, seconds)
             if flight.join(False):
@@ -119,7 +137,18 @@ class Singleflight(Generic[K, V]):
         if flight.thread == threading.get_ident():
             raise recursion(flight.key, flight.owner)
         locks = self._table.locks
-        if not locks.acquire_read(flight, True, seconds):
+        try:
+            granted = locks.acquire_read(flight, True, seconds)
+        except BaseException:
+            # A handler's exception as the grant returned (at the call's check point) leaves
+            # the read held: given back, the handlers blocked inline first (see _call).
+            try:
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:
+                blocked = stopped
+            run_blocked(blocked, _give_back_read, locks, flight)
+            raise
+        if not granted:
             raise flight_timed_out(flight.key, seconds)
         locks.release_read(flight)
         return flight.outcome()
@@ -175,24 +204,11 @@ class Singleflight(Generic[K, V]):
         return f"<lockmgr.Singleflight flights={len(self._table.flights)} at {id(self):#x}>"
 
 
-def _close(table: FlightTable[Any, V], mine: Flight[V]) -> None:
-    """``table.close(mine)`` as one held-off step, made again while a signal handler stops
-    it before it begins (a call's hold must go: its waiters would wait for ever); what a
-    handler or the close raised propagates once it ran."""
-    ran: list[bool] = []
-    stopped: BaseException | None = None
-    while not ran:
-        try:
-            quietly(_closing, table, mine, ran)
-        except BaseException as error:  # (before it began: once more)
-            stopped = stopped or error
-    if stopped is not None:
-        raise stopped
-
-
-def _closing(table: FlightTable[Any, V], mine: Flight[V], ran: list[bool]) -> None:
-    ran.append(True)
-    table.close(mine)
+def _give_back_read(locks: RWLockManager[Any], flight: Flight[Any]) -> None:
+    """The read of ``flight`` this thread holds, if it does (a flight's record is read by
+    its waiters only, each once, so a read held here is the interrupted wait's)."""
+    with contextlib.suppress(NotOwnedError):
+        locks.release_read(flight)
 
 
 @functools.cache

@@ -475,10 +475,6 @@ print(interrupted, len(flight), len(flight._table.locks), len(stuck))
 """
 
 
-@pytest.mark.xfail(
-    hasattr(sys, "_is_gil_enabled") and not sys._is_gil_enabled(), strict=False,
-    reason="known open defect: with the GIL off, a storm of interrupts left a call's flight "
-           "and hold on the pure twin (2 of 1,462 interrupted calls in one run)")
 def test_a_storm_of_interrupts_on_callers_leaves_no_flight_and_no_hold(impl: ModuleType) -> None:
     done = subprocess.run([sys.executable, "-c", _INTERRUPT_STORM, impl.__name__, "1500"],
                           capture_output=True, text=True, timeout=240)

@@ -115,7 +115,7 @@ def _lockmgr(flight_class: type[Singleflight[Any, Any]]) -> Callable[[], FlightS
         locks = flight._table.locks
         def ready(key: Any, result: Any) -> None:
             done: Flight[Any] = Flight(key, -1, -1)  # no thread's: nobody recurses into it
-            done.finish(result)
+            done.value = result
             flight._table.flights[key] = done
 
         return FlightSubject(flight.call, lambda key: locks.stats().waiting, ready,
