@@ -13,11 +13,13 @@ import asyncio
 import contextlib
 import inspect
 import threading
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack
 
 from ._args import hold_seconds
-from ._flights import Flight, FlightTable, checked_callable, flight_timed_out, recursion
+from ._flights import (Flight, FlightTable, checked_callable, flight_timed_out, give_back_read,
+                       recursion)
+from ._quiet import block_handlers, run_blocked
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -177,7 +179,14 @@ class AsyncSingleflight(Generic[K, V]):
             raise
         finally:
             try:
-                table.retire(mine)
+                # Blocked inline, by a C call: a handler's exception at a check point before
+                # the retire (a Python call's start) would leave the ended flight published,
+                # its outcome answered to every later caller.
+                try:
+                    blocked: Iterable[int] | BaseException = block_handlers()
+                except BaseException as stopped:  # (pending: blocked now too)
+                    blocked = stopped
+                run_blocked(blocked, table.retire, mine)
             finally:
                 # A loop closed with the runner pending closes its coroutine outside any
                 # loop: nothing can be awaited then, and the engine gives the hold back as
@@ -192,9 +201,21 @@ class AsyncSingleflight(Generic[K, V]):
                     flight.task is None and flight.thread == threading.get_ident()):
                 raise recursion(flight.key, flight.owner)
             locks = self._table.locks.aio
-            if not await locks.acquire_read(flight, True, seconds):
+            try:
+                granted = await locks.acquire_read(flight, True, seconds)
+                if granted:
+                    locks.release_read(flight)  # (at the call: nothing to await)
+            except BaseException:
+                # A handler's exception between the grant and the release leaves the read
+                # held: given back, the handlers blocked inline first (as in _run).
+                try:
+                    blocked: Iterable[int] | BaseException = block_handlers()
+                except BaseException as stopped:
+                    blocked = stopped
+                run_blocked(blocked, give_back_read, locks, flight)
+                raise
+            if not granted:
                 raise flight_timed_out(flight.key, seconds)
-            await locks.release_read(flight)
         finally:
             if flight.task is not None:
                 self._leave(flight)

@@ -15,18 +15,20 @@ identity), so a new flight of the same key never queues behind the waiters of th
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Hashable
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from ._errors import DeadlockError, FlightAbortedError, LockTimeout
+from ._errors import DeadlockError, FlightAbortedError, LockTimeout, NotOwnedError
 from ._views import _short
 
 if TYPE_CHECKING:
     import asyncio
 
+    from ._aio import AsyncRWLockManager
     from ._pure import RWLockManager
 
 K = TypeVar("K", bound=Hashable)
@@ -114,6 +116,15 @@ def recursion(key: object, owner: object) -> DeadlockError:
     return DeadlockError(
         f"the call for key {_short.repr(key)} is run by this caller (or on this thread, "
         "below it): waiting for it would deadlock", [(owner, key)])
+
+
+def give_back_read(locks: RWLockManager[Any] | AsyncRWLockManager[Any],
+                   flight: Flight[Any]) -> None:
+    """The read of ``flight`` the caller (thread, or task through ``aio``) holds, if it does:
+    a flight's record is read by its waiters only, each once, so a read held here is the
+    interrupted wait's. (A task's release is done at the call.)"""
+    with contextlib.suppress(NotOwnedError):
+        locks.release_read(flight)
 
 
 def checked_callable(fn: object) -> None:

@@ -7,24 +7,19 @@ engine's timeouts, wake-ups and deadlock detection serve flights as they serve k
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from types import ModuleType
-from typing import (Any, ClassVar, cast, Generic, ParamSpec, TYPE_CHECKING, TypeVar, TypeVarTuple,
-                    Unpack)
+from typing import Any, ClassVar, cast, Generic, ParamSpec, TypeVar, TypeVarTuple, Unpack
 
 from ._args import hold_seconds
-from ._errors import NotOwnedError
 from ._flight_aio import AsyncSingleflight
-from ._flights import Flight, FlightTable, checked_callable, flight_timed_out, recursion
+from ._flights import (Flight, FlightTable, checked_callable, flight_timed_out, give_back_read,
+                       recursion)
 from ._quiet import block_handlers, handlers_run_here, quietly, run_blocked
 from ._views import checked_key_func, function_to_wrap
-
-if TYPE_CHECKING:
-    from ._pure import RWLockManager
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -139,18 +134,20 @@ class Singleflight(Generic[K, V]):
         locks = self._table.locks
         try:
             granted = locks.acquire_read(flight, True, seconds)
+            if granted:
+                locks.release_read(flight)
         except BaseException:
-            # A handler's exception as the grant returned (at the call's check point) leaves
-            # the read held: given back, the handlers blocked inline first (see _call).
+            # A handler's exception between the grant and the release (at a call's check
+            # point) leaves the read held: given back, the handlers blocked inline first
+            # (see _call).
             try:
                 blocked: Iterable[int] | BaseException = block_handlers()
             except BaseException as stopped:
                 blocked = stopped
-            run_blocked(blocked, _give_back_read, locks, flight)
+            run_blocked(blocked, give_back_read, locks, flight)
             raise
         if not granted:
             raise flight_timed_out(flight.key, seconds)
-        locks.release_read(flight)
         return flight.outcome()
 
     def shared(self, key: Callable[..., K]) -> Callable[[Callable[P, T]], Callable[P, T]]:
@@ -202,13 +199,6 @@ class Singleflight(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"<lockmgr.Singleflight flights={len(self._table.flights)} at {id(self):#x}>"
-
-
-def _give_back_read(locks: RWLockManager[Any], flight: Flight[Any]) -> None:
-    """The read of ``flight`` this thread holds, if it does (a flight's record is read by
-    its waiters only, each once, so a read held here is the interrupted wait's)."""
-    with contextlib.suppress(NotOwnedError):
-        locks.release_read(flight)
 
 
 @functools.cache
