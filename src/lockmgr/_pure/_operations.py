@@ -5,14 +5,14 @@ several at once), the deadlock search, waiting, releasing and granting.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from .._args import MAX_COUNT
 from .._owners import AWAITED_THREAD, CONTEXT_TASK, WAIT_CHECK, awaits_this_thread
+from .._quiet import block_handlers, run_blocked
 from .._tuning import HANDOFF_AFTER
 from ._state import (
-    _ABANDON_ATTEMPTS,
     _AWAITED_THREAD,
     _GRANTED,
     _LEFT,
@@ -65,18 +65,14 @@ class _Operations(_Table):
                 return verdict
             token.request = outer
         except BaseException:
-            # No call before the ``try`` below, so no asynchronous exception can skip it;
-            # _abandon_section is idempotent, and tried again if another handler raises
-            # meanwhile (a few times only, so that an engine bug cannot become a hang).
-            attempts = 0
-            while True:
-                try:
-                    _section(self._abandon_section, token, outer)
-                    break
-                except BaseException:
-                    attempts += 1
-                    if attempts == _ABANDON_ATTEMPTS:
-                        raise
+            # The handlers blocked inline, by a C call, before the section: a Python call's
+            # start is a check point where another handler's exception would skip it (the
+            # compiled core's C has none); that exception is raised after the section.
+            try:
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:  # (pending: blocked now too)
+                blocked = stopped
+            run_blocked(blocked, _section, self._abandon_section, token, outer)
             raise
         key, failure = verdict
         raise _failure(failure, key)

@@ -66,7 +66,6 @@ def _failure(verdict: object, key: object, owner: object = None,
     return not_owned(key, owner, mode)
 
 
-_ABANDON_ATTEMPTS = 5  # see _Engine._acquire
 _DROP_ROOM = HOT_KEY_SLOTS  # keys one section may evict from a hot-key summary (the core's)
 _WAIT_SLICE = MAIN_THREAD_SLICE  # the longest sleep of a waiter between two checks
 

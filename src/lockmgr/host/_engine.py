@@ -31,7 +31,7 @@ from .._errors import LockLost, not_owned
 from .._keyhash import KeyIdents
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._observe import KeyState, LockMetrics
-from .._quiet import quietly_for
+from .._quiet import block_handlers, quietly_for, run_blocked
 from .._views import LockStats
 from ._kernel import default_mechanism
 from ._fences import FENCE_PATIENCE
@@ -297,14 +297,13 @@ class _HostEngine(Generic[K]):
                            local_release, undo=untake)
         except BaseException:
             # A handler raising as the in-process engine granted, or before the kernel part
-            # began: that grant goes back. (A try runs whole, held off, or raises before it
-            # begins: retried until one has run; this call raises already.)
-            while True:
-                try:
-                    self._quietly(self._settle_in_process, items[0], levels, local_release)
-                    break
-                except BaseException:
-                    pass
+            # began: that grant goes back, with the handlers blocked inline first (a C call:
+            # a Python call's start is a check point where another would skip it).
+            try:
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:  # (pending: blocked now too)
+                blocked = stopped
+            run_blocked(blocked, self._settle_in_process, items[0], levels, local_release)
             raise
 
     def _take_kernel(self, items: Sequence[_Item], idents: list[int], levels: _Levels,

@@ -18,14 +18,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from .._args import READ, WRITE
 from .._errors import not_owned
 from .._layered import Lease, _no_fencing, _read_has_no_fence
 from .._owners import current_task_or_raise
-from .._quiet import quietly
+from .._quiet import block_handlers, quietly, run_blocked
 from ._engine import _count_down
 from ._fences import FENCE_PATIENCE
 from ._holders import abandoned
@@ -197,12 +197,12 @@ class _HostTasks:
             if not await local_acquire(seconds):
                 return False
         except BaseException:  # (a handler raising as the engine granted it: given back)
-            while True:  # (a try runs whole, held off, or raises before it begins: retried)
-                try:
-                    self.manager._quietly(self._settle_in_process, items[0], levels, local_release)
-                    break
-                except BaseException:  # (another handler's: this call raises already)
-                    pass
+            # (the handlers blocked inline first, as in _HostEngine._take)
+            try:
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:
+                blocked = stopped
+            run_blocked(blocked, self._settle_in_process, items[0], levels, local_release)
             raise
         fresh = sorted(((ident, item) for ident, item in zip(idents, items)
                         if item not in levels.held), key=lambda pair: pair[0])
@@ -224,12 +224,11 @@ class _HostTasks:
             self.manager._quietly(self._untake, taking, levels, items, None)
             raise
         except BaseException:  # interrupted, failed: nothing stays
-            while True:  # (as above)
-                try:
-                    self.manager._quietly(self._untake, taking, levels, items, local_release)
-                    break
-                except BaseException:
-                    pass
+            try:  # (as above)
+                blocked = block_handlers()
+            except BaseException as stopped:
+                blocked = stopped
+            run_blocked(blocked, self._untake, taking, levels, items, local_release)
             raise
         return True
 
@@ -409,12 +408,11 @@ ends the task (``stranded``): it can never run again."""
             quietly(self._claim, into)
             return True
         except BaseException:
-            while True:  # (as _HostTasks.take's: retried until one has run)
-                try:
-                    quietly(self.abandon)
-                    break
-                except BaseException:
-                    pass
+            try:  # (as _HostTasks.take's)
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:
+                blocked = stopped
+            run_blocked(blocked, self.abandon)
             raise
 
     def _claim(self, into: list[_Want]) -> None:
