@@ -9,40 +9,16 @@ import ctypes
 import operator
 import signal
 import threading
-from collections.abc import Iterator
 from functools import partial
 
 import pytest
 
 from lockmgr import _quiet
+from signal_support import Interrupted, mask_now, usr1_raises  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.posix_only
 
 PATIENCE = 30.0
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted
-
-
-def _mask_now() -> set[int]:
-    return set(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, [])))
-
-
-@pytest.fixture
-def usr1_raises() -> Iterator[None]:
-    """SIGUSR1 raises ``Interrupted`` on the main thread; the mask and handler put back."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    handler = signal.signal(signal.SIGUSR1, _raise_interrupted)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-        signal.signal(signal.SIGUSR1, handler)
 
 
 def _begin() -> object:
@@ -58,9 +34,9 @@ def test_the_step_runs_with_the_handlers_blocked_and_the_own_mask_back_after(
     own = {int(signal.SIGUSR2)}
     signal.pthread_sigmask(signal.SIG_SETMASK, own)
     seen: list[set[int]] = []
-    _quiet.run_blocked(_begin(), lambda: seen.append(_mask_now()))  # type: ignore[arg-type]
+    _quiet.run_blocked(_begin(), lambda: seen.append(mask_now()))  # type: ignore[arg-type]
     assert seen == [own | _quiet.BLOCKABLE]
-    assert _mask_now() == own
+    assert mask_now() == own
 
 
 def test_a_handler_raising_as_the_block_begins_comes_after_the_step(usr1_raises: None) -> None:
@@ -78,10 +54,10 @@ def test_a_handler_raising_as_the_block_begins_comes_after_the_step(usr1_raises:
     assert isinstance(blocked, Interrupted)
     seen: list[set[int]] = []
     with pytest.raises(Interrupted) as raised:
-        _quiet.run_blocked(blocked, lambda: seen.append(_mask_now()))
+        _quiet.run_blocked(blocked, lambda: seen.append(mask_now()))
     assert raised.value is blocked
     assert seen and _quiet.BLOCKABLE <= seen[0]  # (the step ran blocked)
-    assert not _quiet.BLOCKABLE & _mask_now()
+    assert not _quiet.BLOCKABLE & mask_now()
 
 
 def test_a_signal_arriving_during_the_step_has_its_handler_run_after_it(usr1_raises: None) -> None:
@@ -94,17 +70,17 @@ def test_a_signal_arriving_during_the_step_has_its_handler_run_after_it(usr1_rai
     with pytest.raises(Interrupted):
         _quiet.run_blocked(_begin(), step)  # type: ignore[arg-type]
     assert ran == ["step"]
-    assert not _quiet.BLOCKABLE & _mask_now()
+    assert not _quiet.BLOCKABLE & mask_now()
 
 
 def test_on_a_worker_thread_the_step_runs_blocked_and_its_mask_comes_back() -> None:
     seen: list[bool] = []
 
     def worker() -> None:
-        own = _mask_now()
+        own = mask_now()
         inside: list[set[int]] = []
-        _quiet.run_blocked(_begin(), lambda: inside.append(_mask_now()))  # type: ignore[arg-type]
-        seen.extend([_quiet.BLOCKABLE <= inside[0], _mask_now() == own])
+        _quiet.run_blocked(_begin(), lambda: inside.append(mask_now()))  # type: ignore[arg-type]
+        seen.extend([_quiet.BLOCKABLE <= inside[0], mask_now() == own])
 
     thread = threading.Thread(target=worker)
     thread.start()

@@ -10,38 +10,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 
 from lockmgr import _quiet
+from signal_support import Interrupted, mask_now, usr1_raises  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.posix_only
-
-
-def _mask_now() -> set[int]:
-    return set(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, [])))
-
-
-@pytest.fixture
-def usr1_raises() -> Iterator[None]:
-    """SIGUSR1 raises ``Interrupted`` on the main thread; the mask and handler put back."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    handler = signal.signal(signal.SIGUSR1, _raise_interrupted)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-        signal.signal(signal.SIGUSR1, handler)
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted
 
 
 def test_a_call_runs_with_the_blockable_signals_blocked_and_the_mask_back_after(
@@ -50,8 +26,8 @@ def test_a_call_runs_with_the_blockable_signals_blocked_and_the_mask_back_after(
     own = {int(signal.SIGUSR2)}
     signal.pthread_sigmask(signal.SIG_SETMASK, own)
     try:
-        assert quietly(_mask_now) == own | _quiet.BLOCKABLE
-        assert _mask_now() == own
+        assert quietly(mask_now) == own | _quiet.BLOCKABLE
+        assert mask_now() == own
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
@@ -69,7 +45,7 @@ def test_a_signal_arriving_in_the_call_has_its_handler_run_after_it_and_undo_run
     with pytest.raises(Interrupted):
         quietly(run, undo=undone.append)
     assert ran == [True] and undone == ["done"]
-    assert signal.SIGUSR1 not in _mask_now()
+    assert signal.SIGUSR1 not in mask_now()
 
 
 @pytest.mark.compiled
@@ -81,11 +57,11 @@ def test_the_compiled_masks_and_pthread_sigmask_take_each_others_masks() -> None
     try:
         before = core.hold_handlers_off()
         assert set(before) == own
-        assert _mask_now() == own | _quiet.BLOCKABLE
+        assert mask_now() == own | _quiet.BLOCKABLE
         signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a C mask, as signal numbers
-        assert _mask_now() == own
+        assert mask_now() == own
         core.set_signal_mask([int(signal.SIGHUP)])  # signal numbers, into a C mask
-        assert _mask_now() == {int(signal.SIGHUP)}
+        assert mask_now() == {int(signal.SIGHUP)}
         with pytest.raises(ValueError):
             core.set_signal_mask([0])
     finally:
@@ -99,6 +75,7 @@ def test_the_compiled_masks_and_pthread_sigmask_take_each_others_masks() -> None
 _STORM_AGAINST_THE_MASK = r"""
 import json, signal, sys, threading, time
 from lockmgr import _quiet
+
 engine = __import__(sys.argv[1], fromlist=["_"])
 locks = engine.LockManager()
 quietly = _quiet.quietly_for(locks)
