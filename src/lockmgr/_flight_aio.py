@@ -14,12 +14,15 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Iterable
-from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, Unpack
 
 from ._args import hold_seconds
 from ._flights import (Flight, FlightTable, checked_callable, flight_timed_out, give_back_read,
                        recursion)
 from ._quiet import block_handlers, run_blocked
+
+if TYPE_CHECKING:
+    from ._aio import AsyncRWLockManager
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -178,21 +181,15 @@ class AsyncSingleflight(Generic[K, V]):
                 published.set_exception(error)
             raise
         finally:
+            # Retired and let go in one step with the handlers blocked, begun inline by a C
+            # call: a handler's exception at a check point before (a Python call's start)
+            # would leave the ended flight published (its outcome answered to every later
+            # caller) or its hold kept (its waiters waiting for ever).
             try:
-                # Blocked inline, by a C call: a handler's exception at a check point before
-                # the retire (a Python call's start) would leave the ended flight published,
-                # its outcome answered to every later caller.
-                try:
-                    blocked: Iterable[int] | BaseException = block_handlers()
-                except BaseException as stopped:  # (pending: blocked now too)
-                    blocked = stopped
-                run_blocked(blocked, table.retire, mine)
-            finally:
-                # A loop closed with the runner pending closes its coroutine outside any
-                # loop: nothing can be awaited then, and the engine gives the hold back as
-                # the task goes (with an AbandonedLockWarning).
-                if asyncio._get_running_loop() is not None:
-                    await locks.release_write(mine)
+                blocked: Iterable[int] | BaseException = block_handlers()
+            except BaseException as stopped:  # (pending: blocked now too)
+                blocked = stopped
+            run_blocked(blocked, _close_task_flight, table, locks, mine)
 
     async def _wait(self, flight: Flight[V], seconds: float) -> V:
         """Waits (counted in, for a task's flight) for ``flight``'s outcome."""
@@ -235,3 +232,16 @@ class AsyncSingleflight(Generic[K, V]):
 
     def __repr__(self) -> str:
         return f"<lockmgr.Singleflight.aio flights={len(self._table.flights)}>"
+
+
+def _close_task_flight(table: FlightTable[Any, Any], locks: AsyncRWLockManager[Any],
+                       mine: Flight[Any]) -> None:
+    """A runner task's flight ended: retired, and its hold let go (at the call: a task's
+    release needs no await). A loop closed with the runner pending closes its coroutine
+    outside any loop: then the engine gives the hold back as the task goes (with an
+    AbandonedLockWarning)."""
+    try:
+        table.retire(mine)
+    finally:
+        if asyncio._get_running_loop() is not None:
+            locks.release_write(mine)

@@ -217,10 +217,25 @@ def run_blocked(blocked: Iterable[int] | BaseException, run: Callable[..., objec
     """The rest of a step begun by ``block_handlers()`` (its result or its exception):
     ``run(*args)`` with the handlers blocked, the thread's own mask back after (its pending
     handlers run then), and the handler's exception from the block raised at the end. A
-    nested ``quietly`` runs as it is. The limits: after a raising handler, one for another
-    signal pending at the same moment runs at this function's start; and a block that a
-    handler stopped returned no mask, so the thread's own is put back as lockmgr last saw
-    it (``MAIN_THREAD_MASK``: a mask changed since by the thread itself is not seen)."""
+    nested ``quietly`` runs as it is. The handler's exception is raised even if the step
+    (or a handler as the mask comes back) raised too: that one is its ``__context__``.
+
+    The limits, besides the module's (a process-directed signal received by another thread
+    has its handler run on the main thread at its next check point, blocked or not): the
+    handlers of several signals pending at one moment run one per check point, so after a
+    raising one, the next runs at this function's start, where its exception skips the
+    step (one signal, however often repeated, is covered); and a block that a handler
+    stopped returned no mask, so the thread's own is put back as lockmgr last saw it
+    (``MAIN_THREAD_MASK``: a mask changed since by the thread itself is not seen)."""
+    try:
+        _run_with_blocked_mask(blocked, run, args)
+    finally:
+        if isinstance(blocked, BaseException):
+            raise blocked  # (what the step or a later handler raised: its __context__)
+
+
+def _run_with_blocked_mask(blocked: Iterable[int] | BaseException, run: Callable[..., object],
+                           args: tuple[Any, ...]) -> None:
     if _set_mask is None or _quiet[0] is not None or _get_ident() != _main[0]:
         # (a worker thread runs no handler: its block returned; inside ``quietly`` the mask
         # was blocked already, and stays so)
@@ -239,8 +254,6 @@ def run_blocked(blocked: Iterable[int] | BaseException, run: Callable[..., objec
             run(*args)
         finally:
             _let_in_after(own, PYTHON_MASKS.set_mask)
-    if isinstance(blocked, BaseException):
-        raise blocked
 
 
 def handlers_run_here() -> bool:

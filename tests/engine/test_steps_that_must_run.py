@@ -87,3 +87,17 @@ def test_on_a_worker_thread_the_step_runs_blocked_and_its_mask_comes_back() -> N
     thread.join(PATIENCE)
     assert not thread.is_alive()
     assert seen == [True, True]
+
+
+def test_a_step_that_raises_after_a_handler_did_keeps_the_handlers_exception_first(
+        usr1_raises: None) -> None:  # (for its putting the mask back)
+    handlers = KeyboardInterrupt()
+
+    def failing_step() -> None:
+        raise ValueError("the step")
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        _quiet.run_blocked(handlers, failing_step)
+    assert raised.value is handlers
+    assert isinstance(handlers.__context__, ValueError)  # (the step's, not lost)
+    assert not _quiet.BLOCKABLE & mask_now()
