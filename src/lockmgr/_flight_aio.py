@@ -92,7 +92,11 @@ class AsyncSingleflight(Generic[K, V]):
             if flight is None:
                 flight = await self._start(key, coro_fn, args, cancel_when_abandoned)
             elif flight.task is not None and not flight.join(cancel_when_abandoned):
-                flight = None  # abandoned and being cancelled: start a new one
+                # Abandoned, its task being cancelled: out of the table (its last waiter
+                # takes it out, unless a handler's exception stopped that), and a new one
+                # starts (else this loop would find it again, never awaiting anything).
+                table.retire(flight)
+                flight = None
             if flight is not None:
                 return await self._wait(flight, seconds)
 

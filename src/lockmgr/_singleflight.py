@@ -125,6 +125,9 @@ class Singleflight(Generic[K, V]):
                     return self._wait(flight, seconds)
                 finally:
                     self._aio._leave(flight)
+            # Abandoned, its task being cancelled: out of the table (its last waiter takes it
+            # out, unless a handler's exception stopped that), and a new call starts.
+            table.retire(flight)
 
     def _wait(self, flight: Flight[V], seconds: float) -> V:
         """Waits for ``flight``'s outcome (the hot path of a hit: positional arguments,

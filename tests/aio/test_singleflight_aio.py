@@ -391,6 +391,31 @@ def test_an_abandoned_call_being_cancelled_is_not_joined(flight: Singleflight[st
     run(main)
 
 
+def test_an_abandoned_call_left_in_the_table_is_passed_by_tasks_and_threads(
+        flight: Singleflight[str, Any]) -> None:
+    """The state a handler's exception leaves as the last caller leaves (the flight marked
+    abandoned, neither taken out nor cancelled): a task or a thread asking next starts a
+    new call, never spinning on the old one (a task's loop would never run again)."""
+    async def main() -> None:
+        old = Gate("old")
+        runner = asyncio.create_task(flight.aio.call("k", old))
+        await old.running.wait()
+        stuck = flight._table.flights["k"]
+        stuck.abandoned = True  # (its leave stopped right after this)
+        fresh = Gate("fresh")
+        fresh.open.set()
+        assert await asyncio.wait_for(flight.aio.call("k", fresh), PATIENCE) == "fresh"
+        flight._table.flights["k"] = stuck  # (left again, for a thread now)
+        got = await asyncio.wait_for(
+            asyncio.to_thread(flight.call, "k", lambda: "a thread's"), PATIENCE)
+        assert got == "a thread's"
+        old.open.set()
+        assert await runner == "old"
+        assert len(flight) == 0 and len(flight._table.locks) == 0
+
+    run(main)
+
+
 def test_many_tasks_and_threads_make_one_call(flight: Singleflight[str, Any]) -> None:
     runs: list[int] = []
     opened = threading.Event()
