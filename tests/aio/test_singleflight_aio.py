@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import inspect
 import threading
 import warnings
 from types import ModuleType
@@ -360,7 +361,7 @@ def test_a_decorated_coroutine_function_shares_calls_by_its_key(
         async def fetch(url: str) -> object:
             return await gate(url)
 
-        assert asyncio.iscoroutinefunction(fetch)
+        assert inspect.iscoroutinefunction(fetch)
         calls = [asyncio.create_task(fetch("u")) for _ in range(3)]
         other = asyncio.create_task(fetch("v"))
         await until(lambda: gate.runs == 2 and waiting(flight) == 4, "u and v run, once each")
