@@ -29,12 +29,19 @@ suppressions=$prefix/share/tsan/suppressions_free_threading.txt
 # Everything run with this interpreter (pip included) needs CPython's suppressions.
 export TSAN_OPTIONS="suppressions=$suppressions"
 
+# With UV set (a uv binary, as .ci/run passes), uv installs into the environment: pip itself
+# would run under the sanitizer, several times slower (its venv's ensurepip included).
+install() {
+  if [ -n "${UV:-}" ]; then "$UV" pip install -q --python "$venv_python" "$@"
+  else nice -n 10 "$venv_python" -m pip install -q "$@"; fi
+}
 log "virtual environment and pytest for $python"
-"$python" -m venv "$work/venv"
+if [ -n "${UV:-}" ]; then "$python" -m venv --without-pip "$work/venv"
+else "$python" -m venv "$work/venv"; fi
 venv_python=$work/venv/bin/python
 # psycopg too: the tests' conftest needs it importable (a missing one fails every run, so
 # that no run can skip the PostgreSQL tests unnoticed); the tests below use no server.
-nice -n 10 "$venv_python" -m pip install -q pytest pytest-timeout pytest-xdist psycopg
+install pytest pytest-timeout pytest-xdist psycopg
 
 # The core built from a copy of the sources, so that no object file or extension module of
 # another build (the work tree's build/ or src/lockmgr/*.so) can be reused or imported. The
@@ -47,7 +54,7 @@ tar -c --exclude=./build --exclude=./.git --exclude='./.ci-venv*' --exclude='*.s
     --exclude=./dist --exclude=./wheelhouse --exclude=./lockmgr_core.c . | tar -x -C "$work/tree"
 (cd "$work/tree" && env -u TSAN_OPTIONS CFLAGS="-fsanitize=thread -g -O1 -fno-omit-frame-pointer" \
   LDFLAGS="-fsanitize=thread" nice -n 10 "$plain_python" -m pip wheel -q --no-deps -w "$work/wheel" .)
-nice -n 10 "$venv_python" -m pip install -q --no-deps "$work"/wheel/lockmgr-*-cp313-cp313t-*.whl
+install --no-deps "$work"/wheel/lockmgr-*-cp313-cp313t-*.whl
 core=$("$venv_python" -c 'import lockmgr._core as c; print(c.__file__)')
 case $core in "$work"/venv/*) ;; *) log "the core under test is not the sanitized build: $core"; exit 2 ;; esac
 nm -D "$core" | grep -q ' U __tsan_' || { log "$core is not instrumented (-fsanitize=thread)"; exit 2; }
