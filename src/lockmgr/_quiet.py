@@ -236,7 +236,7 @@ def run_blocked(blocked: Iterable[int] | BaseException, run: Callable[..., objec
 
 def _run_with_blocked_mask(blocked: Iterable[int] | BaseException, run: Callable[..., object],
                            args: tuple[Any, ...]) -> None:
-    if _set_mask is None or _quiet[0] is not None or _get_ident() != _main[0]:
+    if not handlers_run_here():
         # (a worker thread runs no handler: its block returned; inside ``quietly`` the mask
         # was blocked already, and stays so)
         try:
